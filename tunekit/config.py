@@ -1,0 +1,141 @@
+"""Structured configs: the schema Hydra validates every recipe and command-line override against.
+
+Hydra composes recipes/ (train.yaml + the groups model/, data/, trainer/, tracker/, recipe/) on
+top of `TrainConfig`, so an unknown key or a value of the wrong type is rejected before anything
+runs. Checks that need more than a type (files that must exist, positive sizes) live in
+`validate()`. Only the recipe and the builders read this object; layers take plain arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+from tunekit import TunekitError
+
+
+class Optimizer(str, Enum):
+    adamw = "adamw"
+    adamw_8bit = "adamw_8bit"
+    paged_adamw_8bit = "paged_adamw_8bit"
+    paged_adamw_32bit = "paged_adamw_32bit"
+
+
+class Quantize(str, Enum):
+    none = "none"
+    nf4 = "nf4"  # 4-bit NormalFloat with double quantization (QLoRA)
+
+
+class DType(str, Enum):
+    auto = "auto"  # bf16 where the device computes it natively, else fp32
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
+class DataFormat(str, Enum):
+    auto = "auto"  # detected from the columns: messages -> chat, instruction -> alpaca, text -> text
+    alpaca = "alpaca"
+    chat = "chat"
+    text = "text"
+
+
+@dataclass
+class ModelConfig:
+    # A local Hugging Face model folder or a hub id; null = the embedded SmolLM2-135M-Instruct.
+    path: Optional[str] = None
+    quantize: Quantize = Quantize.none
+    dtype: DType = DType.auto
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    # .jsonl/.json/.csv/.parquet file; null = the embedded default dataset.
+    path: Optional[str] = None
+    # Held-out file; null = the default data's val split, or val_fraction of path.
+    val_path: Optional[str] = None
+    val_fraction: float = 0.05
+    format: DataFormat = DataFormat.auto
+    max_seq_len: int = 512
+    max_val_examples: Optional[int] = 256
+
+
+@dataclass
+class MethodConfig:
+    name: str = "lora"
+    # LoRA (Hu et al. 2021)
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.05
+    # "all-linear" = every linear projection of the decoder blocks (not lm_head), as in QLoRA.
+    target_modules: List[str] = field(default_factory=lambda: ["all-linear"])
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 60
+    micro_batch_size: int = 8
+    grad_accum: int = 2
+    optimizer: Optimizer = Optimizer.adamw
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 5
+    max_grad_norm: float = 1.0
+    eval_every: int = 20
+    save_every: int = 20
+    keep_checkpoints: int = 2
+    resume: bool = False
+
+
+@dataclass
+class TrackerConfig:
+    name: str = "none"  # none | wandb
+    project: str = "tunekit"
+    run_name: Optional[str] = None
+
+
+@dataclass
+class TrainConfig:
+    recipe: str = "custom"
+    output_dir: str = "runs/default"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+
+
+def register_schema() -> None:
+    """Make `train_schema` available to the defaults list of recipes/train.yaml."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+TRACKERS = ("none", "wandb")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Checks beyond types. Raises TunekitError naming the key and the bad value."""
+
+    def need(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            raise TunekitError(f"{key}: {msg}")
+
+    t = cfg.trainer
+    for key in ("max_steps", "micro_batch_size", "grad_accum", "eval_every", "save_every"):
+        need(getattr(t, key) > 0, f"trainer.{key}", f"must be > 0, got {getattr(t, key)}")
+    need(t.lr > 0, "trainer.lr", f"must be > 0, got {t.lr}")
+    need(t.warmup_steps >= 0, "trainer.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
+    need(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", "must be >= 1")
+    need(cfg.data.max_seq_len >= 8, "data.max_seq_len", f"must be >= 8, got {cfg.data.max_seq_len}")
+    need(0 < cfg.data.val_fraction < 1, "data.val_fraction", f"must be in (0, 1), got {cfg.data.val_fraction}")
+    need(cfg.tracker.name in TRACKERS, "tracker.name", f"unknown tracker {cfg.tracker.name!r}; choose one of {TRACKERS}")
+    for key in ("path", "val_path"):
+        value = getattr(cfg.data, key)
+        if value is not None:
+            need(Path(value).is_file(), f"data.{key}", f"file not found: {value}")
+    # model.path may be a hub id, so its check lives in the model loader.

@@ -1,0 +1,68 @@
+"""Deterministic batch schedule and the padding collator.
+
+The schedule is a pure function of (seed, step): epoch e visits the examples in the order of a
+permutation seeded by (seed, e), and optimizer step s takes the next global batch from that
+stream. Resuming at step s therefore sees exactly the batches an uninterrupted run would,
+with no sampler state to save. Each rank takes every world_size-th example of the global batch.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from tunekit.data.tokenize import IGNORE
+
+
+class BatchSchedule:
+    def __init__(self, lengths: list[int], micro_batch_size: int, grad_accum: int, world_size: int, rank: int, seed: int):
+        self.lengths = lengths
+        self.micro_batch_size = micro_batch_size
+        self.grad_accum = grad_accum
+        self.world_size = world_size
+        self.rank = rank
+        self.seed = seed
+        self.global_batch = micro_batch_size * grad_accum * world_size
+
+    @lru_cache(maxsize=4)
+    def _perm(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.lengths), generator=g).tolist()
+
+    def epoch_of(self, step: int) -> float:
+        return step * self.global_batch / len(self.lengths)
+
+    def micro_batches(self, step: int) -> list[list[int]]:
+        """This rank's micro-batches (lists of example indices) for optimizer step `step`."""
+        n = len(self.lengths)
+        start = step * self.global_batch
+        picked = [self._perm(pos // n)[pos % n] for pos in range(start, start + self.global_batch)]
+        mine = picked[self.rank :: self.world_size]
+        # Similar lengths together waste less padding; the loss is token-normalised over the whole
+        # accumulated batch, so how examples are grouped into micro-batches does not change it.
+        mine.sort(key=lambda i: self.lengths[i], reverse=True)
+        size = self.micro_batch_size
+        return [mine[i : i + size] for i in range(0, len(mine), size)]
+
+
+def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example. Padding is masked by position (attention_mask 0,
+    labels -100), so pad_id may equal the EOS id."""
+    width = max(len(e["input_ids"]) for e in examples)
+    batch = len(examples)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    labels = torch.full((batch, width), IGNORE, dtype=torch.long)
+    attention_mask = torch.zeros((batch, width), dtype=torch.long)
+    for row, e in enumerate(examples):
+        n = len(e["input_ids"])
+        input_ids[row, :n] = torch.tensor(e["input_ids"])
+        labels[row, :n] = torch.tensor(e["labels"])
+        attention_mask[row, :n] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def eval_batches(n: int, micro_batch_size: int, world_size: int, rank: int) -> list[list[int]]:
+    """Held-out indices for this rank, in fixed order; ranks split the set, the sums are reduced."""
+    mine = list(range(rank, n, world_size))
+    return [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]

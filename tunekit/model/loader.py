@@ -1,0 +1,137 @@
+"""Base model + tokenizer loading; 4-bit NF4 with double quantization via bitsandbytes."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from tunekit import TunekitError
+from tunekit.model.default import default_model_dir
+
+log = logging.getLogger(__name__)
+
+
+def resolve_model_path(path: Optional[str]) -> str:
+    """Local folder, or the converted default model when path is None; hub ids pass through."""
+    if path is None:
+        return str(default_model_dir())
+    p = Path(path).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise TunekitError(f"model.path: {path} is a folder but has no config.json (not a HF model folder)")
+        return str(p)
+    if p.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1:
+        raise TunekitError(f"model.path: no model folder at {path}")
+    return path  # looks like a hub id ("org/name"); the load below says if the hub is unreachable
+
+
+def cpu_has_bf16() -> bool:
+    """Native bf16 on this CPU (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "fp32":
+        return torch.float32
+    if name == "bf16":
+        return torch.bfloat16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+
+
+def _hub_error(path: str, err: Exception) -> TunekitError:
+    return TunekitError(
+        f"model.path: {path!r} is not a local folder and could not be loaded from the Hugging Face hub "
+        f"({type(err).__name__}; offline?). Pass a local model folder."
+    )
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except OSError as e:
+        raise _hub_error(path, e) from None
+    if tok.eos_token_id is None:
+        raise TunekitError(f"model.path: the tokenizer of {path} has no EOS token")
+    if tok.pad_token_id is None:
+        # Padding positions are masked by length, never by id, so reusing EOS as pad is safe.
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_base_model(path: str, quantize: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Frozen base in `dtype`; with quantize='nf4', linear layers as bitsandbytes Linear4bit.
+
+    NF4 + double quantization (QLoRA): 4-bit NormalFloat codes in blocks of 64 whose absmax
+    constants are themselves 8-bit quantized in blocks of 256: ~4.13 bits per parameter.
+    """
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    kwargs = {"dtype": dtype}
+    if quantize == "nf4":
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+            # the output head stays in high precision, as in QLoRA
+            llm_int8_skip_modules=["lm_head"],
+        )
+        kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as e:
+        if Path(path).is_dir():
+            raise TunekitError(f"model.path: cannot load {path}: {e}") from None
+        raise _hub_error(path, e) from None
+    if quantize != "nf4":
+        model.to(device)
+    else:
+        keep_bnb_layout(model)
+    model.requires_grad_(False)
+    return model
+
+
+def keep_bnb_layout(model: nn.Module) -> None:
+    """Stop bitsandbytes from repacking 4-bit weights into its CPU inference layout.
+
+    On CPUs with AVX512-BF16, an eval-mode no-grad forward of Linear4bit repacks the weight in
+    place (bitsandbytes 0.50). After that, training forwards give different logits (measured:
+    up to 1.25 apart on SmolLM2) and dequantize/merge return wrong weights (TRAPS.md). Validation
+    runs exactly such forwards mid-training, so we turn the repack off per instance: eval and
+    train then run the same math, and the weights stay in the layout every consumer expects.
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def quantized_bits_per_param(model: nn.Module) -> Optional[float]:
+    """Storage bits per weight over all 4-bit layers: packed codes + absmax + second-level state.
+
+    The code tables (16 NF4 values, 256 dynamic-map values) are the same constants in every
+    layer, so they are not charged per layer.
+    """
+    bits = params = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        state = getattr(weight, "quant_state", None)
+        if state is None:
+            continue
+        params += state.shape.numel()
+        bits += weight.numel() * weight.element_size() * 8
+        bits += state.absmax.numel() * state.absmax.element_size() * 8
+        if state.nested:  # absmax stored as 8-bit codes; their own fp32 absmax per 256 + offset
+            bits += state.state2.absmax.numel() * state.state2.absmax.element_size() * 8 + 32
+    return bits / params if params else None

@@ -1,0 +1,50 @@
+"""Optimizers (torch AdamW or bitsandbytes 8-bit / paged) and the warmup + cosine schedule."""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+
+import torch
+
+from tunekit import TunekitError
+
+log = logging.getLogger(__name__)
+
+
+def build_optimizer(name: str, params: list[torch.nn.Parameter], lr: float, weight_decay: float, device: torch.device):
+    """name: adamw | adamw_8bit | paged_adamw_8bit | paged_adamw_32bit.
+
+    Paged optimizers (QLoRA) keep their state in CUDA unified memory so it can spill to the
+    host under memory pressure. There is no paging on a CPU: bitsandbytes falls back to the
+    unpaged variant there, which we say once here instead of its per-tensor warning.
+    """
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    import bitsandbytes as bnb
+
+    classes = {
+        "adamw_8bit": bnb.optim.AdamW8bit,
+        "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
+        "paged_adamw_32bit": bnb.optim.PagedAdamW32bit,
+    }
+    if name not in classes:
+        raise TunekitError(f"trainer.optimizer: unknown optimizer {name!r}; choose one of {['adamw', *classes]}")
+    if name.startswith("paged") and device.type != "cuda":
+        log.info("trainer.optimizer=%s: no paging on %s, bitsandbytes runs it unpaged", name, device.type)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return classes[name](params, lr=lr, weight_decay=weight_decay)
+
+
+def warmup_cosine(optimizer, warmup_steps: int, max_steps: int, min_ratio: float = 0.0):
+    """Linear warmup from 0 to lr over warmup_steps, then cosine decay to min_ratio * lr."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,0 +1,242 @@
+"""The training recipe: setup() builds everything from the config, train() is one readable loop.
+
+    forward -> token-summed loss -> backward (x grad_accum) -> all-reduce -> clip -> step -> log/eval/save
+
+Gradient accumulation and data parallelism are done by hand rather than through DDP so that
+the loss is normalised exactly: every micro-batch's summed loss is divided by the number of
+trained tokens in the whole global batch (all micro-batches, all ranks), and the ranks' gradients
+are summed. The result is the gradient of the mean token loss over the global batch, which a mean
+of per-micro-batch means is not. Only the adapter's parameters are reduced: a few MB.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from omegaconf import OmegaConf
+
+from tunekit import TunekitError
+from tunekit.checkpoint import atomic_dir, atomic_write_text, latest_checkpoint, load_training_state, save_checkpoint
+from tunekit.config import TrainConfig
+from tunekit.data import BatchSchedule, IGNORE, collate, eval_batches, load_splits
+from tunekit.losses import sft_loss
+from tunekit.methods import get_method, trainable_parameters
+from tunekit.model import compute_dtype, load_base_model, load_tokenizer, quantized_bits_per_param, resolve_model_path
+from tunekit.optim import build_optimizer, warmup_cosine
+from tunekit.tracking import NullTracker, Stopwatch, Tracker, memory_mb
+
+log = logging.getLogger("tunekit")
+
+
+class TrainRecipe:
+    def __init__(self, cfg: TrainConfig, output_dir: Path):
+        self.cfg = cfg
+        self.output_dir = Path(output_dir)
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.acc = Accelerator()
+        self.device = self.acc.device
+        self.main = self.acc.is_main_process
+        self._check_output_dir()
+
+        # Same seed on every rank: identical adapter init, identical data schedule.
+        set_seed(cfg.seed)
+        with self.acc.main_process_first():  # rank 0 converts the default model once
+            self.model_path = resolve_model_path(cfg.model.path)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.train_data, self.val_data = load_splits(
+            cfg.data.path, cfg.data.val_path, cfg.data.format.value, self.tokenizer, cfg.data.max_seq_len,
+            cfg.data.val_fraction, cfg.data.max_val_examples, cfg.seed,
+        )
+        self._info(f"data: {len(self.train_data)} train / {len(self.val_data)} held-out examples")
+
+        self.dtype = compute_dtype(cfg.model.dtype.value, self.device)
+        quantize = cfg.model.quantize.value
+        model = load_base_model(self.model_path, quantize, self.dtype, self.device)
+        bits = quantized_bits_per_param(model)
+        if bits is not None:
+            self._info(f"base: {self.model_path} in 4-bit NF4 + double quant, {bits:.3f} bits/param, compute {self.dtype}")
+        else:
+            self._info(f"base: {self.model_path} in {self.dtype}")
+        self.bits_per_param = bits
+        self._enable_training_mode(model, quantize)
+
+        self.method = get_method(cfg.method.name)
+        self.model = self.method.apply(model, cfg.method)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        trainable, total = trainable_parameters(self.model)
+        self._info(f"method {cfg.method.name}: {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.3f}%)")
+        self.trainable_params = trainable
+        self.model.train()
+
+        t = cfg.trainer
+        self.optimizer = build_optimizer(t.optimizer.value, self.params, t.lr, t.weight_decay, self.device)
+        self.scheduler = warmup_cosine(self.optimizer, t.warmup_steps, t.max_steps)
+        self.schedule = BatchSchedule([len(e["input_ids"]) for e in self.train_data], t.micro_batch_size,
+                                      t.grad_accum, self.acc.num_processes, self.acc.process_index, cfg.seed)
+        self.start_step, self.tokens_seen = 0, 0
+        if t.resume:
+            self._resume()
+        # Dropout masks differ per rank (as in DDP); everything that must agree is already built.
+        set_seed(cfg.seed + 1000 * self.acc.process_index + self.start_step)
+
+        if self.main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.output_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        self.tracker = (Tracker(self.output_dir, t.max_steps, self.start_step, cfg.tracker.name, cfg.tracker.project,
+                                cfg.tracker.run_name, json.loads(json.dumps(asdict(cfg), default=str)))
+                        if self.main else NullTracker())
+
+    def _enable_training_mode(self, model, quantize: str) -> None:
+        gc_kwargs = {"use_reentrant": False}  # the non-reentrant variant works with frozen inputs
+        if quantize == "nf4":
+            from peft import prepare_model_for_kbit_training
+
+            # QLoRA's recipe: norms and embeddings in fp32 for stable training over a 4-bit base.
+            prepare_model_for_kbit_training(model, use_gradient_checkpointing=self.cfg.model.gradient_checkpointing,
+                                            gradient_checkpointing_kwargs=gc_kwargs)
+        elif self.cfg.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
+            model.enable_input_require_grads()
+        model.config.use_cache = False
+
+    def _check_output_dir(self) -> None:
+        """Never train over a finished or interrupted run by accident: that would lose its data."""
+        if self.cfg.trainer.resume:
+            return
+        previous = latest_checkpoint(self.output_dir) or (
+            self.output_dir / "adapter" if (self.output_dir / "adapter").exists() else None)
+        if previous is not None:
+            raise TunekitError(
+                f"output_dir: {self.output_dir} already holds a run ({previous.name}); "
+                "pass trainer.resume=true to continue it or choose another output_dir"
+            )
+
+    def _resume(self) -> None:
+        ckpt = latest_checkpoint(self.output_dir)
+        if ckpt is None:
+            self._info(f"trainer.resume=true but no checkpoint in {self.output_dir}: starting from step 0")
+            return
+        self.method.load(self.model, ckpt / "adapter")
+        state = load_training_state(ckpt, self.optimizer, self.scheduler)
+        self.start_step, self.tokens_seen = state["step"], state.get("tokens_seen", 0)
+        self._info(f"resumed from {ckpt} (step {self.start_step})")
+
+    def _info(self, msg: str) -> None:
+        if self.main:
+            log.info(msg)
+
+    # ------------------------------------------------------------------ train
+    def train(self) -> dict:
+        t = self.cfg.trainer
+        clock = Stopwatch()
+        first_val = self.evaluate(self.start_step) if self.start_step == 0 else None
+        last_val = first_val
+        for step in range(self.start_step, t.max_steps):
+            clock.lap()
+            loss, n_trained, n_input = self._train_step(step)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm).item()
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.tokens_seen += n_input
+            dt = clock.lap()
+            done = step + 1
+            self.tracker.step({
+                "step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": n_input / dt,
+                "trained_tokens": n_trained, "tokens_seen": self.tokens_seen, "step_time_s": dt,
+                "epoch": self.schedule.epoch_of(done), "memory_mb": memory_mb(self.device),
+            })
+            if done % t.eval_every == 0 or done == t.max_steps:
+                last_val = self.evaluate(done)
+                first_val = first_val if first_val is not None else last_val
+            if done % t.save_every == 0 or done == t.max_steps:
+                self.save_checkpoint(done)
+        self.save_final()
+        summary = {"first_val_loss": first_val, "last_val_loss": last_val, "steps": t.max_steps,
+                   "wall_s": clock.elapsed, "trainable_params": self.trainable_params,
+                   "bits_per_param": self.bits_per_param}
+        if self.main:
+            atomic_write_text(self.output_dir / "summary.json", json.dumps(summary, indent=2))
+        self.tracker.close()
+        return summary
+
+    def _train_step(self, step: int) -> tuple[float, int, int]:
+        micro = [collate([self.train_data[i] for i in idx], self.tokenizer.pad_token_id)
+                 for idx in self.schedule.micro_batches(step)]
+        local_trained = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in micro)
+        counts = torch.tensor([local_trained, sum(int(b["attention_mask"].sum()) for b in micro)], device=self.device)
+        n_trained, n_input = self.acc.reduce(counts, reduction="sum").tolist()
+        loss_sum = torch.zeros((), device=self.device)
+        for batch in micro:
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            micro_sum, _ = sft_loss(logits, batch["labels"])
+            (micro_sum / max(n_trained, 1)).backward()
+            loss_sum += micro_sum.detach()
+        self._all_reduce_grads()
+        loss = self.acc.reduce(loss_sum, reduction="sum").item() / max(n_trained, 1)
+        return loss, n_trained, n_input
+
+    def _all_reduce_grads(self) -> None:
+        if self.acc.num_processes == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = self.acc.reduce(flat, reduction="sum")
+        offset = 0
+        for p, g in zip(self.params, grads):
+            n = g.numel()
+            p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
+            offset += n
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> float:
+        """Token-weighted cross-entropy over the held-out set (split across ranks, sums reduced)."""
+        self.model.eval()
+        total = torch.zeros(2, device=self.device, dtype=torch.float64)
+        for idx in eval_batches(len(self.val_data), self.cfg.trainer.micro_batch_size,
+                                self.acc.num_processes, self.acc.process_index):
+            batch = {k: v.to(self.device) for k, v in collate([self.val_data[i] for i in idx],
+                                                               self.tokenizer.pad_token_id).items()}
+            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            s, n = sft_loss(logits, batch["labels"])
+            total += torch.stack([s.double(), n.double()])
+        self.model.train()
+        s, n = self.acc.reduce(total, reduction="sum").tolist()
+        val = s / max(n, 1)
+        self.tracker.eval({"step": step, "val_loss": val, "val_ppl": math.exp(min(val, 50))})
+        return val
+
+    # ------------------------------------------------------------------ save
+    def save_checkpoint(self, step: int) -> None:
+        if self.main:
+            save_checkpoint(self.output_dir, step, lambda d: self.method.save(self.model, d), self.optimizer,
+                            self.scheduler, {"tokens_seen": self.tokens_seen}, self.cfg.trainer.keep_checkpoints)
+        self.acc.wait_for_everyone()
+
+    def save_final(self) -> None:
+        """output_dir/adapter/: PEFT adapter + tokenizer, loadable by PeftModel.from_pretrained."""
+        if self.main:
+            def write(d: Path) -> None:
+                self.method.save(self.model, d)
+                self.tokenizer.save_pretrained(d)
+
+            atomic_dir(self.output_dir / "adapter", write)
+            self._info(f"adapter saved to {self.output_dir / 'adapter'}")
+        self.acc.wait_for_everyone()
+
+    def cleanup(self) -> None:
+        self.acc.end_training()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
