@@ -1,0 +1,156 @@
+"""Fused LoRA-over-NF4 linear vs its torch twin and vs peft's LoRA layer on bnb Linear4bit."""
+
+from __future__ import annotations
+
+import bitsandbytes as bnb
+import bitsandbytes.functional as bnbF
+import peft
+import pytest
+import torch
+from peft.tuners.lora.bnb import Linear4bit as PeftLoraLinear4bit
+
+import tunekit_kernels as tk
+from tunekit_kernels.reference import lora_linear_reference
+
+IN, OUT, R = 200, 137, 8  # deliberately not multiples of the tile or NF4 block sizes
+
+
+def _quant(n_in, n_out, device="cpu", seed=0):
+    torch.manual_seed(seed)
+    w = torch.randn(n_out, n_in, device=device)
+    packed, state = bnbF.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    return tk.from_quant_state(packed, state)
+
+
+def _peft_layer(n_in, n_out, r, dropout, seed=0):
+    """fp32 peft LoRA layer over a bnb Linear4bit, and the NF4Weight of its *fresh* quantization."""
+    torch.manual_seed(seed)
+    base = bnb.nn.Linear4bit(n_in, n_out, bias=True, compute_dtype=torch.float32, quant_type="nf4",
+                             compress_statistics=True).to("cpu")  # .to() quantizes
+    base.weight.requires_grad_(False)
+    base.bias.requires_grad_(False)
+    cfg = peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=dropout)
+    layer = PeftLoraLinear4bit(base, "default", config=cfg, r=r, lora_alpha=2 * r, lora_dropout=dropout)
+    # peft zero-initialises B; random B makes dA and dx's LoRA term non-trivial.
+    torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.5)
+    layer.train()
+    w = base.weight
+    quant = tk.from_quant_state(w.data, w.quant_state)
+    fresh = bnbF.dequantize_4bit(w.data, w.quant_state).clone()
+    return layer, quant, fresh
+
+
+def _peft_run(layer, x, grad):
+    x = x.detach().clone().requires_grad_()
+    y = layer(x)
+    y.backward(grad)
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    out = y.detach(), x.grad, a.grad.clone(), b.grad.clone()
+    a.grad = b.grad = None
+    return out
+
+
+def _fused_run(x, quant, A, B, scaling, bias, p, grad, mode="tiles"):
+    x = x.detach().clone().requires_grad_()
+    A = A.detach().clone().requires_grad_()
+    B = B.detach().clone().requires_grad_()
+    y = tk.fused_lora_linear(x, quant, A, B, scaling, bias, dropout_p=p, weight_mode=mode)
+    y.backward(grad)
+    return y.detach(), x.grad, A.grad, B.grad
+
+
+@pytest.mark.parametrize(
+    "x_shape,dropout,mode",
+    [((37, IN), 0.0, "tiles"), ((3, 7, IN), 0.25, "tiles"), ((37, IN), 0.25, "buffer")],
+)
+def test_matches_peft_bnb_layer(x_shape, dropout, mode, assert_close):
+    layer, quant, fresh = _peft_layer(IN, OUT, R, dropout)
+    torch.manual_seed(1)
+    x = torch.randn(x_shape)
+    grad = torch.randn(*x_shape[:-1], OUT)
+    A, B = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    scaling = layer.scaling["default"]
+
+    torch.manual_seed(2)  # same seed -> same dropout mask (both draw bernoulli_ on CPU)
+    ref = _peft_run(layer, x, grad)
+    torch.manual_seed(2)
+    got = _fused_run(x, quant, A, B, scaling, layer.base_layer.bias, dropout, grad, mode)
+
+    # bnb repacks the weight on some CPU forwards (eval + no grad); make sure the
+    # reference ran on the layout we quantized.
+    w = layer.base_layer.weight
+    assert not getattr(w.quant_state, "packing_format_for_cpu", False)
+    assert torch.equal(bnbF.dequantize_4bit(w.data, w.quant_state), fresh)
+    for name, g, r in zip(("y", "dx", "dA", "dB"), got, ref):
+        assert_close(g, r, torch.float32, name)
+
+
+@pytest.mark.parametrize("mode", ["tiles", "buffer"])
+def test_matches_torch_twin_with_bias_grad(mode, assert_close):
+    quant = _quant(IN, OUT)
+    torch.manual_seed(3)
+    x = torch.randn(37, IN, requires_grad=True)
+    A = (torch.randn(R, IN) * 0.1).requires_grad_()
+    B = torch.randn(OUT, R).requires_grad_()
+    bias = torch.randn(OUT, requires_grad=True)
+    leaves = (x, A, B, bias)
+    grad = torch.randn(37, OUT)
+
+    y = tk.fused_lora_linear(x, quant, A, B, 0.5, bias, weight_mode=mode)
+    got = (y, *torch.autograd.grad(y, leaves, grad))
+    y_ref = lora_linear_reference(x, quant, A, B, 0.5, bias)
+    ref = (y_ref, *torch.autograd.grad(y_ref, leaves, grad))
+    for name, g, r in zip(("y", "dx", "dA", "dB", "dbias"), got, ref):
+        assert_close(g, r, torch.float32, name)
+
+
+def test_frozen_input_needs_only_lora_grads(assert_close):
+    quant = _quant(IN, OUT)
+    x = torch.randn(5, IN)  # no grad: dx (the Triton backward matmul) is skipped
+    A = torch.randn(R, IN, requires_grad=True)
+    B = torch.randn(OUT, R, requires_grad=True)
+    dA, dB = torch.autograd.grad(tk.fused_lora_linear(x, quant, A, B, 2.0).sum(), (A, B))
+    rA, rB = torch.autograd.grad(lora_linear_reference(x, quant, A, B, 2.0).sum(), (A, B))
+    assert_close(dA, rA, torch.float32, "dA")
+    assert_close(dB, rB, torch.float32, "dB")
+
+
+_X, _A, _B = torch.randn(4, IN), torch.randn(R, IN), torch.randn(OUT, R)
+_GOOD = dict(x=_X, A=_A, B=_B, bias=torch.randn(OUT), scaling=2.0)
+_BAD = {
+    "x must have shape": dict(x=torch.randn(4, IN + 1)),
+    "x must be float32": dict(x=_X.double()),
+    "A must have shape": dict(A=torch.randn(R, IN - 1)),
+    "B must have shape": dict(B=torch.randn(OUT, R + 1)),
+    "A must have x's dtype": dict(A=_A.bfloat16()),
+    "B must have x's dtype": dict(B=_B.half()),
+    "bias must be": dict(bias=torch.randn(OUT + 1)),
+    "dropout_p must be": dict(dropout_p=1.0),
+    "weight_mode must be": dict(weight_mode="dense"),
+    "quant must be an NF4Weight": dict(quant=object()),
+}
+
+
+@pytest.mark.parametrize("message", list(_BAD))
+def test_bad_arguments_raise_value_error_naming_them(message):
+    kwargs = {**_GOOD, "quant": _quant(IN, OUT), **_BAD[message]}
+    with pytest.raises(ValueError, match=message):
+        tk.fused_lora_linear(**kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["tiles", "buffer"])
+def test_gpu_bf16_matches_twin(mode, assert_close):
+    dtype, n_in, n_out, r = torch.bfloat16, 1000, 776, 16
+    quant = _quant(n_in, n_out, device="cuda")
+    torch.manual_seed(4)
+    x = torch.randn(2, 300, n_in, device="cuda", dtype=dtype, requires_grad=True)
+    A = (torch.randn(r, n_in, device="cuda", dtype=dtype) * 0.05).requires_grad_()
+    B = (torch.randn(n_out, r, device="cuda", dtype=dtype) * 0.05).requires_grad_()
+    grad = torch.randn(2, 300, n_out, device="cuda", dtype=dtype)
+    y = tk.fused_lora_linear(x, quant, A, B, 2.0, weight_mode=mode)
+    got = (y, *torch.autograd.grad(y, (x, A, B), grad))
+    y_ref = lora_linear_reference(x, quant, A, B, 2.0)
+    ref = (y_ref, *torch.autograd.grad(y_ref, (x, A, B), grad))
+    for name, g, r_ in zip(("y", "dx", "dA", "dB"), got, ref):
+        assert_close(g, r_, dtype, name)
