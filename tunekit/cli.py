@@ -127,6 +127,8 @@ def _train_job(cfg) -> None:
     try:
         recipe.setup()
         summary = recipe.train()
+    except TunekitError as e:  # raised inside Hydra's job: report it ourselves, as one line
+        fail(str(e))
     except KeyboardInterrupt:
         fail(f"interrupted; checkpoints so far are in {output_dir}/checkpoints: resume with "
              f"output_dir={output_dir} trainer.resume=true", code=130)
@@ -150,6 +152,11 @@ def run_train(argv: list[str]) -> None:
     main()
 
 
+# Subcommands other than train: name -> ("module:function", help). Each function takes argv
+# (the words after the subcommand) and parses them itself; the module is imported on use.
+COMMANDS: dict[str, tuple[str, str]] = {}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tunekit",
@@ -169,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("train", help="fine-tune: tunekit train recipe=NAME [key=value ...] (Hydra overrides)",
                    add_help=False)
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     return p
 
 
@@ -179,11 +188,17 @@ def main(argv: list[str] | None = None) -> None:
         parser.parse_args(argv or ["--help"])
         return
     command, rest = argv[0], argv[1:]
-    if command != "train":
-        parser.error(f"unknown command {command!r} (choose from: train)")
+    if command != "train" and command not in COMMANDS:
+        parser.error(f"unknown command {command!r} (choose from: {', '.join(['train', *COMMANDS])})")
     _setup_logging()
     try:
-        run_train(rest)
+        if command == "train":
+            run_train(rest)
+        else:
+            import importlib
+
+            module, func = COMMANDS[command][0].split(":")
+            getattr(importlib.import_module(module), func)(rest)
     except TunekitError as e:
         fail(str(e))
 

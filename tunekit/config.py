@@ -118,6 +118,11 @@ def register_schema() -> None:
 TRACKERS = ("none", "wandb")
 
 
+def plain(value):
+    """An Enum member's value, or the value itself: configs built in Python may use plain strings."""
+    return value.value if isinstance(value, Enum) else value
+
+
 def validate(cfg: TrainConfig) -> None:
     """Checks beyond types. Raises TunekitError naming the key and the bad value."""
 
@@ -138,4 +143,7 @@ def validate(cfg: TrainConfig) -> None:
         value = getattr(cfg.data, key)
         if value is not None:
             need(Path(value).is_file(), f"data.{key}", f"file not found: {value}")
-    # model.path may be a hub id, so its check lives in the model loader.
+    if cfg.model.path is not None:
+        from tunekit.model.loader import resolve_model_path
+
+        resolve_model_path(cfg.model.path)  # a local path must be a model folder; hub ids pass

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 
 from tunekit import TunekitError
 from tunekit.checkpoint import atomic_dir, atomic_write_text, latest_checkpoint, load_training_state, save_checkpoint
-from tunekit.config import TrainConfig
+from tunekit.config import TrainConfig, plain
 from tunekit.data import BatchSchedule, IGNORE, collate, eval_batches, load_splits
 from tunekit.losses import sft_loss
 from tunekit.methods import get_method, trainable_parameters
@@ -46,6 +46,8 @@ class TrainRecipe:
         self.acc = Accelerator()
         self.device = self.acc.device
         self.main = self.acc.is_main_process
+        if not self.main:  # one copy of every info line, from rank 0
+            logging.getLogger("tunekit").setLevel(logging.WARNING)
         self._check_output_dir()
 
         # Same seed on every rank: identical adapter init, identical data schedule.
@@ -54,13 +56,13 @@ class TrainRecipe:
             self.model_path = resolve_model_path(cfg.model.path)
         self.tokenizer = load_tokenizer(self.model_path)
         self.train_data, self.val_data = load_splits(
-            cfg.data.path, cfg.data.val_path, cfg.data.format.value, self.tokenizer, cfg.data.max_seq_len,
+            cfg.data.path, cfg.data.val_path, plain(cfg.data.format), self.tokenizer, cfg.data.max_seq_len,
             cfg.data.val_fraction, cfg.data.max_val_examples, cfg.seed,
         )
         self._info(f"data: {len(self.train_data)} train / {len(self.val_data)} held-out examples")
 
-        self.dtype = compute_dtype(cfg.model.dtype.value, self.device)
-        quantize = cfg.model.quantize.value
+        self.dtype = compute_dtype(plain(cfg.model.dtype), self.device)
+        quantize = plain(cfg.model.quantize)
         model = load_base_model(self.model_path, quantize, self.dtype, self.device)
         bits = quantized_bits_per_param(model)
         if bits is not None:
@@ -79,15 +81,17 @@ class TrainRecipe:
         self.model.train()
 
         t = cfg.trainer
-        self.optimizer = build_optimizer(t.optimizer.value, self.params, t.lr, t.weight_decay, self.device)
+        self.optimizer = build_optimizer(plain(t.optimizer), self.params, t.lr, t.weight_decay, self.device)
         self.scheduler = warmup_cosine(self.optimizer, t.warmup_steps, t.max_steps)
         self.schedule = BatchSchedule([len(e["input_ids"]) for e in self.train_data], t.micro_batch_size,
                                       t.grad_accum, self.acc.num_processes, self.acc.process_index, cfg.seed)
+        # Dropout masks differ per rank (as in DDP); everything that must agree is already built.
+        # A resumed run then restores the RNG state saved with its checkpoint, so it continues
+        # the exact random stream of an uninterrupted run.
+        set_seed(cfg.seed + 1000 * self.acc.process_index)
         self.start_step, self.tokens_seen = 0, 0
         if t.resume:
             self._resume()
-        # Dropout masks differ per rank (as in DDP); everything that must agree is already built.
-        set_seed(cfg.seed + 1000 * self.acc.process_index + self.start_step)
 
         if self.main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -165,7 +169,8 @@ class TrainRecipe:
         self.save_final()
         summary = {"first_val_loss": first_val, "last_val_loss": last_val, "steps": t.max_steps,
                    "wall_s": clock.elapsed, "trainable_params": self.trainable_params,
-                   "bits_per_param": self.bits_per_param}
+                   "bits_per_param": self.bits_per_param, "world_size": self.acc.num_processes,
+                   "ranks_in_sync": self._ranks_in_sync()}
         if self.main:
             atomic_write_text(self.output_dir / "summary.json", json.dumps(summary, indent=2))
         self.tracker.close()
@@ -199,6 +204,21 @@ class TrainRecipe:
             n = g.numel()
             p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
             offset += n
+
+    def _ranks_in_sync(self) -> bool:
+        """Every rank must end with bit-identical trainable weights; a desync is a bug, say so."""
+        import hashlib
+
+        from accelerate.utils import gather_object
+
+        h = hashlib.sha256()
+        for p in self.params:
+            h.update(p.detach().float().cpu().numpy().tobytes())
+        digests = gather_object([h.hexdigest()])
+        if len(set(digests)) != 1:
+            log.error("ranks disagree on the trained weights: %s", digests)
+            return False
+        return True
 
     @torch.no_grad()
     def evaluate(self, step: int) -> float:

@@ -54,7 +54,8 @@ def plot_losses(rows: list[dict], out: Path) -> None:
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats / token)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if train or val:
+        ax.legend()
     fig.tight_layout()
     tmp = Path(out).with_name(f".{Path(out).name}.tmp.png")
     fig.savefig(tmp)

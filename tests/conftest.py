@@ -1,0 +1,81 @@
+"""Shared fixtures: a tiny random Llama (fast unit and CLI tests) and the real default model.
+
+The tiny model uses the real SmolLM2 tokenizer (from the converted default model), so chat
+templates, EOS == pad and the 49k vocabulary behave exactly as in a real run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from tunekit.model import default_model_dir as convert
+
+    return convert()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
+    """2-layer Llama, hidden 64, random weights, bf16 on disk, SmolLM2's tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """48 short alpaca rows: enough for a few steps and a held-out split."""
+    out = tmp_path_factory.mktemp("data") / "tiny.jsonl"
+    # responses of varied length, so micro-batches hold different numbers of trained tokens
+    rows = [{"instruction": f"What is {i} plus {i}?", "input": "",
+             "output": f"{i} plus {i} is {2 * i}." + " Adding is easy." * (i % 5)} for i in range(48)]
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+def tiny_args(model_dir: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    """Overrides for a fast run of any recipe on the tiny model."""
+    return [
+        f"model.path={model_dir}", f"data.path={data}", f"output_dir={out}",
+        "trainer.max_steps=3", "trainer.micro_batch_size=4", "trainer.grad_accum=2",
+        "trainer.eval_every=2", "trainer.save_every=2", "trainer.warmup_steps=1", "trainer.lr=1e-3",
+        "data.val_fraction=0.2", "data.max_seq_len=64", *extra,
+    ]
+
+
+def run_cli(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run the installed `tunekit` console script, the way a user does."""
+    full_env = {**os.environ, **(env or {})}
+    exe = Path(sys.executable).with_name("tunekit")
+    return subprocess.run([str(exe), *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

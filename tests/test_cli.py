@@ -1,0 +1,59 @@
+"""The command line: help, config printing, one-line errors for bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_cli
+from tunekit.cli import main
+
+
+def run_main(args, capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    return exit_info.value.code, capsys.readouterr().err.strip()
+
+
+@pytest.mark.parametrize(
+    "args, culprit",
+    [
+        (["recipe=nope"], "Could not find 'recipe/nope'; available: lora, qlora"),
+        (["trainer.max_steps=abc"], "trainer.max_steps: Value 'abc'"),
+        (["trainer.nope=1"], "trainer.nope: unknown config key"),
+        (["trainer.optimizer=sgd"], "trainer.optimizer: Invalid value 'sgd'"),
+        (["model.quantize=int3"], "model.quantize: Invalid value 'int3'"),
+        (["data.path=/no/such/file.jsonl"], "data.path: file not found: /no/such/file.jsonl"),
+        (["trainer.max_steps=0"], "trainer.max_steps: must be > 0"),
+        (["tracker=nope"], "Could not find 'tracker/nope'"),
+        (["-m", "recipe=qlora,nope"], "Could not find 'recipe/nope'"),
+    ],
+)
+def test_bad_config_is_one_line_naming_the_culprit(args, culprit, capsys):
+    code, err = run_main(["train", *args], capsys)
+    assert code == 2
+    assert err.startswith("tunekit: error: ") and culprit in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_unknown_command_and_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["fly"])
+    assert e.value.code == 2 and "unknown command 'fly'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "tunekit train recipe=qlora" in capsys.readouterr().out
+
+
+def test_cfg_job_prints_resolved_config_and_trains_nothing(tmp_path):
+    out = tmp_path / "never"
+    r = run_cli(["train", "recipe=lora", "trainer.max_steps=7", "seed=3", f"output_dir={out}", "--cfg", "job"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "recipe: lora" in r.stdout and "max_steps: 7" in r.stdout and "seed: 3" in r.stdout
+    assert "quantize: none" in r.stdout and not out.exists()
+
+
+def test_missing_model_folder_fails_before_training(tmp_path):
+    r = run_cli(["train", "recipe=lora", f"model.path={tmp_path / 'nope'}", f"output_dir={tmp_path / 'o'}"], tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == f"tunekit: error: model.path: no model folder at {tmp_path / 'nope'}"
+    assert "Traceback" not in r.stderr

@@ -1,0 +1,159 @@
+"""Data: formats, prompt masking, EOS handling, malformed rows, batching."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from tunekit.data import IGNORE, BatchSchedule, DataError, collate, load_splits, tokenize_rows
+from tunekit.data.formats import detect_format, read_rows
+from tunekit.data.tokenize import encode_chat, ensure_chat_template
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    t = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ensure_chat_template(t)
+    return t
+
+
+def trained_text(tok, ex) -> str:
+    return tok.decode([i for i, label in zip(ex["input_ids"], ex["labels"]) if label != IGNORE])
+
+
+def test_alpaca_masks_prompt_and_learns_eos(tok):
+    assert tok.pad_token_id == tok.eos_token_id  # SmolLM2: the case where masking by id would hide EOS
+    rows = [{"instruction": "Name a color.", "input": "", "output": "Blue."}]
+    [ex] = tokenize_rows(rows, "alpaca", "x.jsonl", tok, 512)
+    assert trained_text(tok, ex) == "Blue." + tok.eos_token
+    assert ex["labels"].count(tok.eos_token_id) == 1
+    # the prompt (system + user turn + assistant header) is context only
+    assert "Name a color." in tok.decode(ex["input_ids"])
+
+
+def test_alpaca_input_field_goes_into_prompt(tok):
+    rows = [{"instruction": "Translate.", "input": "bonjour", "output": "hello"}]
+    [ex] = tokenize_rows(rows, "alpaca", "x.jsonl", tok, 512)
+    text = tok.decode(ex["input_ids"])
+    assert "Translate.\n\nbonjour" in text and trained_text(tok, ex) == "hello" + tok.eos_token
+
+
+def test_multi_turn_chat_trains_every_assistant_turn_only(tok):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "Goodbye."},
+    ]
+    ids, labels = encode_chat(tok, messages, "x")
+    assert tok.decode(ids) == tok.apply_chat_template(messages, tokenize=False)
+    assert trained_text(tok, {"input_ids": ids, "labels": labels}) == f"Hello.{tok.eos_token}Goodbye.{tok.eos_token}"
+
+
+def test_text_rows_train_every_token_plus_eos(tok):
+    [ex] = tokenize_rows([{"text": "Once upon a time"}], "text", "x.jsonl", tok, 512)
+    assert ex["input_ids"][-1] == tok.eos_token_id and ex["labels"] == ex["input_ids"]
+
+
+def test_base_tokenizer_without_template_gets_chatml(tok):
+    import copy
+
+    bare = copy.deepcopy(tok)
+    bare.chat_template = None
+    ensure_chat_template(bare)
+    [ex] = tokenize_rows([{"instruction": "Q", "output": "A"}], "alpaca", "x", bare, 512)
+    assert trained_text(bare, ex) == "A" + bare.eos_token
+
+
+@pytest.mark.parametrize("ext", [".jsonl", ".json", ".csv", ".parquet"])
+def test_file_types_load_through_datasets(tmp_path, ext):
+    rows = [{"instruction": f"q{i}", "input": "", "output": f"a{i}"} for i in range(5)]
+    path = tmp_path / f"d{ext}"
+    df = pd.DataFrame(rows)
+    {".jsonl": lambda: df.to_json(path, orient="records", lines=True),
+     ".json": lambda: path.write_text(json.dumps(rows)),
+     ".csv": lambda: df.to_csv(path, index=False),
+     ".parquet": lambda: df.to_parquet(path)}[ext]()
+    got = read_rows(path)
+    assert len(got) == 5 and detect_format(got, path) == "alpaca"
+
+
+@pytest.mark.parametrize(
+    "bad_row, expect",
+    [
+        ({"instruction": "q", "output": ""}, "'output' must be a non-empty string"),
+        ({"instruction": "q", "output": 3}, "'output' must be a non-empty string"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
+        ({"messages": [{"role": "bot", "content": "hi"}]}, "messages[0] needs a role"),
+    ],
+)
+def test_malformed_row_names_file_and_row(tmp_path, tok, bad_row, expect):
+    good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]} \
+        if "messages" in bad_row else {"instruction": "q", "output": "a"}
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [good, good, bad_row]))
+    with pytest.raises(DataError) as err:
+        load_splits(str(path), None, "auto", tok, 512, 0.3, None, 0)
+    assert f"{path}: row 3" in str(err.value) and expect in str(err.value)
+
+
+def test_unparseable_and_unknown_columns(tmp_path, tok):
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"instruction": "q", "output": "a"}\n{not json\n')
+    with pytest.raises(DataError, match="broken.jsonl"):
+        read_rows(broken)
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text('{"question": "q", "answer": "a"}\n')
+    with pytest.raises(DataError, match="cannot tell the format"):
+        load_splits(str(odd), None, "auto", tok, 512, 0.5, None, 0)
+    txt = tmp_path / "x.txt"
+    txt.write_text("x")
+    with pytest.raises(DataError, match="unsupported file type"):
+        read_rows(txt)
+
+
+def test_default_data_has_held_out_split(tok):
+    train, val = load_splits(None, None, "auto", tok, 512, 0.05, None, 0)
+    assert len(train) > 1000 and len(val) > 50
+    as_text = {tuple(e["input_ids"]) for e in train}
+    assert not any(tuple(e["input_ids"]) in as_text for e in val)  # no leak from train into val
+
+
+def test_truncation_drops_rows_without_response(tok):
+    rows = [{"instruction": "word " * 200, "output": "x"}, {"instruction": "q", "output": "a"}]
+    out = tokenize_rows(rows, "alpaca", "x", tok, 64)
+    assert len(out) == 1 and all(len(e["input_ids"]) <= 64 for e in out)
+
+
+def test_collate_masks_padding_by_position_not_id():
+    eos = 7
+    exs = [{"input_ids": [1, 2, eos], "labels": [IGNORE, 2, eos]}, {"input_ids": [1, eos], "labels": [IGNORE, eos]}]
+    b = collate(exs, pad_id=eos)
+    assert b["input_ids"].tolist() == [[1, 2, eos], [1, eos, eos]]
+    assert b["labels"].tolist() == [[IGNORE, 2, eos], [IGNORE, eos, IGNORE]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+
+
+def test_schedule_is_deterministic_and_splits_ranks():
+    lengths = list(range(10, 47))
+    one = BatchSchedule(lengths, 2, 2, world_size=1, rank=0, seed=3)
+    ranks = [BatchSchedule(lengths, 2, 1, world_size=2, rank=r, seed=3) for r in range(2)]
+    for step in range(12):  # crosses epoch boundaries (37 examples, 4 per step)
+        whole = sorted(i for mb in one.micro_batches(step) for i in mb)
+        parts = [i for r in ranks for mb in r.micro_batches(step) for i in mb]
+        assert sorted(parts) == whole and len(set(whole)) == len(whole)
+    again = BatchSchedule(lengths, 2, 2, 1, 0, seed=3)
+    assert again.micro_batches(5) == one.micro_batches(5)
+    assert BatchSchedule(lengths, 2, 2, 1, 0, seed=4).micro_batches(0) != one.micro_batches(0)
+
+
+def test_epoch_covers_every_example_once():
+    sched = BatchSchedule([5] * 20, 5, 1, 1, 0, seed=0)
+    seen = [i for step in range(4) for mb in sched.micro_batches(step) for i in mb]
+    assert sorted(seen) == list(range(20))
+    assert torch.tensor(seen).unique().numel() == 20
