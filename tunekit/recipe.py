@@ -21,14 +21,17 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from omegaconf import OmegaConf
+from transformers import AutoConfig
 
 from tunekit import TunekitError
 from tunekit.checkpoint import atomic_dir, atomic_write_text, latest_checkpoint, load_training_state, save_checkpoint
 from tunekit.config import TrainConfig, plain
-from tunekit.data import BatchSchedule, IGNORE, collate, eval_batches, load_splits
-from tunekit.losses import sft_loss
+from tunekit.data import BatchSchedule, IGNORE, collate, collate_packed, count_tokens, eval_batches, load_splits
+from tunekit.objective import DistillObjective, SFTObjective, check_same_vocabulary, model_inputs
 from tunekit.methods import get_method, trainable_parameters
-from tunekit.model import compute_dtype, load_base_model, load_tokenizer, quantized_bits_per_param, resolve_model_path
+from tunekit.methods.fused import enable_fused_lora
+from tunekit.model.student import make_student
+from tunekit.model import compute_dtype, decoder_and_head, load_base_model, load_tokenizer, quantized_bits_per_param, resolve_model_path
 from tunekit.optim import build_optimizer, warmup_cosine
 from tunekit.tracking import NullTracker, Stopwatch, Tracker, memory_mb
 
@@ -54,12 +57,19 @@ class TrainRecipe:
         set_seed(cfg.seed)
         with self.acc.main_process_first():  # rank 0 converts the default model once
             self.model_path = resolve_model_path(cfg.model.path)
+            if cfg.objective == "distill":
+                self.teacher_path = resolve_model_path(cfg.distill.teacher, key="distill.teacher")
+                if cfg.distill.student_keep_every:
+                    self.model_path = str(make_student(self.teacher_path, cfg.distill.student_keep_every,
+                                                       self.output_dir / "student_base"))
         self.tokenizer = load_tokenizer(self.model_path)
         self.train_data, self.val_data = load_splits(
             cfg.data.path, cfg.data.val_path, plain(cfg.data.format), self.tokenizer, cfg.data.max_seq_len,
             cfg.data.val_fraction, cfg.data.max_val_examples, cfg.seed,
         )
-        self._info(f"data: {len(self.train_data)} train / {len(self.val_data)} held-out examples")
+        self._info(f"data: {len(self.train_data)} train / {len(self.val_data)} held-out examples"
+                   + (", packed" if cfg.data.packing else ""))
+        self.collate = collate_packed if cfg.data.packing else collate
 
         self.dtype = compute_dtype(plain(cfg.model.dtype), self.device)
         quantize = plain(cfg.model.quantize)
@@ -72,8 +82,13 @@ class TrainRecipe:
         self.bits_per_param = bits
         self._enable_training_mode(model, quantize)
 
+        self.objective = self._build_objective(model)
+
         self.method = get_method(cfg.method.name)
         self.model = self.method.apply(model, cfg.method)
+        fused = enable_fused_lora(self.model, plain(cfg.kernels.fused_lora), self.device)
+        if fused:
+            self._info(f"kernels: {fused} LoRA layers use the fused Triton NF4 kernel")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         trainable, total = trainable_parameters(self.model)
         self._info(f"method {cfg.method.name}: {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.3f}%)")
@@ -99,6 +114,17 @@ class TrainRecipe:
         self.tracker = (Tracker(self.output_dir, t.max_steps, self.start_step, cfg.tracker.name, cfg.tracker.project,
                                 cfg.tracker.run_name, json.loads(json.dumps(asdict(cfg), default=str)))
                         if self.main else NullTracker())
+
+    def _build_objective(self, student):
+        if self.cfg.objective == "sft":
+            return SFTObjective()
+        d = self.cfg.distill
+        check_same_vocabulary(self.tokenizer, load_tokenizer(self.teacher_path), student.config,
+                              AutoConfig.from_pretrained(self.teacher_path), self.teacher_path)
+        teacher = load_base_model(self.teacher_path, plain(d.teacher_quantize), self.dtype, self.device)
+        self._info(f"distill: teacher {self.teacher_path} ({plain(d.teacher_quantize)}), {plain(d.divergence)}, "
+                   f"alpha {d.alpha}, T {d.temperature}")
+        return DistillObjective(teacher, d)
 
     def _enable_training_mode(self, model, quantize: str) -> None:
         gc_kwargs = {"use_reentrant": False}  # the non-reentrant variant works with frozen inputs
@@ -163,11 +189,11 @@ class TrainRecipe:
             })
             if done % t.eval_every == 0 or done == t.max_steps:
                 last_val = self.evaluate(done)
-                first_val = first_val if first_val is not None else last_val
             if done % t.save_every == 0 or done == t.max_steps:
                 self.save_checkpoint(done)
         self.save_final()
-        summary = {"first_val_loss": first_val, "last_val_loss": last_val, "steps": t.max_steps,
+        summary = {**{f"first_{k}": v for k, v in (first_val or {}).items()},
+                   **{f"last_{k}": v for k, v in (last_val or {}).items()}, "steps": t.max_steps,
                    "wall_s": clock.elapsed, "trainable_params": self.trainable_params,
                    "bits_per_param": self.bits_per_param, "world_size": self.acc.num_processes,
                    "ranks_in_sync": self._ranks_in_sync()}
@@ -177,21 +203,32 @@ class TrainRecipe:
         return summary
 
     def _train_step(self, step: int) -> tuple[float, int, int]:
-        micro = [collate([self.train_data[i] for i in idx], self.tokenizer.pad_token_id)
+        micro = [self.collate([self.train_data[i] for i in idx], self.tokenizer.pad_token_id)
                  for idx in self.schedule.micro_batches(step)]
         local_trained = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in micro)
-        counts = torch.tensor([local_trained, sum(int(b["attention_mask"].sum()) for b in micro)], device=self.device)
+        counts = torch.tensor([local_trained, sum(count_tokens(b) for b in micro)], device=self.device)
         n_trained, n_input = self.acc.reduce(counts, reduction="sum").tolist()
         loss_sum = torch.zeros((), device=self.device)
         for batch in micro:
-            batch = {k: v.to(self.device) for k, v in batch.items()}
-            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            micro_sum, _ = sft_loss(logits, batch["labels"])
+            micro_sum, _ = self._loss(batch)
             (micro_sum / max(n_trained, 1)).backward()
             loss_sum += micro_sum.detach()
         self._all_reduce_grads()
         loss = self.acc.reduce(loss_sum, reduction="sum").item() / max(n_trained, 1)
         return loss, n_trained, n_input
+
+    def _forward(self, batch: dict):
+        """Student's last hidden states (batch, seq, dim), its output head, the batch on device."""
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        decoder, head = decoder_and_head(self.model)
+        # Packed batches carry position_ids instead of attention_mask, from which transformers
+        # builds per-example attention, but only when no KV cache is in play.
+        hidden = decoder(**model_inputs(batch), use_cache=False).last_hidden_state
+        return hidden, head, batch
+
+    def _loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed loss, trained tokens) of one micro-batch."""
+        return self.objective.loss(*self._forward(batch))
 
     def _all_reduce_grads(self) -> None:
         if self.acc.num_processes == 1:
@@ -221,22 +258,26 @@ class TrainRecipe:
         return True
 
     @torch.no_grad()
-    def evaluate(self, step: int) -> float:
-        """Token-weighted cross-entropy over the held-out set (split across ranks, sums reduced)."""
+    def evaluate(self, step: int) -> dict:
+        """Token-weighted held-out metrics (split across ranks, sums reduced): val_loss, plus
+        val_ce and val_kl (to the teacher) when distilling."""
         self.model.eval()
-        total = torch.zeros(2, device=self.device, dtype=torch.float64)
+        sums: dict[str, torch.Tensor] = {}
+        tokens = torch.zeros((), device=self.device, dtype=torch.float64)
         for idx in eval_batches(len(self.val_data), self.cfg.trainer.micro_batch_size,
                                 self.acc.num_processes, self.acc.process_index):
-            batch = {k: v.to(self.device) for k, v in collate([self.val_data[i] for i in idx],
-                                                               self.tokenizer.pad_token_id).items()}
-            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            s, n = sft_loss(logits, batch["labels"])
-            total += torch.stack([s.double(), n.double()])
+            batch = self.collate([self.val_data[i] for i in idx], self.tokenizer.pad_token_id)
+            parts, n = self.objective.eval_sums(*self._forward(batch))
+            for name, value in parts.items():
+                sums[name] = sums.get(name, 0) + value.double()
+            tokens += n.double().to(self.device)
         self.model.train()
-        s, n = self.acc.reduce(total, reduction="sum").tolist()
-        val = s / max(n, 1)
-        self.tracker.eval({"step": step, "val_loss": val, "val_ppl": math.exp(min(val, 50))})
-        return val
+        names = sorted(sums)
+        reduced = self.acc.reduce(torch.stack([sums[k] for k in names] + [tokens]), reduction="sum").tolist()
+        metrics = {f"val_{k}": v / max(reduced[-1], 1) for k, v in zip(names, reduced[:-1])}
+        metrics["val_ppl"] = math.exp(min(metrics.get("val_ce", metrics["val_loss"]), 50))
+        self.tracker.eval({"step": step, **metrics})
+        return metrics
 
     # ------------------------------------------------------------------ save
     def save_checkpoint(self, step: int) -> None:

@@ -108,7 +108,8 @@ class Tracker:
 
     def eval(self, row: dict) -> None:
         self.log(row)
-        self.bar.write(f"step {row['step']}: val_loss {row['val_loss']:.4f} (ppl {row['val_ppl']:.2f})")
+        extra = "".join(f", {k} {row[k]:.4f}" for k in ("val_kl", "val_ce") if k in row)
+        self.bar.write(f"step {row['step']}: val_loss {row['val_loss']:.4f} (ppl {row['val_ppl']:.2f}{extra})")
         self.plot()
 
     def plot(self) -> None:

@@ -1,5 +1,5 @@
-"""Losses: functions of (batch, model outputs) -> (loss sum, trained token count)."""
+"""Losses: functions of (batch, model outputs[, teacher outputs]) -> (loss sum, trained token count)."""
 
-from tunekit.losses.sft import sft_loss
+from tunekit.losses.sft import select_trained, sft_loss, sft_loss_from_hidden
 
-__all__ = ["sft_loss"]
+__all__ = ["select_trained", "sft_loss", "sft_loss_from_hidden"]

@@ -8,22 +8,40 @@ weight a token in a short micro-batch more than one in a long micro-batch.
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 IGNORE = -100
 
 
+def select_trained(states: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of `states` (batch, seq, dim) that predict a trained token, and those tokens.
+
+    Position t predicts token t+1. Returns (rows (n, dim), targets (n,)).
+    """
+    shift_labels = labels[:, 1:]
+    mask = shift_labels != IGNORE
+    return states[:, :-1][mask], shift_labels[mask]
+
+
 def sft_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: (batch, seq, vocab); labels: (batch, seq) with IGNORE on untrained positions.
 
-    Position t predicts token t+1. Cross-entropy is computed in fp32 whatever the logits' dtype:
-    bf16 log-softmax over a 49k vocabulary loses ~2 decimal digits.
+    Cross-entropy is computed in fp32 whatever the logits' dtype: bf16 log-softmax over a 49k
+    vocabulary loses ~2 decimal digits.
     Returns (summed loss: scalar fp32, number of trained tokens: scalar int64).
     """
-    shift_logits = logits[:, :-1, :]
-    shift_labels = labels[:, 1:]
-    mask = shift_labels != IGNORE
-    # Select trained positions first: only they need the (tokens, vocab) fp32 copy.
-    picked = shift_logits[mask].float()
-    loss_sum = F.cross_entropy(picked, shift_labels[mask], reduction="sum")
-    return loss_sum, mask.sum()
+    rows, targets = select_trained(logits, labels)
+    return F.cross_entropy(rows.float(), targets, reduction="sum"), torch.tensor(targets.numel())
+
+
+def sft_loss_from_hidden(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same loss from the decoder's last hidden states (batch, seq, dim) and the output head.
+
+    The head runs only on the positions that predict a trained token: on chat data those are
+    about a third of all positions, and the (tokens, vocab) head matmul and its fp32 logits are
+    the largest single cost of a small model (49k x 576 for SmolLM2-135M).
+    """
+    rows, targets = select_trained(hidden, labels)
+    logits = head(rows.to(head.weight.dtype))
+    return F.cross_entropy(logits.float(), targets, reduction="sum"), torch.tensor(targets.numel())

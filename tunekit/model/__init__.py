@@ -3,6 +3,7 @@
 from tunekit.model.default import default_model_dir
 from tunekit.model.loader import (
     compute_dtype,
+    decoder_and_head,
     load_base_model,
     load_tokenizer,
     quantized_bits_per_param,
@@ -11,6 +12,7 @@ from tunekit.model.loader import (
 
 __all__ = [
     "compute_dtype",
+    "decoder_and_head",
     "default_model_dir",
     "load_base_model",
     "load_tokenizer",

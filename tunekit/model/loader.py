@@ -15,17 +15,20 @@ from tunekit.model.default import default_model_dir
 log = logging.getLogger(__name__)
 
 
-def resolve_model_path(path: Optional[str]) -> str:
-    """Local folder, or the converted default model when path is None; hub ids pass through."""
+def resolve_model_path(path: Optional[str], key: str = "model.path") -> str:
+    """Local folder, or the converted default model when path is None; hub ids pass through.
+
+    `key` is the config key being resolved, named in errors (model.path, distill.teacher).
+    """
     if path is None:
         return str(default_model_dir())
     p = Path(path).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise TunekitError(f"model.path: {path} is a folder but has no config.json (not a HF model folder)")
+            raise TunekitError(f"{key}: {path} is a folder but has no config.json (not a HF model folder)")
         return str(p)
     if p.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1:
-        raise TunekitError(f"model.path: no model folder at {path}")
+        raise TunekitError(f"{key}: no model folder at {path}")
     return path  # looks like a hub id ("org/name"); the load below says if the hub is unreachable
 
 
@@ -135,3 +138,21 @@ def quantized_bits_per_param(model: nn.Module) -> Optional[float]:
         if state.nested:  # absmax stored as 8-bit codes; their own fp32 absmax per 256 + offset
             bits += state.state2.absmax.numel() * state.state2.absmax.element_size() * 8 + 32
     return bits / params if params else None
+
+
+def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The decoder stack (returns last hidden states) and the output head of a causal LM.
+
+    Works through PEFT wrappers (their layers live inside the decoder). Running the two apart
+    lets a loss apply the vocabulary-sized head to the few positions it needs. A method whose
+    model needs its own decoder (prompt tuning prepends a soft prompt and drops it from the
+    output) defines `tunekit_decoder_and_head()`; its decoder keeps the same contract.
+    """
+    if hasattr(model, "tunekit_decoder_and_head"):
+        return model.tunekit_decoder_and_head()
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    head = base.get_output_embeddings()
+    if decoder is None or head is None:
+        raise TunekitError(f"model: {type(base).__name__} exposes no decoder/output head (not a causal LM?)")
+    return decoder, head
