@@ -62,6 +62,31 @@ def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
+def collate_packed(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Concatenate the examples into one row, with no padding (sequence packing).
+
+    position_ids restart at 0 for every example and no attention_mask is passed: transformers
+    then confines attention to each example (a block-diagonal causal mask built from the
+    position restarts), so every example sees exactly what it would see alone. The first label
+    of each example is masked: it would be predicted from the previous example's last token.
+    pad_id is unused (kept for the same signature as `collate`).
+    """
+    input_ids, labels, positions = [], [], []
+    for e in examples:
+        n = len(e["input_ids"])
+        input_ids += e["input_ids"]
+        labels += [IGNORE] + e["labels"][1:]
+        positions += range(n)
+    as_row = lambda values: torch.tensor(values, dtype=torch.long).unsqueeze(0)  # noqa: E731
+    return {"input_ids": as_row(input_ids), "labels": as_row(labels), "position_ids": as_row(positions)}
+
+
+def count_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Non-padding input tokens of a padded or packed batch."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+
+
 def eval_batches(n: int, micro_batch_size: int, world_size: int, rank: int) -> list[list[int]]:
     """Held-out indices for this rank, in fixed order; ranks split the set, the sums are reduced."""
     mine = list(range(rank, n, world_size))
