@@ -36,6 +36,12 @@ class DType(str, Enum):
     fp32 = "fp32"
 
 
+class FusedMode(str, Enum):
+    auto = "auto"  # fused Triton LoRA kernels where they run natively (CUDA + triton)
+    on = "on"
+    off = "off"
+
+
 class DataFormat(str, Enum):
     auto = "auto"  # detected from the columns: messages -> chat, instruction -> alpaca, text -> text
     alpaca = "alpaca"
@@ -62,6 +68,9 @@ class DataConfig:
     format: DataFormat = DataFormat.auto
     max_seq_len: int = 512
     max_val_examples: Optional[int] = 256
+    # Concatenate each micro-batch into one row with per-example positions and attention
+    # (no padding). Same examples and same loss as unpacked; faster on short examples.
+    packing: bool = False
 
 
 @dataclass
@@ -71,8 +80,17 @@ class MethodConfig:
     r: int = 16
     alpha: float = 32.0
     dropout: float = 0.05
-    # "all-linear" = every linear projection of the decoder blocks (not lm_head), as in QLoRA.
+    # LoRA and BitFit: which projections; "all-linear" = q,k,v,o,gate,up,down of every block.
     target_modules: List[str] = field(default_factory=lambda: ["all-linear"])
+    # Bottleneck adapters (Houlsby et al. 2019): width of dim -> bottleneck -> dim, its
+    # nonlinearity (gelu | silu | relu), and the sublayers whose output is adapted.
+    bottleneck: int = 64
+    activation: str = "gelu"
+    sublayers: List[str] = field(default_factory=lambda: ["self_attn", "mlp"])
+    # Prompt tuning (Lester et al. 2021): soft prompt length, and the text whose token embeddings
+    # initialise it (repeated/truncated to num_virtual_tokens); null = random vocabulary rows.
+    num_virtual_tokens: int = 20
+    prompt_init_text: Optional[str] = None
 
 
 @dataclass
@@ -91,6 +109,37 @@ class TrainerConfig:
     resume: bool = False
 
 
+class Divergence(str, Enum):
+    forward_kl = "forward_kl"  # KL(teacher || student): mode covering (Hinton et al. 2015)
+    reverse_kl = "reverse_kl"  # KL(student || teacher): mode seeking
+    jsd = "jsd"  # generalized Jensen-Shannon with weight beta (Agarwal et al. 2024)
+
+
+@dataclass
+class DistillConfig:
+    """Used when objective=distill: alpha * CE(labels) + (1 - alpha) * T^2 * D(teacher || student)."""
+
+    # A local HF folder or hub id; null = the embedded SmolLM2-135M-Instruct.
+    teacher: Optional[str] = None
+    teacher_quantize: Quantize = Quantize.none
+    alpha: float = 0.5
+    temperature: float = 2.0
+    divergence: Divergence = Divergence.forward_kl
+    beta: float = 0.5  # only for divergence=jsd
+    # Trained tokens per chunk of the loss: the (tokens, vocab) logits of both models never
+    # exist at once (49k vocab: 1024 tokens = 200 MB fp32 per model).
+    chunk_size: int = 1024
+    # > 0: build the student from the teacher by keeping every k-th decoder layer (DistilBERT);
+    # saved as a plain HF model in output_dir/student_base and used instead of model.path.
+    student_keep_every: int = 0
+
+
+@dataclass
+class KernelsConfig:
+    # tunekit's Triton LoRA-over-NF4 kernel instead of peft + bitsandbytes (same math, same adapter files)
+    fused_lora: FusedMode = FusedMode.auto
+
+
 @dataclass
 class TrackerConfig:
     name: str = "none"  # none | wandb
@@ -101,6 +150,7 @@ class TrackerConfig:
 @dataclass
 class TrainConfig:
     recipe: str = "custom"
+    objective: str = "sft"  # sft | distill
     output_dir: str = "runs/default"
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -108,6 +158,8 @@ class TrainConfig:
     method: MethodConfig = field(default_factory=MethodConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 def register_schema() -> None:
@@ -116,6 +168,7 @@ def register_schema() -> None:
 
 
 TRACKERS = ("none", "wandb")
+OBJECTIVES = ("sft", "distill")
 
 
 def plain(value):
@@ -138,6 +191,17 @@ def validate(cfg: TrainConfig) -> None:
     need(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", "must be >= 1")
     need(cfg.data.max_seq_len >= 8, "data.max_seq_len", f"must be >= 8, got {cfg.data.max_seq_len}")
     need(0 < cfg.data.val_fraction < 1, "data.val_fraction", f"must be in (0, 1), got {cfg.data.val_fraction}")
+    need(cfg.objective in OBJECTIVES, "objective", f"unknown objective {cfg.objective!r}; choose one of {OBJECTIVES}")
+    d = cfg.distill
+    need(0 <= d.alpha <= 1, "distill.alpha", f"must be in [0, 1], got {d.alpha}")
+    need(d.temperature > 0, "distill.temperature", f"must be > 0, got {d.temperature}")
+    need(0 < d.beta < 1, "distill.beta", f"must be in (0, 1), got {d.beta}")
+    need(d.chunk_size >= 1, "distill.chunk_size", f"must be >= 1, got {d.chunk_size}")
+    need(d.student_keep_every >= 0, "distill.student_keep_every", f"must be >= 0, got {d.student_keep_every}")
+    if d.teacher is not None:
+        from tunekit.model.loader import resolve_model_path
+
+        resolve_model_path(d.teacher, key="distill.teacher")
     need(cfg.tracker.name in TRACKERS, "tracker.name", f"unknown tracker {cfg.tracker.name!r}; choose one of {TRACKERS}")
     for key in ("path", "val_path"):
         value = getattr(cfg.data, key)
