@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -172,21 +173,8 @@ class TrainRecipe:
         first_val = self.evaluate(self.start_step) if self.start_step == 0 else None
         last_val = first_val
         for step in range(self.start_step, t.max_steps):
-            clock.lap()
-            loss, n_trained, n_input = self._train_step(step)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm).item()
-            lr = self.scheduler.get_last_lr()[0]
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.tokens_seen += n_input
-            dt = clock.lap()
+            self.tracker.step(self.train_step(step))
             done = step + 1
-            self.tracker.step({
-                "step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": n_input / dt,
-                "trained_tokens": n_trained, "tokens_seen": self.tokens_seen, "step_time_s": dt,
-                "epoch": self.schedule.epoch_of(done), "memory_mb": memory_mb(self.device),
-            })
             if done % t.eval_every == 0 or done == t.max_steps:
                 last_val = self.evaluate(done)
             if done % t.save_every == 0 or done == t.max_steps:
@@ -201,6 +189,22 @@ class TrainRecipe:
             atomic_write_text(self.output_dir / "summary.json", json.dumps(summary, indent=2))
         self.tracker.close()
         return summary
+
+    def train_step(self, step: int) -> dict:
+        """One optimizer step (index `step`, from 0): accumulate, reduce, clip, step. Returns its
+        metrics row. Benchmarks time this method, so it is exactly what train() runs."""
+        start = time.perf_counter()
+        loss, n_trained, n_input = self._train_step(step)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.trainer.max_grad_norm).item()
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.tokens_seen += n_input
+        dt = time.perf_counter() - start
+        return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": n_input / dt,
+                "input_tokens": n_input, "trained_tokens": n_trained, "tokens_seen": self.tokens_seen,
+                "step_time_s": dt, "epoch": self.schedule.epoch_of(step + 1), "memory_mb": memory_mb(self.device)}
 
     def _train_step(self, step: int) -> tuple[float, int, int]:
         micro = [self.collate([self.train_data[i] for i in idx], self.tokenizer.pad_token_id)

@@ -1,0 +1,472 @@
+#!/usr/bin/env python
+"""Training throughput: tunekit vs the standard stack (transformers + peft + bitsandbytes + TRL SFTTrainer).
+
+Both systems run the same fine-tune: same model, data, examples in the same order and grouping
+per optimizer step (taken from tunekit's BatchSchedule and fed to TRL pre-tokenized through a
+sequential sampler), same micro-batch size, gradient accumulation, LoRA r/alpha/dropout/targets,
+NF4 double-quant config, compute dtype, gradient checkpointing, optimizer, lr schedule, packing
+(tunekit's data.packing vs TRL's padding_free) and loss (response tokens only, normalised by the
+trained tokens of the whole accumulated batch). Every system x repetition runs in a fresh
+subprocess (order A B A B ...), so peak memory is per system. Per system it reports input
+(non-padding) tokens/s and median step time over the steps after --warmup, peak memory (CPU: peak
+RSS; GPU: torch.cuda max allocated/reserved), the first steps' losses (same math -> same numbers)
+and tunekit/baseline ratios; on GPU also MFU (formula in `useful_flops`).
+
+    python scripts/bench_train.py                                  # CPU, SmolLM2-135M, packing on and off
+    python scripts/bench_train.py --config gpu-1b                  # random-init Llama ~1B, seq 2048, packed
+    python scripts/bench_train.py --config gpu-8b --systems tunekit,trl,trl-liger
+
+By default the baseline is "matched": peft's prepare_model_for_kbit_training (norms, embeddings and
+head in fp32, as tunekit does), fp32 LoRA weights and no autocast, so both run the same math.
+--trl-defaults keeps TRL 1.16's own choices instead (bf16 autocast, bf16 LoRA weights on a 4-bit
+base, no kbit preparation). Writes benchmarks/train-<device>-<config>.json and .md (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import shutil
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SYSTEMS = ("tunekit", "trl", "trl-liger")
+# micro-batch 32 x ~55-token default examples packs ~1.8k tokens per row at sequence 2048
+CONFIGS = {
+    "cpu": dict(seq_len=256, packing="both", micro_batch_size=8, grad_accum=2, steps=12, reps=3, llama=None),
+    "gpu-1b": dict(seq_len=2048, packing="on", micro_batch_size=32, grad_accum=2, steps=30, reps=3,
+                   llama=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                              num_key_value_heads=8, tie_word_embeddings=True)),
+    "gpu-8b": dict(seq_len=2048, packing="on", micro_batch_size=32, grad_accum=2, steps=20, reps=3,
+                   llama=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                              num_key_value_heads=8, tie_word_embeddings=False)),
+}
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", choices=list(CONFIGS), default="cpu")
+    p.add_argument("--steps", type=int, help="optimizer steps per run (default per config)")
+    p.add_argument("--reps", type=int, help="repetitions per system (default per config)")
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing")
+    p.add_argument("--micro-batch-size", type=int)
+    p.add_argument("--grad-accum", type=int)
+    p.add_argument("--seq-len", type=int, help="data.max_seq_len")
+    p.add_argument("--packing", choices=["off", "on", "both"])
+    p.add_argument("--systems", default="tunekit,trl", help=f"comma-separated, of {','.join(SYSTEMS)}")
+    p.add_argument("--recipe", default="qlora", help="tunekit recipe (qlora: 4-bit base, lora: bf16 base)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra tunekit config override")
+    p.add_argument("--model", help="model folder (default: the config's model)")
+    p.add_argument("--data", help="training data file (default: tunekit's default data)")
+    p.add_argument("--trl-defaults", action="store_true", help="baseline with TRL's own precision choices (see top)")
+    p.add_argument("--peak-tflops", type=float, help="device bf16 peak for MFU (default: H100/H200 989)")
+    p.add_argument("--out", type=Path, help="output path without suffix (default benchmarks/train-<device>-<config>)")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # one run, as JSON
+    args = p.parse_args(argv)
+    for key, value in CONFIGS[args.config].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    bad = [s for s in args.systems if s not in SYSTEMS]
+    if bad:
+        p.error(f"--systems: unknown {bad}; choose from {SYSTEMS}")
+    if args.warmup >= args.steps:
+        p.error(f"--warmup {args.warmup} must be < --steps {args.steps}")
+    return args
+
+
+# ---------------------------------------------------------------------------- shared child setup
+def build_cfg(spec: dict, out_dir: str):
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from tunekit.config import register_schema
+
+    register_schema()
+    over = [f"recipe={spec['recipe']}", f"output_dir={out_dir}", f"trainer.max_steps={spec['steps']}",
+            f"trainer.micro_batch_size={spec['micro_batch_size']}", f"trainer.grad_accum={spec['grad_accum']}",
+            f"data.max_seq_len={spec['seq_len']}", f"data.packing={spec['packing']}",
+            "trainer.eval_every=1000000", "trainer.save_every=1000000"]
+    over += [f"model.path={spec['model']}"] if spec["model"] else []
+    over += [f"data.path={spec['data']}"] if spec["data"] else []
+    with initialize_config_module(config_module="tunekit_recipes", version_base="1.3"):
+        return OmegaConf.to_object(compose(config_name="train", overrides=over + spec["set"]))
+
+
+def sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def reset_peak():
+    """Start the training-phase memory peak: CUDA peak stats, or the process's VmHWM (Linux)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def memory() -> dict:
+    import torch
+
+    mem = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):  # since reset_peak(): the training phase
+            mem["train_peak_rss_mib"] = int(line.split()[1]) / 1024
+    if torch.cuda.is_available():
+        mem["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        mem["cuda_max_reserved_mib"] = torch.cuda.max_memory_reserved() / 2**20
+    return mem
+
+
+def step_examples(train: list[dict], schedule, step: int) -> list[list[dict]]:
+    return [[train[i] for i in idx] for idx in schedule.micro_batches(step)]
+
+
+def token_counts(micro: list[list[dict]]) -> tuple[int, int]:
+    """(input tokens, trained tokens) of one step, as tunekit counts them: no padding; an example's
+    first label is never trained (nothing predicts it alone; packed, it is masked)."""
+    n_input = sum(len(e["input_ids"]) for mb in micro for e in mb)
+    n_trained = sum(sum(lab != -100 for lab in e["labels"][1:]) for mb in micro for e in mb)
+    return n_input, n_trained
+
+
+def lengths(micro: list[list[dict]]) -> list[int]:
+    return [len(e["input_ids"]) for mb in micro for e in mb]
+
+
+# ---------------------------------------------------------------------------- system: tunekit
+def run_tunekit(spec: dict, cfg, out_dir: str) -> dict:
+    from tunekit.recipe import TrainRecipe
+
+    r = TrainRecipe(cfg, Path(out_dir))
+    r.setup()
+    t = cfg.trainer
+    times, losses, counts = [], [], []
+    reset_peak()
+    sync()
+    last = time.perf_counter()
+    for step in range(t.max_steps):
+        row = r.train_step(step)  # exactly what `tunekit train` runs per step (eval/save aside)
+        sync()
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+        losses.append(row["loss"])
+        counts.append((row["input_tokens"], row["trained_tokens"]))
+    r.tracker.close()
+    return {"step_times_s": times, "losses": losses, "tokens": counts, "trainable_params": r.trainable_params,
+            "lengths": [lengths(step_examples(r.train_data, r.schedule, s)) for s in range(t.max_steps)],
+            "adapter_dtype": str(r.params[0].dtype), "optimizer": type(r.optimizer).__name__}
+
+
+# ---------------------------------------------------------------------------- system: TRL (+ Liger)
+def run_trl(spec: dict, cfg, out_dir: str, liger: bool) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig, prepare_model_for_kbit_training
+    from torch.utils.data import SequentialSampler
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from tunekit.config import plain
+    from tunekit.data import BatchSchedule, load_splits
+    from tunekit.model import compute_dtype, load_tokenizer, resolve_model_path
+    from tunekit.optim import warmup_cosine
+
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        # TRL computes the loss with its own fused LM head, so only the layer kernels are patched
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
+    t, m = cfg.trainer, cfg.model
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    path = resolve_model_path(m.path)
+    tok = load_tokenizer(path)
+    train, _ = load_splits(cfg.data.path, cfg.data.val_path, plain(cfg.data.format), tok, cfg.data.max_seq_len,
+                           cfg.data.val_fraction, cfg.data.max_val_examples, cfg.seed)
+    schedule = BatchSchedule([len(e["input_ids"]) for e in train], t.micro_batch_size, t.grad_accum, 1, 0, cfg.seed)
+    steps = [step_examples(train, schedule, s) for s in range(t.max_steps)]
+    rows = [{"input_ids": e["input_ids"], "labels": e["labels"]} for micro in steps for mb in micro for e in mb]
+
+    dtype = compute_dtype(plain(m.dtype), device)
+    quantized = plain(m.quantize) == "nf4"
+    kwargs = {"dtype": dtype, "device_map": {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}}
+    if quantized:  # the same config tunekit's loader builds
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype, llm_int8_skip_modules=["lm_head"])
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    gc_kwargs = {"use_reentrant": False}
+    if quantized and not spec["trl_defaults"]:
+        prepare_model_for_kbit_training(model, use_gradient_checkpointing=m.gradient_checkpointing,
+                                        gradient_checkpointing_kwargs=gc_kwargs)
+    targets = list(cfg.method.target_modules)
+    lora = LoraConfig(r=cfg.method.r, lora_alpha=cfg.method.alpha, lora_dropout=cfg.method.dropout, bias="none",
+                      target_modules="all-linear" if targets == ["all-linear"] else targets, task_type="CAUSAL_LM")
+    optim = {"adamw": "adamw_torch", "adamw_8bit": "adamw_bnb_8bit", "paged_adamw_8bit": "paged_adamw_8bit",
+             "paged_adamw_32bit": "paged_adamw_32bit"}[plain(t.optimizer)]
+    args = SFTConfig(
+        output_dir=out_dir, max_steps=t.max_steps, per_device_train_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=t.grad_accum, learning_rate=t.lr, weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm, optim=optim, seed=cfg.seed, data_seed=cfg.seed,
+        gradient_checkpointing=m.gradient_checkpointing, gradient_checkpointing_kwargs=gc_kwargs,
+        # matched: no autocast, the model's own dtypes (tunekit runs no autocast either)
+        bf16=spec["trl_defaults"] and dtype == torch.bfloat16, fp16=False, use_cpu=device.type == "cpu",
+        padding_free=cfg.data.packing, packing=False, max_length=None,  # examples are already truncated
+        dataset_kwargs={"skip_prepare_dataset": True}, shuffle_dataset=False,
+        logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
+    )
+    record = {"times": [], "losses": [], "micro": []}
+
+    class OrderedSFTTrainer(SFTTrainer):
+        """SFTTrainer that takes the rows in order (tunekit's batches) and uses tunekit's lr schedule
+        (linear warmup from lr/(w+1), then cosine; transformers' "cosine" starts its warmup at 0)."""
+
+        def _get_train_sampler(self, train_dataset=None):
+            return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            if self.lr_scheduler is None:
+                self.lr_scheduler = warmup_cosine(optimizer or self.optimizer, t.warmup_steps, t.max_steps)
+            return self.lr_scheduler
+
+        def training_step(self, *a, **kw):
+            loss = super().training_step(*a, **kw)
+            record["micro"].append(loss)  # this micro-batch's token-summed loss / trained tokens of the step
+            return loss
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a, **kw):
+            reset_peak()
+            sync()
+            self.last = time.perf_counter()
+
+        def on_step_end(self, *a, **kw):
+            sync()
+            now = time.perf_counter()
+            record["times"].append(now - self.last)
+            self.last = now
+            record["losses"].append(float(sum(x.float() for x in record["micro"])))
+            record["micro"].clear()
+
+    trainer = OrderedSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok,
+                                peft_config=lora, callbacks=[Clock()])
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    if quantized and not spec["trl_defaults"]:  # undo TRL's bf16 cast of LoRA weights on a 4-bit base
+        for p in params:
+            p.data = p.data.float()
+    trainer.train()
+    return {"step_times_s": record["times"], "losses": record["losses"],
+            "tokens": [token_counts(s) for s in steps], "lengths": [lengths(s) for s in steps],
+            "trainable_params": sum(p.numel() for p in params), "adapter_dtype": str(params[0].dtype),
+            "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
+            "loss_normalised_per_step": bool(trainer.model_accepts_loss_kwargs)}
+
+
+def run_child(spec: dict) -> dict:
+    import logging
+    import warnings
+
+    logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    out_dir = tempfile.mkdtemp(prefix="bench-train-")
+    cfg = build_cfg(spec, out_dir)
+    if spec["system"] == "tunekit":
+        result = run_tunekit(spec, cfg, out_dir)
+    else:
+        result = run_trl(spec, cfg, out_dir, liger=spec["system"] == "trl-liger")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return {**result, **memory()}
+
+
+# ---------------------------------------------------------------------------- parent
+def useful_flops(model_dir: str, trainable: int, micro: list[int], n_trained: int) -> float:
+    """Useful FLOPs of one optimizer step for LoRA over a frozen base (recomputation by gradient
+    checkpointing is not useful work and is not counted). Per input token:
+      4 * N         N = base parameters in the decoder blocks (no embeddings, no head): forward 2N, and
+                    the backward's input gradient 2N; a frozen base has no weight gradient
+      6 * N_lora    LoRA weights: forward 2, input gradient 2, weight gradient 2
+    per example of n tokens (per layer: Q K^T and A V, 2 n^2 d each, full square as in PaLM's count):
+      12 * L * d * n^2   forward 4 L d n^2 + backward 8 L d n^2
+    per trained token (tunekit and TRL's fused head both apply the head to trained positions only):
+      4 * d * V     output head forward + input gradient
+    """
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    d, L, V, f = c.hidden_size, c.num_hidden_layers, c.vocab_size, c.intermediate_size
+    kv = c.num_key_value_heads * (d // c.num_attention_heads)
+    n_base = L * (2 * d * d + 2 * d * kv + 3 * d * f)  # q,o + k,v + gate,up,down
+    tokens = sum(micro)
+    return (4 * n_base + 6 * trainable) * tokens + 12 * L * d * sum(n * n for n in micro) + 4 * d * V * n_trained
+
+
+def random_llama(name: str, llama: dict) -> str:
+    """A random-init bf16 Llama folder with the SmolLM2 tokenizer (speed does not depend on the values)."""
+    from tunekit.model import default_model_dir
+    from tunekit.model.default import cache_root
+
+    out = cache_root() / "bench" / f"llama-{name}"
+    if not (out / "config.json").is_file():
+        code = (
+            "import sys, torch; from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM\n"
+            f"tok = AutoTokenizer.from_pretrained({str(default_model_dir())!r})\n"
+            f"cfg = LlamaConfig(vocab_size=len(tok), max_position_embeddings=4096, bos_token_id=tok.bos_token_id, "
+            f"eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **{llama!r})\n"
+            "torch.set_default_dtype(torch.bfloat16)\n"
+            "with torch.device('cuda'): model = LlamaForCausalLM(cfg)\n"
+            f"model.save_pretrained({str(out)!r}); tok.save_pretrained({str(out)!r})\n")
+        subprocess.run([sys.executable, "-c", code], check=True)
+    return str(out)
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.machine())
+    return f"{cpu}, {torch.get_num_threads()} threads"
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("torch", "transformers", "peft", "bitsandbytes", "trl", "tunekit", "liger-kernel"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def summarize(runs: list[dict], warmup: int, peak: float | None) -> dict:
+    times = [t for r in runs for t in r["step_times_s"][warmup:]]
+    tokens = [c for r in runs for c in r["tokens"][warmup:]]
+    s = {"median_step_s": statistics.median(times), "tokens_per_s": sum(c[0] for c in tokens) / sum(times),
+         "trained_tokens_per_s": sum(c[1] for c in tokens) / sum(times),
+         "first_losses": runs[0]["losses"][:5], "adapter_dtype": runs[0]["adapter_dtype"],
+         "optimizer": runs[0]["optimizer"]}
+    for key in ("peak_rss_mib", "train_peak_rss_mib", "cuda_max_allocated_mib", "cuda_max_reserved_mib"):
+        if key in runs[0]:
+            s[key] = max(r[key] for r in runs)
+    if peak and "flops" in runs[0]:
+        s["mfu"] = sum(f for r in runs for f in r["flops"][warmup:]) / sum(times) / (peak * 1e12)
+    return s
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Training benchmark: {result['config']} on {result['device']}", "",
+             "Settings: " + ", ".join(f"{k}={v}" for k, v in result["settings"].items()), "",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items() if v), ""]
+    for mode, block in result["results"].items():
+        lines += [f"## packing {mode}", "",
+                  "| system | tokens/s | trained tokens/s | median step (s) | peak memory (MiB) | MFU | first losses |",
+                  "|---|---|---|---|---|---|---|"]
+        for system, s in block["systems"].items():
+            mem = s.get("cuda_max_allocated_mib", s.get("peak_rss_mib"))
+            mfu = f"{100 * s['mfu']:.1f}%" if "mfu" in s else "-"
+            losses = ", ".join(f"{x:.4f}" for x in s["first_losses"])
+            lines.append(f"| {system} | {s['tokens_per_s']:.1f} | {s['trained_tokens_per_s']:.1f} | "
+                         f"{s['median_step_s']:.3f} | {mem:.0f} | {mfu} | {losses} |")
+        for name, ratio in block.get("ratios", {}).items():
+            lines.append(f"\n{name}: tokens/s x{ratio['tokens_per_s']:.2f}, peak memory x{ratio['memory']:.2f}, "
+                         f"first-step loss difference {ratio['first_loss_abs_diff']:.2e}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        print("BENCH_RESULT " + json.dumps(run_child(json.loads(args.child))), flush=True)
+        return 0
+    import torch
+
+    gpu = CONFIGS[args.config]["llama"] is not None
+    if gpu and not torch.cuda.is_available():
+        print(f"bench_train: --config {args.config} needs a CUDA GPU and torch sees none "
+              "(use --config cpu here)", file=sys.stderr)
+        return 2
+    if "trl-liger" in args.systems:
+        try:
+            import liger_kernel.transformers  # noqa: F401
+        except Exception as e:  # missing, or triton missing
+            print(f"bench_train: skipping trl-liger: liger_kernel not importable ({type(e).__name__}: {e})")
+            args.systems.remove("trl-liger")
+    model = args.model or (random_llama(args.config, CONFIGS[args.config]["llama"]) if gpu else None)
+    peak = args.peak_tflops or (next((v for k, v in PEAK_TFLOPS.items() if k in device_name()), None) if gpu else None)
+    modes = ["off", "on"] if args.packing == "both" else [args.packing]
+    result = {"config": args.config, "device": device_name(), "versions": versions(), "metric_notes": {
+        "tokens_per_s": "non-padding input tokens per second over the steps after warmup, all reps",
+        "peak_rss_mib": "process peak RSS (ru_maxrss) incl. model load; train_peak_rss_mib: VmHWM after setup",
+        "loss": "mean token loss of each optimizer step over its response tokens"},
+        "settings": {k: getattr(args, k) for k in ("steps", "reps", "warmup", "micro_batch_size", "grad_accum",
+                                                    "seq_len", "recipe", "set", "trl_defaults", "systems")}
+        | {"model": model or "default (SmolLM2-135M-Instruct)", "data": args.data or "default", "peak_tflops": peak},
+        "results": {}}
+    for mode in modes:
+        runs: dict[str, list[dict]] = {s: [] for s in args.systems}
+        for rep in range(args.reps):
+            for system in args.systems:
+                spec = {"system": system, "recipe": args.recipe, "steps": args.steps, "seq_len": args.seq_len,
+                        "micro_batch_size": args.micro_batch_size, "grad_accum": args.grad_accum,
+                        "packing": mode == "on", "model": model, "data": args.data, "set": args.set,
+                        "trl_defaults": args.trl_defaults}
+                t0 = time.perf_counter()
+                proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], cwd=REPO,
+                                      capture_output=True, text=True)
+                line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_RESULT ")), None)
+                if proc.returncode != 0 or line is None:
+                    sys.stderr.write(proc.stderr[-4000:])
+                    print(f"bench_train: {system} (packing {mode}, rep {rep}) failed, exit {proc.returncode}",
+                          file=sys.stderr)
+                    return 1
+                run = json.loads(line.removeprefix("BENCH_RESULT "))
+                if gpu:
+                    run["flops"] = [useful_flops(model, run["trainable_params"], ls, c[1])
+                                    for ls, c in zip(run["lengths"], run["tokens"])]
+                runs[system].append(run)
+                med = statistics.median(run["step_times_s"][args.warmup:])
+                print(f"packing {mode} rep {rep} {system}: median step {med:.3f} s, losses "
+                      f"{[round(x, 4) for x in run['losses'][:3]]} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        block = {"runs": runs, "systems": {s: summarize(r, args.warmup, peak) for s, r in runs.items()}}
+        if "tunekit" in runs:
+            tk = block["systems"]["tunekit"]
+            mem_key = "cuda_max_allocated_mib" if "cuda_max_allocated_mib" in tk else "peak_rss_mib"
+            block["ratios"] = {f"tunekit/{s}": {
+                "tokens_per_s": tk["tokens_per_s"] / b["tokens_per_s"], "memory": tk[mem_key] / b[mem_key],
+                "first_loss_abs_diff": abs(tk["first_losses"][0] - b["first_losses"][0])}
+                for s, b in block["systems"].items() if s != "tunekit"}
+        result["results"][mode] = block
+    dev = re.sub(r"[^a-z0-9]+", "-", result["device"].lower().removeprefix("nvidia ")).strip("-") if gpu else "cpu"
+    out = args.out or REPO / "benchmarks" / f"train-{dev}-{args.config}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.json").write_text(json.dumps(result, indent=2) + "\n")
+    Path(f"{out}.md").write_text(markdown(result))
+    print(markdown(result))
+    print(f"wrote {out}.json and {out}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
