@@ -34,7 +34,7 @@ from tunekit.methods.fused import enable_fused_lora
 from tunekit.model.student import make_student
 from tunekit.model import compute_dtype, decoder_and_head, load_base_model, load_tokenizer, quantized_bits_per_param, resolve_model_path
 from tunekit.optim import build_optimizer, warmup_cosine
-from tunekit.tracking import NullTracker, Stopwatch, Tracker, memory_mb
+from tunekit.tracking import NullTracker, Tracker, memory_mb
 
 log = logging.getLogger("tunekit")
 
@@ -169,7 +169,7 @@ class TrainRecipe:
     # ------------------------------------------------------------------ train
     def train(self) -> dict:
         t = self.cfg.trainer
-        clock = Stopwatch()
+        start = time.perf_counter()
         first_val = self.evaluate(self.start_step) if self.start_step == 0 else None
         last_val = first_val
         for step in range(self.start_step, t.max_steps):
@@ -182,7 +182,7 @@ class TrainRecipe:
         self.save_final()
         summary = {**{f"first_{k}": v for k, v in (first_val or {}).items()},
                    **{f"last_{k}": v for k, v in (last_val or {}).items()}, "steps": t.max_steps,
-                   "wall_s": clock.elapsed, "trainable_params": self.trainable_params,
+                   "wall_s": time.perf_counter() - start, "trainable_params": self.trainable_params,
                    "bits_per_param": self.bits_per_param, "world_size": self.acc.num_processes,
                    "ranks_in_sync": self._ranks_in_sync()}
         if self.main:

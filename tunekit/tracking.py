@@ -10,7 +10,6 @@ import logging
 import os
 import resource
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -129,19 +128,3 @@ class NullTracker:
     def eval(self, row): ...
     def plot(self): ...
     def close(self): ...
-
-
-class Stopwatch:
-    """Tokens/s over a step, and the wall time of the run."""
-
-    def __init__(self):
-        self.start = self.last = time.perf_counter()
-
-    def lap(self) -> float:
-        now = time.perf_counter()
-        dt, self.last = now - self.last, now
-        return dt
-
-    @property
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
