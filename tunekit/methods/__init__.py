@@ -28,6 +28,12 @@ class Method(Protocol):
     def load(self, model: nn.Module, in_dir: Path) -> None:
         """Load weights written by `save` into a model that went through `apply`."""
 
+    def merge(self, model: nn.Module) -> nn.Module:
+        """Fold the trained part into the base: a plain transformers model (no peft wrappers, no
+        bitsandbytes layers, no hooks) whose logits equal the trained model's. A 4-bit base comes
+        out dequantized in fp32. May reuse `model`'s storage: do not train `model` afterwards.
+        Methods with can_merge False raise TunekitError."""
+
 
 _REGISTRY: Dict[str, Callable[[], Method]] = {}
 
@@ -65,4 +71,13 @@ def trainable_parameters(model: nn.Module) -> tuple[int, int]:
     return trainable, total
 
 
-from tunekit.methods import lora  # noqa: E402,F401  (registers itself)
+def cannot_merge(name: str) -> TunekitError:
+    """The error of a method whose trained part has no equivalent inside the base's weights."""
+    return TunekitError(
+        f"method {name!r} cannot be merged into the base model (its trained part is not a change to "
+        "existing weights); export the adapter instead (--format adapter)"
+    )
+
+
+# Each module registers itself on import.
+from tunekit.methods import adapter, bitfit, full, lora, prompt_tuning  # noqa: E402,F401

@@ -1,0 +1,321 @@
+"""The shared method table: every PEFT method x every base (bf16, 4-bit NF4), on the tiny model.
+
+For each row: only the method's own (added, fp32) parameters train; at initialisation the output
+equals the base model's; save -> load into a fresh apply() reproduces the trained logits; merge()
+gives a plain transformers model with the trained logits (and it survives save_pretrained /
+from_pretrained), or a clear TunekitError where the method cannot merge.
+A new method = one row in CASES.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Optional
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import run_cli, tiny_args
+from tunekit import TunekitError
+from tunekit.config import MethodConfig
+from tunekit.losses import sft_loss_from_hidden
+from tunekit.methods import available_methods, get_method
+from tunekit.methods.prompt_tuning import init_token_ids, load_soft_prompt
+from tunekit.model import decoder_and_head, load_base_model
+
+CPU = torch.device("cpu")
+DTYPE = torch.bfloat16  # the compute dtype of both bases in these tests
+
+# Same function, different arithmetic: merged vs unmerged computes (W + BA) x instead of
+# W x + B A x, and over NF4 an fp32 merged model replaces bf16 matmuls; peft's prompt tuning
+# casts in another order. bf16 spacing for |logit| in [1, 2) is 2^-7 = 7.8e-3 (the tiny model's
+# logits are ~1; measured max difference 3.9e-3), so 2 such steps plus torch's own bf16 rtol.
+# fp32 leaves only summation order. Initialisation and save/load need no tolerance: same ops.
+TOL = {
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+}
+
+
+@dataclass
+class Case:
+    name: str
+    overrides: dict = field(default_factory=dict)
+    merges: bool = False
+    # Prompt tuning is not the identity at init by design: initialised from a text, it must equal
+    # the base run on that text's tokens (repeated/truncated to N) followed by the input.
+    init_text: Optional[str] = None
+    bases: tuple = ("none", "nf4")  # every PEFT method must train over a bf16 and a 4-bit base
+
+
+CASES = [
+    Case("lora", {"r": 4, "alpha": 8, "dropout": 0.0}, merges=True),
+    Case("adapter", {"bottleneck": 8}),
+    Case("bitfit", merges=True),
+    Case("prompt_tuning", {"num_virtual_tokens": 5, "prompt_init_text": "Answer briefly"}, init_text="Answer briefly"),
+]
+BASES = ["none", "nf4"]
+ROWS = [pytest.param(case, quantize, id=f"{case.name}-{quantize}") for case in CASES for quantize in case.bases]
+
+
+def test_table_covers_every_registered_method():
+    assert sorted(c.name for c in CASES) == available_methods()
+
+
+def make_base(model_dir, quantize: str):
+    """A frozen base prepared the way the trainer prepares it (NF4: QLoRA's fp32 norms/embeddings
+    and gradient checkpointing, which re-runs every forward hook during backward)."""
+    model = load_base_model(str(model_dir), quantize, DTYPE, CPU)
+    if quantize == "nf4":
+        from peft import prepare_model_for_kbit_training
+
+        prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
+                                        gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model
+
+
+def make_batch() -> dict:
+    """Two right-padded rows (lengths 7 and 4), labels = inputs on real positions."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(10, 1000, (2, 7), generator=g)
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3])
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def hidden_logits(model, batch) -> torch.Tensor:
+    """fp32 logits (n_real, vocab) of the real positions, through the trainer's decoder_and_head."""
+    decoder, head = decoder_and_head(model)
+    hidden = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    assert hidden.shape[:2] == batch["input_ids"].shape  # the trainer's (batch, seq, dim) contract
+    return head(hidden.to(head.weight.dtype)).float()[batch["attention_mask"].bool()]
+
+
+@torch.no_grad()
+def eval_logits(model, batch) -> torch.Tensor:
+    model.eval()
+    out = hidden_logits(model, batch)
+    model.train()
+    return out
+
+
+def reference_logits(base, batch, case: Case, model_dir) -> torch.Tensor:
+    if case.init_text is None:
+        return eval_logits(base, batch)
+    n = case.overrides["num_virtual_tokens"]
+    prefix = torch.tensor(init_token_ids(AutoTokenizer.from_pretrained(model_dir), case.init_text, n))
+    ids = torch.cat([prefix.expand(2, -1), batch["input_ids"]], dim=1)
+    mask = torch.cat([torch.ones(2, n, dtype=torch.long), batch["attention_mask"]], dim=1)
+    base.eval()
+    with torch.no_grad():
+        decoder, head = decoder_and_head(base)
+        hidden = decoder(input_ids=ids, attention_mask=mask).last_hidden_state[:, n:]
+        out = head(hidden.to(head.weight.dtype)).float()[batch["attention_mask"].bool()]
+    base.train()
+    return out
+
+
+def train_steps(model, batch, steps: int = 2) -> None:
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        decoder, head = decoder_and_head(model)
+        hidden = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        loss, n = sft_loss_from_hidden(hidden, head, batch["labels"])
+        (loss / n).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def assert_plain_transformers_model(model) -> None:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, m in model.named_modules():
+        assert not isinstance(m, (bnb.nn.Linear4bit, BaseTunerLayer)), name
+        assert not type(m).__module__.startswith(("peft", "bitsandbytes", "tunekit")), name
+        assert not m._forward_hooks and not m._forward_pre_hooks, f"{name} keeps a hook"
+    assert not hasattr(model.config, "quantization_config")
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize("case, quantize", ROWS)
+def test_method(case: Case, quantize: str, tiny_model_dir, tmp_path):
+    torch.manual_seed(0)
+    cfg = MethodConfig(name=case.name, **case.overrides)
+    method = get_method(case.name)
+    batch = make_batch()
+
+    base = make_base(tiny_model_dir, quantize)
+    before = reference_logits(base, batch, case, tiny_model_dir)
+    base_params = {id(p) for p in base.parameters()}
+    model = method.apply(base, cfg)
+
+    # Only what the method added trains, and it trains in fp32 whatever the base.
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    added = {n for n, p in model.named_parameters() if id(p) not in base_params}
+    assert trainable and trainable == added
+    assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+
+    # Initialisation: exactly the base model's function (zero-initialised up/B/bias, or the init text).
+    init = eval_logits(model, batch)
+    torch.testing.assert_close(init, before, atol=0, rtol=0)
+
+    train_steps(model, batch)
+    trained = eval_logits(model, batch)
+    assert (trained - init).abs().max() > 0.1  # the steps changed the function (measured ~0.7)
+
+    # Save -> fresh base + apply -> load reproduces the trained model exactly.
+    method.save(model, tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    fresh = method.apply(make_base(tiny_model_dir, quantize), cfg)
+    method.load(fresh, tmp_path / "adapter")
+    torch.testing.assert_close(eval_logits(fresh, batch), trained, atol=0, rtol=0)
+
+    if not case.merges:
+        assert not method.can_merge
+        with pytest.raises(TunekitError, match="--format adapter"):
+            method.merge(model)
+        return
+    assert method.can_merge
+    merged = method.merge(model)
+    assert_plain_transformers_model(merged)
+    assert merged.dtype == (torch.float32 if quantize == "nf4" else DTYPE)
+    mask = batch["attention_mask"].bool()
+    with torch.no_grad():
+        merged_logits = merged(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()[mask]
+    torch.testing.assert_close(merged_logits, trained, **TOL[DTYPE])
+    # ... and it is an ordinary checkpoint: from_pretrained rebuilds the same model from its config
+    merged.save_pretrained(tmp_path / "merged")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=merged.dtype)
+    with torch.no_grad():
+        again = reloaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()[mask]
+    torch.testing.assert_close(again, merged_logits, atol=0, rtol=0)
+
+
+def test_bitfit_merge_sets_llama_bias_flags(tiny_model_dir, tmp_path):
+    """Training only q and down: the merged config turns on both bias flags and transformers then
+    builds biases on all seven projections; the untrained ones are zero."""
+    method = get_method("bitfit")
+    model = method.apply(make_base(tiny_model_dir, "none"), MethodConfig(name="bitfit", target_modules=["q_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.fill_(0.5)
+    merged = method.merge(model)
+    merged.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["attention_bias"] is True and config["mlp_bias"] is True
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    block = reloaded.model.layers[1]
+    for proj in (block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj, block.self_attn.o_proj,
+                 block.mlp.gate_proj, block.mlp.up_proj, block.mlp.down_proj):
+        assert proj.bias is not None
+    assert torch.all(block.self_attn.q_proj.bias == 0.5) and torch.all(block.mlp.down_proj.bias == 0.5)
+    assert torch.all(block.self_attn.k_proj.bias == 0) and torch.all(block.mlp.up_proj.bias == 0)
+
+
+def test_bitfit_bias_stays_fp32_over_nf4(tiny_model_dir):
+    """bitsandbytes casts a Linear4bit's own .bias to the input dtype in place; BitFit's is elsewhere."""
+    model = get_method("bitfit").apply(make_base(tiny_model_dir, "nf4"), MethodConfig(name="bitfit"))
+    train_steps(model, make_batch(), steps=1)
+    biases = [p for n, p in model.named_parameters() if p.requires_grad]
+    assert len(biases) == 2 * 7 and all(p.dtype == torch.float32 for p in biases)
+    assert all(m.bias is None for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))
+
+
+@pytest.mark.parametrize("quantize", BASES)
+def test_prompt_tuning_adapter_runs_in_peft(quantize, tiny_model_dir, tmp_path):
+    """The saved folder is a peft PROMPT_TUNING adapter; peft's forward gives tunekit's logits."""
+    from peft import PeftModel
+
+    torch.manual_seed(0)
+    method, batch = get_method("prompt_tuning"), make_batch()
+    model = method.apply(make_base(tiny_model_dir, quantize), MethodConfig(name="prompt_tuning", num_virtual_tokens=4))
+    train_steps(model, batch)
+    ours = eval_logits(model, batch)
+    method.save(model, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["peft_type"] == "PROMPT_TUNING" and config["task_type"] == "CAUSAL_LM"
+    assert config["num_virtual_tokens"] == 4 and config["token_dim"] == 64 and config["num_transformer_submodules"] == 1
+    assert config["prompt_tuning_init"] == "SAMPLE_VOCAB"
+    peft_model = PeftModel.from_pretrained(make_base(tiny_model_dir, quantize), tmp_path)
+    peft_model.eval()
+    with torch.no_grad():
+        theirs = peft_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    theirs = theirs[:, 4:].float()[batch["attention_mask"].bool()]  # peft returns the virtual positions too
+    torch.testing.assert_close(theirs, ours, **TOL[DTYPE])
+
+
+def test_prompt_tuning_packed_rows_equal_padded(tiny_model_dir):
+    """Packed rows (position_ids restarting per example) get the soft prompt before each example."""
+    torch.manual_seed(0)
+    model = get_method("prompt_tuning").apply(make_base(tiny_model_dir, "none"),
+                                              MethodConfig(name="prompt_tuning", num_virtual_tokens=3))
+    batch = make_batch()
+    padded = eval_logits(model, batch)
+    rows = [batch["input_ids"][0], batch["input_ids"][1, :4]]
+    packed_ids = torch.cat(rows)[None]
+    positions = torch.cat([torch.arange(len(r)) for r in rows])[None]
+    decoder, head = decoder_and_head(model)
+    model.eval()
+    with torch.no_grad():
+        hidden = decoder(input_ids=packed_ids, position_ids=positions).last_hidden_state
+        packed = head(hidden).float()[0]
+    assert hidden.shape[:2] == packed_ids.shape
+    torch.testing.assert_close(packed, padded, **TOL[DTYPE])
+
+
+def test_config_errors_name_the_key(tiny_model_dir):
+    base = make_base(tiny_model_dir, "none")
+    for name, overrides, key in [
+        ("adapter", {"bottleneck": 0}, "method.bottleneck"),
+        ("adapter", {"activation": "tanh"}, "method.activation"),
+        ("adapter", {"sublayers": ["ffn"]}, "method.sublayers"),
+        ("bitfit", {"target_modules": ["lm_head"]}, "method.target_modules"),
+        ("prompt_tuning", {"num_virtual_tokens": 0}, "method.num_virtual_tokens"),
+        ("prompt_tuning", {"prompt_init_text": ""}, "method.prompt_init_text"),
+    ]:
+        with pytest.raises(TunekitError, match=key):
+            get_method(name).apply(base, MethodConfig(name=name, **overrides))
+
+
+def test_load_errors(tiny_model_dir, tmp_path):
+    adapter = get_method("adapter")
+    small = adapter.apply(make_base(tiny_model_dir, "none"), MethodConfig(name="adapter", bottleneck=4))
+    adapter.save(small, tmp_path / "b4")
+    big = adapter.apply(make_base(tiny_model_dir, "none"), MethodConfig(name="adapter", bottleneck=8))
+    with pytest.raises(TunekitError, match="bottleneck"):
+        adapter.load(big, tmp_path / "b4")
+    with pytest.raises(TunekitError, match="no adapter_model.safetensors"):
+        adapter.load(big, tmp_path / "missing")
+    with pytest.raises(TunekitError, match="not a prompt-tuning"):
+        load_soft_prompt(tmp_path / "b4", 64)
+    with pytest.raises(TunekitError, match="no such folder"):
+        load_soft_prompt(tmp_path / "missing", 64)
+
+
+def test_new_recipes_train_from_the_cli(tiny_model_dir, tiny_data, tmp_path):
+    """Every new recipe trains through the real CLI on a bf16 and on a 4-bit NF4 base (one sweep)."""
+    out = tmp_path / "sweep"
+    r = run_cli(["train", "-m", "recipe=adapter,bitfit,prompt_tuning", "model.quantize=none,nf4",
+                 *tiny_args(tiny_model_dir, tiny_data, out, "trainer.max_steps=2", "trainer.eval_every=2",
+                            "method.num_virtual_tokens=4", "method.bottleneck=8")], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    seen = set()
+    for job in range(6):
+        d = out / str(job)
+        cfg = (d / "config.yaml").read_text()
+        recipe = cfg.split("\n")[0].split(": ")[1]
+        quant = "nf4" if "quantize: nf4" in cfg else "none"
+        seen.add((recipe, quant))
+        summary = json.loads((d / "summary.json").read_text())
+        assert summary["steps"] == 2 and summary["trainable_params"] > 0
+        assert all(map(lambda v: v == v and abs(v) < 100, (summary["first_val_loss"], summary["last_val_loss"])))
+        assert (summary["bits_per_param"] is not None) == (quant == "nf4")
+        assert (d / "adapter" / "adapter_model.safetensors").is_file() and (d / "adapter" / "tokenizer.json").is_file()
+    assert seen == {(r, q) for r in ("adapter", "bitfit", "prompt_tuning") for q in ("none", "nf4")}

@@ -1,0 +1,137 @@
+"""Bottleneck adapters (Houlsby et al. 2019, arXiv:1902.00751) inside every decoder block.
+
+Each adapter maps a sublayer's output h: (batch, seq, dim) to
+
+    h + up(act(down(h)))      down: dim -> bottleneck, up: bottleneck -> dim, up initialised to 0
+
+and sits where Houlsby put it: on the output of the attention sublayer and of the MLP sublayer,
+before the block adds its residual. With `up` zero the model is unchanged at step 0. Houlsby also
+trained the layer norms; here only the adapters train, so the method is "exactly the parameters
+it added" like every other tunekit method.
+
+peft has no such method, so it is built here on the model instance, without touching any
+transformers class: the adapters are registered as children of each decoder layer (so they move,
+save and count with the model) and a forward hook on `self_attn` / `mlp` rewrites the sublayer's
+output. Attention returns a tuple (output, weights); only the output is adapted. The adapters
+compute in fp32 whatever the base (bf16 or 4-bit) and hand back the sublayer's dtype.
+
+Saved as adapter_model.safetensors (fp32, keys = the parameters' names in the model) plus a
+tunekit adapter_config.json; an adapter is not a change to existing weights, so it cannot merge.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+from tunekit import TunekitError
+from tunekit.methods import cannot_merge, register
+
+ACTIVATIONS = {"gelu": nn.GELU, "silu": nn.SiLU, "relu": nn.ReLU}
+SUBLAYERS = ("self_attn", "mlp")
+CHILD = "bottleneck_adapters"  # the ModuleDict's name inside each decoder layer (in state-dict keys)
+CONFIG_TYPE = "TUNEKIT_BOTTLENECK_ADAPTER"
+
+
+class Bottleneck(nn.Module):
+    """h + up(act(down(h))): (..., dim) -> (..., dim), computed in fp32, returned in h's dtype."""
+
+    def __init__(self, dim: int, bottleneck: int, activation: str, device=None):
+        super().__init__()
+        self.down = nn.Linear(dim, bottleneck, device=device, dtype=torch.float32)
+        self.act = ACTIVATIONS[activation]()
+        self.up = nn.Linear(bottleneck, dim, device=device, dtype=torch.float32)
+        nn.init.zeros_(self.up.weight)  # identity at init: training starts from the base model
+        nn.init.zeros_(self.up.bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = h.float()
+        return (x + self.up(self.act(self.down(x)))).to(h.dtype)
+
+
+def _adapt_output(module: nn.Module, args, output, adapter: Bottleneck):
+    if isinstance(output, tuple):  # attention: (hidden (batch, seq, dim), attention weights or None)
+        return (adapter(output[0]), *output[1:])
+    return adapter(output)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks of a transformers causal LM (model.model.layers for Llama and kin)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise TunekitError(f"model: {type(base).__name__} has no decoder.layers; the adapter method needs them")
+    return layers
+
+
+def _check_cfg(cfg) -> tuple[int, str, list[str]]:
+    if cfg.bottleneck <= 0:
+        raise TunekitError(f"method.bottleneck: must be > 0, got {cfg.bottleneck}")
+    if cfg.activation not in ACTIVATIONS:
+        raise TunekitError(f"method.activation: unknown activation {cfg.activation!r}; choose one of {sorted(ACTIVATIONS)}")
+    sublayers = list(cfg.sublayers)
+    bad = [s for s in sublayers if s not in SUBLAYERS]
+    if bad or not sublayers:
+        raise TunekitError(f"method.sublayers: {bad or 'empty'}; choose from {list(SUBLAYERS)}")
+    return cfg.bottleneck, cfg.activation, sublayers
+
+
+@register("adapter")
+class BottleneckAdapter:
+    can_merge = False
+
+    def apply(self, model: nn.Module, cfg) -> nn.Module:
+        bottleneck, activation, sublayers = _check_cfg(cfg)
+        model.requires_grad_(False)
+        dim = model.config.hidden_size
+        for layer in decoder_layers(model):
+            if hasattr(layer, CHILD):
+                raise TunekitError("model: bottleneck adapters are already applied to this model")
+            device = next(layer.parameters()).device
+            adapters = nn.ModuleDict({s: Bottleneck(dim, bottleneck, activation, device) for s in sublayers})
+            layer.add_module(CHILD, adapters)
+            for s in sublayers:
+                # with_kwargs=False: the hook sees (module, args, output) and its return replaces output
+                getattr(layer, s).register_forward_hook(
+                    lambda mod, args, out, a=adapters[s]: _adapt_output(mod, args, out, a))
+        model.tunekit_adapter_config = {
+            "method": CONFIG_TYPE, "bottleneck": bottleneck, "activation": activation, "targets": sublayers,
+            "hidden_size": dim, "num_layers": len(decoder_layers(model)),
+            "base_model_name_or_path": getattr(model.config, "_name_or_path", None) or None,
+        }
+        return model
+
+    def _state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return {name: p for name, p in model.named_parameters() if f".{CHILD}." in name}
+
+    def save(self, model: nn.Module, out_dir: Path) -> None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().float().contiguous().cpu() for k, v in self._state(model).items()},
+                  str(out_dir / "adapter_model.safetensors"))
+        (out_dir / "adapter_config.json").write_text(json.dumps(model.tunekit_adapter_config, indent=2) + "\n")
+
+    def load(self, model: nn.Module, in_dir: Path) -> None:
+        in_dir = Path(in_dir)
+        path = in_dir / "adapter_model.safetensors"
+        if not path.is_file():
+            raise TunekitError(f"{in_dir}: no adapter_model.safetensors (not a saved adapter folder)")
+        saved = load_file(str(path))
+        mine = self._state(model)
+        if saved.keys() != mine.keys():
+            extra, missing = sorted(saved.keys() - mine.keys()), sorted(mine.keys() - saved.keys())
+            raise TunekitError(f"{in_dir}: adapter does not fit this model (unexpected {extra[:2]}, missing {missing[:2]})")
+        with torch.no_grad():
+            for name, p in mine.items():
+                if saved[name].shape != p.shape:
+                    raise TunekitError(f"{in_dir}: {name} has shape {tuple(saved[name].shape)}, the model wants "
+                                       f"{tuple(p.shape)} (another bottleneck size or base model?)")
+                p.copy_(saved[name])
+
+    def merge(self, model: nn.Module) -> nn.Module:
+        raise cannot_merge(self.name)

@@ -1,0 +1,129 @@
+"""BitFit (Ben Zaken et al. 2021, arXiv:2106.10199): only the bias terms train.
+
+Llama-family models (SmolLM2 included) have no biases, so BitFit here adds a zero bias b: (out,)
+to each target projection (default every linear projection of every block: q,k,v,o,gate,up,down)
+and trains only those: y = W x + b, unchanged at step 0.
+
+The bias is an fp32 parameter named `bitfit_bias` on the projection itself, added by a forward
+hook in fp32 and then cast to the projection's output dtype. It is deliberately not the layer's
+own `.bias`: bitsandbytes' Linear4bit.forward casts `self.bias.data` to the input dtype in place,
+which would silently turn a trained fp32 bias into bf16 after the first step.
+
+Saved as adapter_model.safetensors with keys `<module>.bias` (the names the merged model uses)
+plus a tunekit adapter_config.json. Merging yields a plain LlamaForCausalLM-style model with
+config.attention_bias / config.mlp_bias set, the biases copied in (zeros for projections that did
+not train), so the merged folder reloads with from_pretrained and gives the same logits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+from tunekit import TunekitError
+from tunekit.methods import register
+from tunekit.methods.adapter import decoder_layers
+from tunekit.methods.lora import dequantized_linear, is_4bit, replace_module, to_plain_model
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Which config flag makes transformers' Llama create a bias on each projection.
+BIAS_FLAG = {"q_proj": "attention_bias", "k_proj": "attention_bias", "v_proj": "attention_bias",
+             "o_proj": "attention_bias", "gate_proj": "mlp_bias", "up_proj": "mlp_bias", "down_proj": "mlp_bias"}
+PARAM = "bitfit_bias"
+CONFIG_TYPE = "TUNEKIT_BITFIT"
+
+
+def _add_bias(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+    # output: (..., out). Adding in fp32 keeps the small trained bias exact in the sum.
+    return (output.float() + getattr(module, PARAM)).to(output.dtype)
+
+
+def _targets(model: nn.Module, wanted: list[str]) -> list[tuple[str, nn.Module]]:
+    """(full name, projection) for every wanted projection inside the decoder blocks."""
+    names = list(ALL_LINEAR) if list(wanted) == ["all-linear"] else list(wanted)
+    unknown = [n for n in names if n not in BIAS_FLAG]
+    if unknown:
+        raise TunekitError(f"method.target_modules: {unknown} are not Llama projections; choose from "
+                           f"{list(ALL_LINEAR)} or [all-linear]")
+    inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}  # not lm_head and the like
+    found = [(name, m) for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in names and id(m) in inside]
+    if not found:
+        raise TunekitError(f"method.target_modules: no module named {names} in this model")
+    return found
+
+
+@register("bitfit")
+class BitFit:
+    can_merge = True
+
+    def apply(self, model: nn.Module, cfg) -> nn.Module:
+        model.requires_grad_(False)
+        targets = _targets(model, cfg.target_modules)
+        for _, proj in targets:
+            if hasattr(proj, PARAM):
+                raise TunekitError("model: BitFit biases are already applied to this model")
+            if getattr(proj, "bias", None) is not None:
+                raise TunekitError(f"model: {type(proj).__name__} already has a bias; BitFit here adds biases to "
+                                   "bias-free (Llama-style) projections only")
+            device = proj.weight.device
+            proj.register_parameter(PARAM, nn.Parameter(torch.zeros(proj.out_features, device=device)))
+            proj.register_forward_hook(_add_bias)
+        model.tunekit_bitfit_config = {
+            "method": CONFIG_TYPE, "targets": sorted({n.rsplit(".", 1)[-1] for n, _ in targets}),
+            "base_model_name_or_path": getattr(model.config, "_name_or_path", None) or None,
+        }
+        return model
+
+    def _state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """{"model.layers.0.self_attn.q_proj.bias": (out,) parameter, ...}"""
+        return {name.removesuffix(PARAM) + "bias": p for name, p in model.named_parameters() if name.endswith(PARAM)}
+
+    def save(self, model: nn.Module, out_dir: Path) -> None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().float().contiguous().cpu() for k, v in self._state(model).items()},
+                  str(out_dir / "adapter_model.safetensors"))
+        (out_dir / "adapter_config.json").write_text(json.dumps(model.tunekit_bitfit_config, indent=2) + "\n")
+
+    def load(self, model: nn.Module, in_dir: Path) -> None:
+        in_dir = Path(in_dir)
+        path = in_dir / "adapter_model.safetensors"
+        if not path.is_file():
+            raise TunekitError(f"{in_dir}: no adapter_model.safetensors (not a saved adapter folder)")
+        saved, mine = load_file(str(path)), self._state(model)
+        if saved.keys() != mine.keys():
+            extra, missing = sorted(saved.keys() - mine.keys()), sorted(mine.keys() - saved.keys())
+            raise TunekitError(f"{in_dir}: BitFit biases do not fit this model (unexpected {extra[:2]}, missing {missing[:2]})")
+        with torch.no_grad():
+            for name, p in mine.items():
+                if saved[name].shape != p.shape:
+                    raise TunekitError(f"{in_dir}: {name} has shape {tuple(saved[name].shape)}, the model wants {tuple(p.shape)}")
+                p.copy_(saved[name])
+
+    def merge(self, model: nn.Module) -> nn.Module:
+        """Every projection of every block becomes an nn.Linear with a bias (the trained one, or
+        zeros), so that config.attention_bias = config.mlp_bias = True describes the model exactly."""
+        trained = self._state(model)
+        # Every projection the flags will give a bias to, trained or not.
+        projections = _targets(model, ["all-linear"])
+        flags = {BIAS_FLAG[name.rsplit(".", 1)[-1]] for name, _ in projections}
+        for name, proj in projections:
+            if is_4bit(proj):
+                plain = dequantized_linear(proj)  # fp32, read afresh from the packed codes
+            else:  # reuse the frozen weight; "meta" skips initialising a weight we replace at once
+                plain = nn.Linear(proj.in_features, proj.out_features, bias=False, device="meta")
+                plain.weight = proj.weight
+            trained_bias = trained.get(name + ".bias")
+            bias = torch.zeros(proj.out_features, device=plain.weight.device, dtype=plain.weight.dtype)
+            if trained_bias is not None:
+                bias.copy_(trained_bias.detach())
+            plain.bias = nn.Parameter(bias)
+            replace_module(model, name, plain)  # the projection's hook goes with it
+        for flag in flags:
+            setattr(model.config, flag, True)
+        del model.tunekit_bitfit_config
+        return to_plain_model(model)

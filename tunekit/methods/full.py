@@ -1,0 +1,49 @@
+"""Full fine-tuning: every weight of the model trains. Meant for small students (recipe=distill
+with method.name=full), not for the 4-bit bases the PEFT methods serve.
+
+The weights train in fp32 even when the base loads in bf16: AdamW updates of ~lr * 1 on weights
+of ~1e-2 fall below bf16's resolution (8 significant bits) and would be lost. `save` writes a
+plain Hugging Face model folder, so "merging" is the identity.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file
+
+from tunekit import TunekitError
+from tunekit.methods import register
+
+
+@register("full")
+class FullFineTune:
+    can_merge = True
+
+    def apply(self, model: nn.Module, cfg) -> nn.Module:
+        if any(getattr(p, "quant_state", None) is not None for p in model.parameters()):
+            raise TunekitError("method.name=full: cannot train a 4-bit base; set model.quantize=none")
+        model.float()
+        model.requires_grad_(True)
+        return model
+
+    def save(self, model: nn.Module, out_dir: Path) -> None:
+        model.save_pretrained(out_dir, safe_serialization=True)
+
+    def load(self, model: nn.Module, in_dir: Path) -> None:
+        files = sorted(Path(in_dir).glob("*.safetensors"))
+        if not files:
+            raise TunekitError(f"{in_dir}: no model weights (*.safetensors) to load")
+        state = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        # tied output heads are saved once; anything else missing means another model
+        missing = [k for k in missing if not k.endswith("lm_head.weight")]
+        if missing or unexpected:
+            raise TunekitError(f"{in_dir}: weights do not fit this model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+
+    def merge(self, model: nn.Module) -> nn.Module:
+        return model.to(torch.float32)
