@@ -133,9 +133,12 @@ def _train_job(cfg) -> None:
         fail(f"interrupted; checkpoints so far are in {output_dir}/checkpoints: resume with "
              f"output_dir={output_dir} trainer.resume=true", code=130)
     if recipe.main:
-        first, last = summary["first_val_loss"], summary["last_val_loss"]
-        fv = f"{first:.4f}" if first is not None else "n/a (resumed)"
-        log.info("done in %.0f s: val loss %s -> %.4f; outputs in %s", summary["wall_s"], fv, last, output_dir)
+        changes = []
+        for name in ("loss", "kl", "ce"):
+            first, last = summary.get(f"first_val_{name}"), summary.get(f"last_val_{name}")
+            if last is not None:
+                changes.append(f"val {name} {'n/a (resumed)' if first is None else f'{first:.4f}'} -> {last:.4f}")
+        log.info("done in %.0f s: %s; outputs in %s", summary["wall_s"], ", ".join(changes), output_dir)
     recipe.cleanup()
 
 
@@ -154,7 +157,12 @@ def run_train(argv: list[str]) -> None:
 
 # Subcommands other than train: name -> ("module:function", help). Each function takes argv
 # (the words after the subcommand) and parses them itself; the module is imported on use.
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("tunekit.generate:main",
+                 "greedy generation, each prompt with its own prompt-tuning adapter: tunekit generate --help"),
+    "export": ("tunekit.export:main",
+               "adapter | merged HF model | GGUF, each checked against the trained model: tunekit export --help"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

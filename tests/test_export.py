@@ -1,0 +1,298 @@
+"""`tunekit export`: adapter, merged and GGUF exports of real (tiny) runs, checked and atomic.
+
+Two tiny runs are trained once per module through the real CLI (qlora: LoRA over a 4-bit NF4
+base; lora: LoRA over a bf16 base). Most exports are called in-process (`export()`, the function
+behind the CLI) to keep the file fast; the CLI itself is exercised for the printed summary, the
+refusal exit code and one-line errors. One test runs qlora -> merged on the real default model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import run_cli, tiny_args
+from tunekit import TunekitError
+from tunekit.export import export
+from tunekit.export.fidelity import KL_THRESHOLD_REQUANT_NF4
+
+
+def _train(recipe: str, model_dir: Path, data: Path, out: Path, *extra: str) -> Path:
+    r = run_cli(["train", f"recipe={recipe}", *tiny_args(model_dir, data, out, "trainer.max_steps=2", *extra)], out.parent)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tiny_data, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("export-runs")
+    return {recipe: _train(recipe, tiny_model_dir, tiny_data, root / recipe) for recipe in ("qlora", "lora")}
+
+
+def tree_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(p for p in Path(path).rglob("*") if p.is_file()) if Path(path).is_dir() else [Path(path)]:
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def leftovers(parent: Path) -> list[str]:
+    return [p.name for p in parent.iterdir() if ".tmp-" in p.name or p.name.endswith(".old")]
+
+
+# ---------------------------------------------------------------- adapter
+@pytest.mark.parametrize("recipe", ["qlora", "lora"])
+def test_adapter_export_loads_with_peft(runs, recipe, tmp_path):
+    out = tmp_path / "adapter"
+    report = export(runs[recipe], "adapter", out, eval_batches=1)
+    for name in ("adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "fidelity.json"):
+        assert (out / name).is_file(), name
+    assert report["accepted"] and report["fidelity"]["kl_mean"] < 1e-6  # same weights, same base: exact
+    assert report["fidelity"]["top1_agreement"] == 1.0 and report["fidelity"]["tokenizer_agreement"] == 1.0
+    assert json.loads((out / "fidelity.json").read_text())["format"] == "adapter"
+    assert json.loads((out / "adapter_config.json").read_text())["peft_type"] == "LORA"
+    saved, trained = load_file(str(out / "adapter_model.safetensors")), load_file(str(runs[recipe] / "adapter" / "adapter_model.safetensors"))
+    assert saved.keys() == trained.keys() and all(torch.equal(saved[k], trained[k]) for k in saved)
+
+
+# ---------------------------------------------------------------- merged
+LOAD_WITHOUT_TUNEKIT = """
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+ids = tok.apply_chat_template([{"role": "user", "content": "What is 3 plus 3?"}], add_generation_prompt=True,
+                              return_tensors="pt", return_dict=True)["input_ids"]
+with torch.no_grad():
+    logits = model(input_ids=ids).logits.float()
+assert not any(m == "tunekit" or m.startswith("tunekit.") for m in sys.modules), "tunekit was imported"
+assert str(model.dtype) == "torch.bfloat16", model.dtype
+torch.save({"ids": ids, "logits": logits}, sys.argv[2])
+"""
+
+
+def test_merged_export_via_cli_loads_without_tunekit(runs, tmp_path):
+    """qlora -> merged bf16 through the real CLI; a python that never imports tunekit loads it."""
+    out = tmp_path / "merged"
+    r = run_cli(["export", str(runs["qlora"]), "--format", "merged", "--out", str(out), "--eval-batches", "2"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "fidelity of merged (bf16)" in r.stdout and "KL(trained||exported)" in r.stdout and "-> OK" in r.stdout
+    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "fidelity.json"):
+        assert (out / name).is_file(), name
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "bfloat16"
+    assert not leftovers(tmp_path)
+
+    res = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_TUNEKIT, str(out), str(tmp_path / "logits.pt")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = torch.load(tmp_path / "logits.pt")
+    from tunekit.export.run import open_run, trained_model
+
+    with torch.no_grad():
+        want = trained_model(open_run(runs["qlora"]))(input_ids=got["ids"]).logits.float()
+    # bf16 storage of the merged weights vs fp32-dequantized NF4 + LoRA at train time
+    assert (got["logits"] - want).abs().max() < 0.05
+
+
+def test_merged_nf4_weights_are_fresh_dequantized_base_plus_delta(runs, tiny_model_dir, tmp_path):
+    """W_merged == dequant(NF4 codes, read afresh) + (alpha/r) B A, i.e. merged into the base the
+    adapter trained against, in fp32, never into a re-quantized or CPU-repacked weight (TRAPS.md)."""
+    import bitsandbytes.functional as bnbf
+
+    from tunekit.model import load_base_model
+
+    out = tmp_path / "merged"
+    export(runs["qlora"], "merged", out, dtype="fp32", eval_batches=1)
+    merged = load_file(str(out / "model.safetensors"))
+    base = load_base_model(str(tiny_model_dir), "nf4", torch.bfloat16, torch.device("cpu"))
+    adapter = load_file(str(runs["qlora"] / "adapter" / "adapter_model.safetensors"))
+    cfg = json.loads((runs["qlora"] / "adapter" / "adapter_config.json").read_text())
+    scale = cfg["lora_alpha"] / cfg["r"]
+    for layer in range(2):
+        for proj in ("self_attn.q_proj", "mlp.down_proj"):
+            name = f"model.layers.{layer}.{proj}"
+            q = base.get_submodule(name).weight
+            w = bnbf.dequantize_4bit(q.data, q.quant_state).float()  # (out, in)
+            a, b = adapter[f"base_model.model.{name}.lora_A.weight"], adapter[f"base_model.model.{name}.lora_B.weight"]
+            delta = scale * b.float() @ a.float()
+            assert delta.abs().max() > 0  # two steps at lr 1e-3 moved B off zero
+            torch.testing.assert_close(merged[f"{name}.weight"], w + delta, rtol=0, atol=1e-6)
+
+
+def test_merged_export_over_bf16_base_and_requantized_nf4(runs, tmp_path):
+    out = tmp_path / "merged"
+    report = export(runs["lora"], "merged", out, eval_batches=1)
+    assert report["accepted"] and report["kl_threshold"] == 3e-3
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+
+    nf4 = tmp_path / "nf4"
+    report = export(runs["lora"], "merged", nf4, requantize="nf4", eval_batches=1)
+    assert report["accepted"] and report["kl_threshold"] == KL_THRESHOLD_REQUANT_NF4
+    assert report["requantize"] == "nf4"
+    q = json.loads((nf4 / "config.json").read_text())["quantization_config"]
+    assert q["load_in_4bit"] and q["bnb_4bit_quant_type"] == "nf4" and q["bnb_4bit_use_double_quant"]
+    assert (nf4 / "fidelity.json").is_file() and not (nf4 / ".merged-scratch").exists()
+    # re-quantizing rounds every weight again: it cannot be closer than the plain merge
+    assert report["fidelity"]["max_abs_logit_diff"] > 0
+
+
+# ---------------------------------------------------------------- gguf
+@pytest.mark.parametrize("recipe", ["qlora", "lora"])
+def test_gguf_export(runs, recipe, tmp_path):
+    import gguf
+
+    out = tmp_path / "model.gguf"
+    report = export(runs[recipe], "gguf", out, eval_batches=1)
+    assert report["accepted"] and report["fidelity"]["tokenizer_agreement"] == 1.0
+    # a random tiny model's logits are nearly tied, so bf16 rounding flips a few argmaxes
+    assert report["fidelity"]["top1_agreement"] > 0.9
+    assert json.loads(Path(f"{out}.fidelity.json").read_text())["format"] == "gguf"
+    reader = gguf.GGUFReader(out)
+    field = lambda key: reader.fields[key].contents()  # noqa: E731
+    assert field("general.architecture") == "llama" and field("llama.block_count") == 2
+    assert field("llama.attention.head_count") == 4 and field("llama.attention.head_count_kv") == 2
+    # the default model's HF tokenizer (converted from its GGUF by transformers) is plain byte-level
+    assert field("tokenizer.ggml.model") == "gpt2" and field("tokenizer.ggml.pre") == "gpt2"
+    assert field("tokenizer.ggml.eos_token_id") == 2 and "im_start" in field("tokenizer.chat_template")
+    assert len(field("tokenizer.ggml.merges")) > 40000
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert "output.weight" not in types  # tied to token_embd
+    assert types["blk.1.attn_q.weight"] == "BF16" and types["blk.1.ffn_norm.weight"] == "F32"
+    assert {"token_embd.weight", "output_norm.weight", "blk.0.attn_output.weight", "blk.0.ffn_gate.weight"} <= set(types)
+    assert not leftovers(tmp_path)
+
+
+def test_rotary_interleave_matches_ggml_rope():
+    """perm(HF rope(x)) == ggml rope(perm(x)): transformers rotates pairs (i, i + hd/2), ggml's
+    llama rope rotates (2i, 2i + 1); interleaving q/k rows maps one onto the other."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from tunekit.export.gguf import interleave_rotary_rows
+
+    heads, hd, pos = 3, 8, 5
+    theta = 10000.0 ** (-torch.arange(0, hd, 2).double() / hd) * pos  # (hd/2,)
+    x = torch.randn(heads * hd, dtype=torch.float64)
+    cos, sin = torch.cat([theta.cos()] * 2), torch.cat([theta.sin()] * 2)  # HF layout (hd,)
+    hf, _ = apply_rotary_pos_emb(x.view(1, heads, 1, hd), x.view(1, heads, 1, hd), cos[None, None], sin[None, None])
+    g = interleave_rotary_rows(x, heads).view(heads, hd // 2, 2)
+    ggml = torch.stack([g[..., 0] * theta.cos() - g[..., 1] * theta.sin(),
+                        g[..., 0] * theta.sin() + g[..., 1] * theta.cos()], -1).reshape(-1)
+    torch.testing.assert_close(interleave_rotary_rows(hf.reshape(-1), heads), ggml)
+
+
+# ---------------------------------------------------------------- refusal, interruption, errors
+def test_refusal_via_cli_leaves_previous_export_untouched(runs, tmp_path):
+    out = tmp_path / "adapter"
+    export(runs["qlora"], "adapter", out, eval_batches=1)
+    before = tree_digest(out)
+    # KL >= 0 always, so a negative bound forces a refusal
+    r = run_cli(["export", str(runs["qlora"]), "--format", "adapter", "--out", str(out), "--kl-threshold", "-1",
+                 "--eval-batches", "1"], tmp_path)
+    assert r.returncode != 0
+    assert "REFUSED" in r.stdout
+    assert r.stderr.strip().splitlines()[-1].startswith("tunekit: error: export refused: KL")
+    assert tree_digest(out) == before and not leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("fmt", ["merged", "gguf"])
+def test_refusal_writes_nothing_unless_forced(runs, fmt, tmp_path):
+    out = tmp_path / ("x.gguf" if fmt == "gguf" else "x")
+    with pytest.raises(TunekitError, match="export refused"):
+        export(runs["lora"], fmt, out, kl_threshold=-1.0, eval_batches=1)
+    assert list(tmp_path.iterdir()) == []
+    report = export(runs["lora"], fmt, out, kl_threshold=-1.0, force=True, eval_batches=1)
+    assert not report["accepted"] and report["forced"] and out.exists()
+
+
+@pytest.mark.parametrize("fmt", ["adapter", "gguf"])
+@pytest.mark.parametrize("existing", [False, True])
+def test_interrupted_export_leaves_path_absent_or_unchanged(runs, fmt, existing, tmp_path, monkeypatch):
+    import tunekit.export as ex
+
+    out = tmp_path / ("x.gguf" if fmt == "gguf" else "x")
+    if existing:
+        export(runs["lora"], fmt, out, eval_batches=1)
+        before = tree_digest(out)
+
+    def interrupted(*args, **kwargs):  # after the artifact is fully written, before it is checked
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ex, "compare", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export(runs["lora"], fmt, out, eval_batches=1)
+    if existing:
+        assert tree_digest(out) == before
+    else:
+        assert not out.exists() and not Path(f"{out}.fidelity.json").exists()
+    assert not leftovers(tmp_path)
+
+
+def test_cannot_merge_method_suggests_adapter(runs, tmp_path):
+    """A bottleneck-adapter run (method adapter: can_merge False) cannot export merged or gguf."""
+    run = tmp_path / "run"
+    (run / "adapter").mkdir(parents=True)
+    (run / "adapter" / "adapter_model.safetensors").write_bytes(b"")
+    text = (runs["lora"] / "config.yaml").read_text()
+    (run / "config.yaml").write_text(text.replace("name: lora", "name: adapter"))
+    for fmt in ("merged", "gguf"):
+        out = tmp_path / f"out-{fmt}"
+        with pytest.raises(TunekitError, match=r"cannot be merged.*--format adapter"):
+            export(run, fmt, out)
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["/nonexistent/run", "--format", "merged", "--out", "X"], "RUN_DIR: no such folder"),
+    (["{tmp}", "--format", "merged", "--out", "X"], "is not a tunekit run (no config.yaml"),
+    (["{run}", "--format", "onnx", "--out", "X"], "invalid choice: 'onnx'"),
+])
+def test_cli_errors_are_one_line(runs, args, message, tmp_path):
+    args = [a.format(tmp=tmp_path, run=runs["lora"]) for a in args]
+    r = run_cli(["export", *args], tmp_path)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tunekit: error: ") and message in lines[0], r.stderr
+    assert not (tmp_path / "X").exists()
+
+
+def test_run_without_adapter_and_foreign_out_path(runs, tmp_path):
+    run = tmp_path / "unfinished"
+    run.mkdir()
+    (run / "config.yaml").write_text((runs["lora"] / "config.yaml").read_text())
+    with pytest.raises(TunekitError, match="has no finished adapter"):
+        export(run, "adapter", tmp_path / "a")
+    foreign = tmp_path / "my-folder"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(TunekitError, match="is not a tunekit export"):
+        export(runs["lora"], "adapter", foreign)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+# ---------------------------------------------------------------- the real default model
+def test_default_model_qlora_merged(default_model_dir, tmp_path):
+    """SmolLM2-135M in NF4 + LoRA (2 steps) -> merged. After 2 steps the LoRA delta (~1e-4) is
+    below bf16's resolution of the base weights: a bf16 merge loses the adapter and the fidelity
+    check must refuse it; an fp32 merge keeps it (perplexity of the trained model)."""
+    run = tmp_path / "run"
+    r = run_cli(["train", "recipe=qlora", f"output_dir={run}", "trainer.max_steps=2", "trainer.micro_batch_size=2",
+                 "trainer.grad_accum=1", "trainer.eval_every=2", "trainer.save_every=2", "data.max_val_examples=4",
+                 "data.max_seq_len=128"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with pytest.raises(TunekitError, match="export refused"):
+        export(run, "merged", tmp_path / "bf16", eval_batches=2)
+    assert not (tmp_path / "bf16").exists()
+    report = export(run, "merged", tmp_path / "fp32", dtype="fp32", eval_batches=2)
+    f = report["fidelity"]
+    assert report["accepted"] and f["top1_agreement"] > 0.98
+    val_ppl = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "val_ppl" in line][-1]["val_ppl"]
+    assert abs(f["ppl_trained"] / val_ppl - 1) < 1e-3  # the rebuilt model is the model training evaluated
+    assert abs(f["ppl_exported"] / f["ppl_trained"] - 1) < 5e-3

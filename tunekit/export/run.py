@@ -1,0 +1,118 @@
+"""Rebuild what a finished run trained, from its folder alone, fresh from disk.
+
+RUN_DIR/config.yaml   the resolved TrainConfig -> same base (path, quantize, dtype), same method
+RUN_DIR/adapter/      method.save() output + the tokenizer the run used (chat template included)
+
+Every call of `trained_model` loads the base afresh: merging may reuse (and so destroy) the
+model's storage, and a 4-bit model that ran eval-mode CPU forwards without the loader's
+keep_bnb_layout would dequantize to wrong weights (TRAPS.md), so nothing is ever reused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from tunekit import TunekitError
+from tunekit.config import TrainConfig, plain
+
+
+@dataclass
+class Run:
+    """A finished training run: its folder, resolved config and the base it trained over."""
+
+    run_dir: Path
+    cfg: TrainConfig
+    model_path: str
+    quantize: str  # "nf4" | "none"
+    dtype: torch.dtype  # compute dtype of the base, as the run chose it on this device
+
+    @property
+    def adapter_dir(self) -> Path:
+        return self.run_dir / "adapter"
+
+    @property
+    def method(self):
+        from tunekit.methods import get_method
+
+        return get_method(self.cfg.method.name)
+
+
+def open_run(run_dir: str | Path) -> Run:
+    """Read RUN_DIR/config.yaml and check the run finished (adapter/ written); one clear error otherwise."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from tunekit.model import compute_dtype, resolve_model_path
+
+    run_dir = Path(run_dir).expanduser()
+    if not run_dir.is_dir():
+        raise TunekitError(f"RUN_DIR: no such folder: {run_dir}")
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.is_file():
+        raise TunekitError(f"RUN_DIR: {run_dir} is not a tunekit run (no config.yaml; pass the output_dir of `tunekit train`)")
+    adapter = run_dir / "adapter"
+    if not (adapter / "adapter_model.safetensors").is_file():
+        ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) if (run_dir / "checkpoints").is_dir() else []
+        hint = f"; checkpoints there: {', '.join(ckpts)} (resume the run to finish it)" if ckpts else ""
+        raise TunekitError(f"RUN_DIR: {run_dir} has no finished adapter (adapter/adapter_model.safetensors){hint}")
+    try:
+        # Merge into the schema so enum values and defaults come back typed, as in training.
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(cfg_path)))
+    except (OmegaConfBaseException, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TunekitError(f"{cfg_path}: not a tunekit config ({first})") from None
+    model_path = resolve_model_path(cfg.model.path)
+    device = torch.device("cpu")  # export runs where the files are; a GPU adds nothing at 135M-7B merge sizes
+    return Run(run_dir, cfg, model_path, plain(cfg.model.quantize), compute_dtype(plain(cfg.model.dtype), device))
+
+
+def load_base(run: Run) -> nn.Module:
+    """The frozen base exactly as the run trained over it, in eval mode.
+
+    Mirrors TrainRecipe._enable_training_mode's numerics: over a 4-bit base, QLoRA's
+    prepare_model_for_kbit_training puts norms and embeddings in fp32, which changes logits
+    (slightly) versus a bare 4-bit load, so the reference must do the same. Gradient
+    checkpointing has no numeric effect and is left off.
+    """
+    from tunekit.model import load_base_model
+
+    model = load_base_model(run.model_path, run.quantize, run.dtype, torch.device("cpu"))
+    if run.quantize == "nf4":
+        from peft import prepare_model_for_kbit_training
+
+        prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return model.eval()
+
+
+def trained_model(run: Run, adapter_dir: Path | None = None) -> nn.Module:
+    """Base + method.apply + method.load(adapter): the model the run ended with, in eval mode."""
+    method = run.method
+    model = method.apply(load_base(run), run.cfg.method)
+    method.load(model, Path(adapter_dir or run.adapter_dir))
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def run_tokenizer(run: Run):
+    """The tokenizer saved with the adapter (it carries the chat template the run trained with)."""
+    from tunekit.model import load_tokenizer
+
+    has_tok = any((run.adapter_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+    return load_tokenizer(str(run.adapter_dir if has_tok else run.model_path))
+
+
+def heldout_batches(run: Run, tokenizer, n_batches: int) -> list[dict[str, torch.Tensor]]:
+    """The first n_batches of the run's validation split, padded: each {input_ids, attention_mask,
+    labels}: (batch, seq). Padded rather than packed even for packed runs: every consumer of an
+    export (peft, transformers, llama.cpp) runs padded/single sequences."""
+    from tunekit.data import collate, eval_batches, load_splits
+
+    d = run.cfg.data
+    _, val = load_splits(d.path, d.val_path, plain(d.format), tokenizer, d.max_seq_len, d.val_fraction,
+                         d.max_val_examples, run.cfg.seed)
+    groups = eval_batches(len(val), run.cfg.trainer.micro_batch_size, 1, 0)[:n_batches]
+    return [collate([val[i] for i in idx], tokenizer.pad_token_id) for idx in groups]
