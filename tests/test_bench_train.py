@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from _helpers import REPO
 
 SCRIPT = REPO / "scripts" / "bench_train.py"
 

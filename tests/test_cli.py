@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import run_cli
+from _helpers import run_cli
 from tunekit.cli import main
 
 
@@ -17,7 +17,7 @@ def run_main(args, capsys) -> tuple[int, str]:
 @pytest.mark.parametrize(
     "args, culprit",
     [
-        (["recipe=nope"], "Could not find 'recipe/nope'; available: lora, qlora"),
+        (["recipe=nope"], "Could not find 'recipe/nope'; available: adapter, bitfit, distill, lora, prompt_tuning, qlora"),
         (["trainer.max_steps=abc"], "trainer.max_steps: Value 'abc'"),
         (["trainer.nope=1"], "trainer.nope: unknown config key"),
         (["trainer.optimizer=sgd"], "trainer.optimizer: Invalid value 'sgd'"),

@@ -8,7 +8,7 @@ import shutil
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from conftest import read_jsonl, run_cli, tiny_args
+from _helpers import read_jsonl, run_cli, tiny_args
 from tunekit.model.student import kept_layers
 
 

@@ -10,7 +10,7 @@ import subprocess
 import torch
 from safetensors.torch import load_file
 
-from conftest import read_jsonl, run_cli, tiny_args
+from _helpers import read_jsonl, run_cli, tiny_args
 
 
 def test_two_ranks_match_one_process(tiny_model_dir, tiny_data, tmp_path):

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run_cli, tiny_args
+from _helpers import run_cli, tiny_args
 from tunekit import TunekitError
 from tunekit.export import export
 from tunekit.export.fidelity import KL_THRESHOLD_REQUANT_NF4

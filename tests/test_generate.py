@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from conftest import run_cli
+from _helpers import run_cli
 from tunekit import TunekitError
 from tunekit.config import MethodConfig
 from tunekit.generate import encode_prompts, generate, generate_ids, main

@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import run_cli, tiny_args
+from _helpers import run_cli, tiny_args
 from tunekit import TunekitError
 from tunekit.config import MethodConfig
 from tunekit.losses import sft_loss_from_hidden
@@ -49,6 +49,12 @@ class Case:
     # the base run on that text's tokens (repeated/truncated to N) followed by the input.
     init_text: Optional[str] = None
     bases: tuple = ("none", "nf4")  # every PEFT method must train over a bf16 and a 4-bit base
+    # Full fine-tuning trains the base's own weights (in fp32, so its init is the bf16 base up to
+    # bf16 rounding) and saves a whole HF model rather than an adapter folder.
+    trains_everything: bool = False
+    exact_init: bool = True
+    saved_files: tuple = ("adapter_config.json", "adapter_model.safetensors")
+    merged_dtype: Optional[torch.dtype] = None  # None: fp32 over a 4-bit base, else the base dtype
 
 
 CASES = [
@@ -56,6 +62,8 @@ CASES = [
     Case("adapter", {"bottleneck": 8}),
     Case("bitfit", merges=True),
     Case("prompt_tuning", {"num_virtual_tokens": 5, "prompt_init_text": "Answer briefly"}, init_text="Answer briefly"),
+    Case("full", merges=True, bases=("none",), trains_everything=True, exact_init=False,
+         saved_files=("config.json", "model.safetensors"), merged_dtype=torch.float32),
 ]
 BASES = ["none", "nf4"]
 ROWS = [pytest.param(case, quantize, id=f"{case.name}-{quantize}") for case in CASES for quantize in case.bases]
@@ -157,12 +165,15 @@ def test_method(case: Case, quantize: str, tiny_model_dir, tmp_path):
     # Only what the method added trains, and it trains in fp32 whatever the base.
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     added = {n for n, p in model.named_parameters() if id(p) not in base_params}
-    assert trainable and trainable == added
+    if case.trains_everything:
+        assert trainable == {n for n, _ in model.named_parameters()}
+    else:
+        assert trainable and trainable == added
     assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
 
     # Initialisation: exactly the base model's function (zero-initialised up/B/bias, or the init text).
     init = eval_logits(model, batch)
-    torch.testing.assert_close(init, before, atol=0, rtol=0)
+    torch.testing.assert_close(init, before, **(dict(atol=0, rtol=0) if case.exact_init else TOL[DTYPE]))
 
     train_steps(model, batch)
     trained = eval_logits(model, batch)
@@ -170,8 +181,8 @@ def test_method(case: Case, quantize: str, tiny_model_dir, tmp_path):
 
     # Save -> fresh base + apply -> load reproduces the trained model exactly.
     method.save(model, tmp_path / "adapter")
-    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
-    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    for name in case.saved_files:
+        assert (tmp_path / "adapter" / name).is_file(), name
     fresh = method.apply(make_base(tiny_model_dir, quantize), cfg)
     method.load(fresh, tmp_path / "adapter")
     torch.testing.assert_close(eval_logits(fresh, batch), trained, atol=0, rtol=0)
@@ -184,7 +195,7 @@ def test_method(case: Case, quantize: str, tiny_model_dir, tmp_path):
     assert method.can_merge
     merged = method.merge(model)
     assert_plain_transformers_model(merged)
-    assert merged.dtype == (torch.float32 if quantize == "nf4" else DTYPE)
+    assert merged.dtype == (case.merged_dtype or (torch.float32 if quantize == "nf4" else DTYPE))
     mask = batch["attention_mask"].bool()
     with torch.no_grad():
         merged_logits = merged(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()[mask]

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import read_jsonl, run_cli, tiny_args
+from _helpers import read_jsonl, run_cli, tiny_args
 
 
 def adapter_tensors(run_dir):

@@ -46,4 +46,7 @@ class FullFineTune:
             raise TunekitError(f"{in_dir}: weights do not fit this model (missing {missing[:3]}, unexpected {unexpected[:3]})")
 
     def merge(self, model: nn.Module) -> nn.Module:
-        return model.to(torch.float32)
+        """Already a plain model: return it frozen, in the fp32 it trained in."""
+        if getattr(model, "is_gradient_checkpointing", False):
+            model.gradient_checkpointing_disable()
+        return model.to(torch.float32).requires_grad_(False)
