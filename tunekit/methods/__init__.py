@@ -7,10 +7,13 @@ here, one yaml in recipes/recipe/, one row in the shared method test table.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable, Dict, Protocol
 
+import torch
 import torch.nn as nn
+from safetensors.torch import load_file, save_file
 
 from tunekit import TunekitError
 
@@ -77,6 +80,33 @@ def cannot_merge(name: str) -> TunekitError:
         f"method {name!r} cannot be merged into the base model (its trained part is not a change to "
         "existing weights); export the adapter instead (--format adapter)"
     )
+
+
+def save_tensors(out_dir: Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """A tunekit adapter folder: adapter_model.safetensors (fp32) + adapter_config.json."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().float().contiguous().cpu() for k, v in tensors.items()},
+              str(out_dir / "adapter_model.safetensors"))
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_tensors_into(in_dir: Path, params: dict[str, torch.Tensor], what: str) -> None:
+    """Copy a folder written by `save_tensors` into `params` (same names), checking the fit."""
+    in_dir = Path(in_dir)
+    path = in_dir / "adapter_model.safetensors"
+    if not path.is_file():
+        raise TunekitError(f"{in_dir}: no adapter_model.safetensors (not a saved adapter folder)")
+    saved = load_file(str(path))
+    if saved.keys() != params.keys():
+        extra, missing = sorted(saved.keys() - params.keys()), sorted(params.keys() - saved.keys())
+        raise TunekitError(f"{in_dir}: {what} do not fit this model (unexpected {extra[:2]}, missing {missing[:2]})")
+    with torch.no_grad():
+        for name, p in params.items():
+            if saved[name].shape != p.shape:
+                raise TunekitError(f"{in_dir}: {name} has shape {tuple(saved[name].shape)}, the model wants "
+                                   f"{tuple(p.shape)} (another size or base model?)")
+            p.copy_(saved[name])
 
 
 # Each module registers itself on import.

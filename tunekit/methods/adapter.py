@@ -21,15 +21,13 @@ tunekit adapter_config.json; an adapter is not a change to existing weights, so 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file, save_file
 
 from tunekit import TunekitError
-from tunekit.methods import cannot_merge, register
+from tunekit.methods import cannot_merge, load_tensors_into, register, save_tensors
 
 ACTIVATIONS = {"gelu": nn.GELU, "silu": nn.SiLU, "relu": nn.ReLU}
 SUBLAYERS = ("self_attn", "mlp")
@@ -110,28 +108,10 @@ class BottleneckAdapter:
         return {name: p for name, p in model.named_parameters() if f".{CHILD}." in name}
 
     def save(self, model: nn.Module, out_dir: Path) -> None:
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().float().contiguous().cpu() for k, v in self._state(model).items()},
-                  str(out_dir / "adapter_model.safetensors"))
-        (out_dir / "adapter_config.json").write_text(json.dumps(model.tunekit_adapter_config, indent=2) + "\n")
+        save_tensors(out_dir, self._state(model), model.tunekit_adapter_config)
 
     def load(self, model: nn.Module, in_dir: Path) -> None:
-        in_dir = Path(in_dir)
-        path = in_dir / "adapter_model.safetensors"
-        if not path.is_file():
-            raise TunekitError(f"{in_dir}: no adapter_model.safetensors (not a saved adapter folder)")
-        saved = load_file(str(path))
-        mine = self._state(model)
-        if saved.keys() != mine.keys():
-            extra, missing = sorted(saved.keys() - mine.keys()), sorted(mine.keys() - saved.keys())
-            raise TunekitError(f"{in_dir}: adapter does not fit this model (unexpected {extra[:2]}, missing {missing[:2]})")
-        with torch.no_grad():
-            for name, p in mine.items():
-                if saved[name].shape != p.shape:
-                    raise TunekitError(f"{in_dir}: {name} has shape {tuple(saved[name].shape)}, the model wants "
-                                       f"{tuple(p.shape)} (another bottleneck size or base model?)")
-                p.copy_(saved[name])
+        load_tensors_into(in_dir, self._state(model), "adapter weights")
 
     def merge(self, model: nn.Module) -> nn.Module:
         raise cannot_merge(self.name)

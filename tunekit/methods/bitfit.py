@@ -17,15 +17,13 @@ not train), so the merged folder reloads with from_pretrained and gives the same
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file, save_file
 
 from tunekit import TunekitError
-from tunekit.methods import register
+from tunekit.methods import load_tensors_into, register, save_tensors
 from tunekit.methods.adapter import decoder_layers
 from tunekit.methods.lora import dequantized_linear, is_4bit, replace_module, to_plain_model
 
@@ -83,26 +81,10 @@ class BitFit:
         return {name.removesuffix(PARAM) + "bias": p for name, p in model.named_parameters() if name.endswith(PARAM)}
 
     def save(self, model: nn.Module, out_dir: Path) -> None:
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().float().contiguous().cpu() for k, v in self._state(model).items()},
-                  str(out_dir / "adapter_model.safetensors"))
-        (out_dir / "adapter_config.json").write_text(json.dumps(model.tunekit_bitfit_config, indent=2) + "\n")
+        save_tensors(out_dir, self._state(model), model.tunekit_bitfit_config)
 
     def load(self, model: nn.Module, in_dir: Path) -> None:
-        in_dir = Path(in_dir)
-        path = in_dir / "adapter_model.safetensors"
-        if not path.is_file():
-            raise TunekitError(f"{in_dir}: no adapter_model.safetensors (not a saved adapter folder)")
-        saved, mine = load_file(str(path)), self._state(model)
-        if saved.keys() != mine.keys():
-            extra, missing = sorted(saved.keys() - mine.keys()), sorted(mine.keys() - saved.keys())
-            raise TunekitError(f"{in_dir}: BitFit biases do not fit this model (unexpected {extra[:2]}, missing {missing[:2]})")
-        with torch.no_grad():
-            for name, p in mine.items():
-                if saved[name].shape != p.shape:
-                    raise TunekitError(f"{in_dir}: {name} has shape {tuple(saved[name].shape)}, the model wants {tuple(p.shape)}")
-                p.copy_(saved[name])
+        load_tensors_into(in_dir, self._state(model), "BitFit biases")
 
     def merge(self, model: nn.Module) -> nn.Module:
         """Every projection of every block becomes an nn.Linear with a bias (the trained one, or
