@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
@@ -18,7 +19,8 @@ def test_two_ranks_match_one_process(tiny_model_dir, tiny_data, tmp_path):
     same examples, same token normalisation, so the same adapter (dropout off)."""
     common = ["recipe=qlora", "method.dropout=0", "trainer.micro_batch_size=2"]
     two = tmp_path / "two"
-    launch = [shutil.which("accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+    # the venv's own launcher: CI runs tests without activating the venv, so PATH may lack it
+    launch = [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517",
               "-m", "tunekit.cli", "train", *tiny_args(tiny_model_dir, tiny_data, two, *common)]
     r = subprocess.run(launch, cwd=tmp_path, env={**os.environ, "ACCELERATE_USE_CPU": "true"},
