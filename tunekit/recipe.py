@@ -32,7 +32,8 @@ from tunekit.objective import DistillObjective, SFTObjective, check_same_vocabul
 from tunekit.methods import get_method, trainable_parameters
 from tunekit.methods.fused import enable_fused_lora
 from tunekit.model.student import make_student
-from tunekit.model import compute_dtype, decoder_and_head, load_base_model, load_tokenizer, quantized_bits_per_param, resolve_model_path
+from tunekit.model import (compute_dtype, decoder_and_head, load_base_model, load_tokenizer, prepare_for_training,
+                           quantized_bits_per_param, resolve_model_path)
 from tunekit.optim import build_optimizer, warmup_cosine
 from tunekit.tracking import NullTracker, Tracker, memory_mb
 
@@ -81,7 +82,7 @@ class TrainRecipe:
         else:
             self._info(f"base: {self.model_path} in {self.dtype}")
         self.bits_per_param = bits
-        self._enable_training_mode(model, quantize)
+        prepare_for_training(model, quantize, cfg.model.gradient_checkpointing)
 
         self.objective = self._build_objective(model)
 
@@ -126,19 +127,6 @@ class TrainRecipe:
         self._info(f"distill: teacher {self.teacher_path} ({plain(d.teacher_quantize)}), {plain(d.divergence)}, "
                    f"alpha {d.alpha}, T {d.temperature}")
         return DistillObjective(teacher, d)
-
-    def _enable_training_mode(self, model, quantize: str) -> None:
-        gc_kwargs = {"use_reentrant": False}  # the non-reentrant variant works with frozen inputs
-        if quantize == "nf4":
-            from peft import prepare_model_for_kbit_training
-
-            # QLoRA's recipe: norms and embeddings in fp32 for stable training over a 4-bit base.
-            prepare_model_for_kbit_training(model, use_gradient_checkpointing=self.cfg.model.gradient_checkpointing,
-                                            gradient_checkpointing_kwargs=gc_kwargs)
-        elif self.cfg.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
-            model.enable_input_require_grads()
-        model.config.use_cache = False
 
     def _check_output_dir(self) -> None:
         """Never train over a finished or interrupted run by accident: that would lose its data."""

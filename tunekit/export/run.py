@@ -73,18 +73,13 @@ def open_run(run_dir: str | Path) -> Run:
 def load_base(run: Run) -> nn.Module:
     """The frozen base exactly as the run trained over it, in eval mode.
 
-    Mirrors TrainRecipe._enable_training_mode's numerics: over a 4-bit base, QLoRA's
-    prepare_model_for_kbit_training puts norms and embeddings in fp32, which changes logits
-    (slightly) versus a bare 4-bit load, so the reference must do the same. Gradient
-    checkpointing has no numeric effect and is left off.
+    Uses the trainer's own preparation (fp32 norms and embeddings over a 4-bit base change the
+    logits slightly); gradient checkpointing has no numeric effect and is left off.
     """
-    from tunekit.model import load_base_model
+    from tunekit.model import load_base_model, prepare_for_training
 
     model = load_base_model(run.model_path, run.quantize, run.dtype, torch.device("cpu"))
-    if run.quantize == "nf4":
-        from peft import prepare_model_for_kbit_training
-
-        prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    prepare_for_training(model, run.quantize, gradient_checkpointing=False)
     return model.eval()
 
 

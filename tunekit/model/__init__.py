@@ -6,6 +6,7 @@ from tunekit.model.loader import (
     decoder_and_head,
     load_base_model,
     load_tokenizer,
+    prepare_for_training,
     quantized_bits_per_param,
     resolve_model_path,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "default_model_dir",
     "load_base_model",
     "load_tokenizer",
+    "prepare_for_training",
     "quantized_bits_per_param",
     "resolve_model_path",
 ]

@@ -156,3 +156,23 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     if decoder is None or head is None:
         raise TunekitError(f"model: {type(base).__name__} exposes no decoder/output head (not a causal LM?)")
     return decoder, head
+
+
+def prepare_for_training(model: nn.Module, quantize: str, gradient_checkpointing: bool) -> None:
+    """Put a frozen base in the state the trainer trains over (and export compares against).
+
+    Over a 4-bit base, QLoRA's recipe (peft.prepare_model_for_kbit_training) keeps norms and
+    embeddings in fp32, which changes the logits slightly versus a bare 4-bit load. Gradient
+    checkpointing uses the non-reentrant variant, which works with frozen inputs; it has no
+    numeric effect.
+    """
+    gc_kwargs = {"use_reentrant": False}
+    if quantize == "nf4":
+        from peft import prepare_model_for_kbit_training
+
+        prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
+                                        gradient_checkpointing_kwargs=gc_kwargs)
+    elif gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
+        model.enable_input_require_grads()
+    model.config.use_cache = False
