@@ -1,0 +1,100 @@
+"""tunekit.device: every device decision, fed with the facts of devices this machine lacks."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from tunekit import device as dev
+
+CPU = dev.DeviceFacts("cpu", cpu_bf16=False)
+CPU_BF16 = dev.DeviceFacts("cpu", cpu_bf16=True)
+T4 = dev.DeviceFacts("cuda", 0, (7, 5), "Tesla T4", 16 * 2**30)
+V100 = dev.DeviceFacts("cuda", 0, (7, 0), "Tesla V100", 32 * 2**30)
+A100 = dev.DeviceFacts("cuda", 0, (8, 0), "A100", 80 * 2**30)
+H100_1 = dev.DeviceFacts("cuda", 1, (9, 0), "H100", 80 * 2**30)
+P100 = dev.DeviceFacts("cuda", 0, (6, 0), "P100", 16 * 2**30)
+
+
+@pytest.mark.parametrize("given, local_rank, current, expected", [
+    ("cuda", 0, None, "cuda:0"),      # single process: Accelerator().device has no index
+    ("cuda", 3, None, "cuda:3"),      # a launcher without an index: the local rank's GPU
+    ("cuda", 0, 2, "cuda:2"),         # CUDA_VISIBLE_DEVICES / set_device made another current
+    ("cuda:1", 0, None, "cuda:1"),    # accelerate launch: already indexed, kept
+    ("cpu", 1, None, "cpu"),
+])
+def test_rank_device_always_has_an_index(given, local_rank, current, expected):
+    assert dev.rank_device(torch.device(given), local_rank, current) == torch.device(expected)
+
+
+@pytest.mark.parametrize("given, expected", [
+    ("cuda", {"": 0}), ("cuda:0", {"": 0}), ("cuda:1", {"": 1}), ("cpu", {"": "cpu"}),
+])
+def test_device_map_never_holds_none(given, expected):
+    assert dev.device_map(torch.device(given)) == expected
+
+
+@pytest.mark.parametrize("facts, name, expected", [
+    (A100, "auto", torch.bfloat16), (H100_1, "auto", torch.bfloat16),
+    (T4, "auto", torch.float32),      # is_bf16_supported() says True on a T4: emulation
+    (V100, "auto", torch.float32),
+    (CPU_BF16, "auto", torch.bfloat16), (CPU, "auto", torch.float32),
+    (T4, "bf16", torch.bfloat16),     # explicit: obeyed (emulated, slow, correct)
+    (A100, "fp32", torch.float32),
+])
+def test_compute_dtype(facts, name, expected):
+    assert dev.compute_dtype(name, facts) == expected
+
+
+@pytest.mark.parametrize("facts, dtype, triton, interp, ok, why", [
+    (H100_1, torch.bfloat16, True, False, True, "sm_90"),
+    (A100, torch.bfloat16, True, False, True, "sm_80"),
+    (T4, torch.bfloat16, True, False, False, "no native bf16"),
+    (T4, torch.float32, True, False, True, "sm_75"),
+    (V100, torch.float16, True, False, True, "sm_70"),
+    (P100, torch.float32, True, False, False, "older than sm_70"),
+    (H100_1, torch.bfloat16, False, False, False, "triton is not installed"),
+    (H100_1, torch.bfloat16, True, True, False, "TRITON_INTERPRET"),
+    (CPU_BF16, torch.bfloat16, True, False, False, "CUDA only"),
+    (CPU, torch.float32, True, True, True, "interpreter"),
+])
+def test_fused_kernel_support(facts, dtype, triton, interp, ok, why):
+    allowed, reason = dev.fused_kernel_support(facts, dtype, triton, interp)
+    assert allowed is ok and why in reason
+
+
+def test_cpu_bf16_from_cpuinfo():
+    assert dev.cpu_has_bf16("flags: fpu avx512f avx512_bf16") and dev.cpu_has_bf16("flags: amx_bf16")
+    assert not dev.cpu_has_bf16("flags: fpu avx2")
+
+
+def test_probe_cpu():
+    facts = dev.probe(torch.device("cpu"))
+    assert facts.type == "cpu" and facts.device == torch.device("cpu") and facts.total_memory > 0
+
+
+def test_describe():
+    assert H100_1.describe() == "cuda:1 (H100, sm_90, 80 GiB)"
+    assert H100_1.device == torch.device("cuda", 1)
+
+
+def test_rng_state_round_trips_through_json():
+    import json
+
+    cpu = torch.device("cpu")
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    state = json.loads(json.dumps(dev.rng_state(cpu)))  # must be plain JSON: nothing pickled
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    dev.set_rng_state(state, cpu)
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+
+
+def test_memory_figures_on_cpu():
+    cpu = torch.device("cpu")
+    assert dev.peak_memory_mb(cpu) > 10
+    assert dev.available_memory_bytes(cpu) > 2**20

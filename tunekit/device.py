@@ -1,0 +1,226 @@
+"""Device facts and the decisions made from them, in one place.
+
+Every question the trainer asks about its hardware is answered here: which device a rank uses,
+the device map of a 4-bit load, the compute dtype, whether the fused Triton kernels may run,
+memory figures, and the random-number state to checkpoint. The decisions are plain functions of
+facts (device, CUDA capability, dtype, rank) so that tests can ask them about `cuda`, `cuda:1`,
+sm_75 or sm_90 on a machine without a GPU. Only `probe`, the memory readers and the RNG helpers
+touch torch.cuda; nothing else in tunekit does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+# Native bf16 tensor cores (and Triton's bf16 tl.dot) need Ampere or newer. torch's
+# is_bf16_supported() also counts emulation, which says True on T4 (sm_75) and V100 (sm_70).
+BF16_MIN_CAPABILITY = (8, 0)
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the decisions below need to know about one device."""
+
+    type: str  # "cpu" | "cuda"
+    index: Optional[int] = None  # CUDA ordinal; None on the CPU
+    capability: Optional[tuple[int, int]] = None  # CUDA compute capability, e.g. (9, 0) for H100
+    name: str = "cpu"
+    total_memory: Optional[int] = None  # bytes (CUDA: the card; CPU: physical RAM)
+    cpu_bf16: bool = False  # CPU with native bf16 (AVX512-BF16 or AMX)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.type, self.index) if self.type == "cuda" else torch.device("cpu")
+
+    def describe(self) -> str:
+        if self.type == "cuda":
+            major, minor = self.capability or (0, 0)
+            mem = f", {self.total_memory / 2**30:.0f} GiB" if self.total_memory else ""
+            return f"cuda:{self.index} ({self.name}, sm_{major}{minor}{mem})"
+        return "cpu" + (" (native bf16)" if self.cpu_bf16 else "")
+
+
+def cpu_has_bf16(cpuinfo: Optional[str] = None) -> bool:
+    """Native bf16 on this CPU (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    return "avx512_bf16" in cpuinfo or "amx_bf16" in cpuinfo
+
+
+def _physical_memory() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def probe(device: torch.device) -> DeviceFacts:
+    """The facts of a real device (the one place that asks torch.cuda for them)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return DeviceFacts("cpu", total_memory=_physical_memory(), cpu_bf16=cpu_has_bf16())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    return DeviceFacts("cuda", index, (props.major, props.minor), props.name, props.total_memory)
+
+
+# ------------------------------------------------------------------ which device
+def rank_device(device: torch.device, local_rank: int = 0, current_index: Optional[int] = None) -> torch.device:
+    """The device a process trains on, always with an explicit CUDA index.
+
+    A single-process `Accelerator().device` is `cuda` with no index (TRAPS.md); under
+    `accelerate launch` it is `cuda:LOCAL_RANK`. Downstream code (a 4-bit load's device map,
+    memory counters) needs the index, so `cuda` becomes `cuda:<current device>` (by default
+    the local rank: accelerate sets the current device to it).
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", local_rank if current_index is None else current_index)
+
+
+def device_map(device: torch.device) -> dict:
+    """`device_map` for a bitsandbytes 4-bit `from_pretrained`: everything on this one device.
+
+    transformers wants an int (or "cpu"); `device.index` is None for a bare `cuda`, which
+    from_pretrained turns into a TypeError deep inside accelerate. Index 0 is what torch means
+    by a bare `cuda` when no other device was made current; `rank_device` resolves it first.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return {"": device.index if device.index is not None else 0}
+    if device.type == "cpu":
+        return {"": "cpu"}
+    return {"": str(device)}
+
+
+# ------------------------------------------------------------------ dtypes and kernels
+def native_bf16(facts: DeviceFacts) -> bool:
+    if facts.type == "cuda":
+        return facts.capability is not None and tuple(facts.capability) >= BF16_MIN_CAPABILITY
+    return facts.cpu_bf16
+
+
+def compute_dtype(name: str, facts: DeviceFacts) -> torch.dtype:
+    """model.dtype -> the dtype the frozen base computes in.
+
+    auto: bf16 where the device computes it natively (CUDA sm_80+, CPUs with AVX512-BF16/AMX),
+    else fp32. fp16 is never chosen on its own: this trainer has no loss scaling, and fp16
+    activations of a 4-bit base overflow on long sequences. An explicit bf16 is obeyed even
+    where it is emulated (slow but correct).
+    """
+    if name == "fp32":
+        return torch.float32
+    if name == "bf16":
+        return torch.bfloat16
+    if name != "auto":
+        raise ValueError(f"unknown dtype name {name!r}")
+    return torch.bfloat16 if native_bf16(facts) else torch.float32
+
+
+def fused_kernel_support(facts: DeviceFacts, dtype: torch.dtype, triton_installed: bool,
+                         interpreting: bool = False) -> tuple[bool, str]:
+    """Whether tunekit's Triton LoRA kernels can run here, and why (not).
+
+    CUDA: needs triton; bf16 tl.dot needs sm_80+ (Triton refuses to compile it on T4/V100);
+    fp16 and fp32 (ieee precision) compile from sm_70. CPU: only Triton's numpy interpreter
+    (TRITON_INTERPRET=1), which is for tests: orders of magnitude too slow to train with.
+    """
+    if not triton_installed:
+        return False, "triton is not installed (pip install triton)"
+    if facts.type == "cuda":
+        if interpreting:
+            return False, "TRITON_INTERPRET=1 is set: Triton would interpret, not compile, on the GPU"
+        cap = tuple(facts.capability or (0, 0))
+        if cap < (7, 0):
+            return False, f"{facts.describe()} is older than sm_70, which Triton does not support"
+        if dtype == torch.bfloat16 and cap < BF16_MIN_CAPABILITY:
+            return False, (f"{facts.describe()} has no native bf16 (sm_80+ needed); the Triton kernels "
+                           "cannot compile bf16 there (use model.dtype=fp32 or kernels.fused_lora=off)")
+        return True, f"{facts.describe()}, {_dtype_name(dtype)}"
+    if facts.type == "cpu" and interpreting:
+        return True, "cpu under TRITON_INTERPRET=1 (numpy interpreter: for tests, not speed)"
+    return False, f"the Triton kernels run on CUDA only (this is {facts.describe()})"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued work on `device` (for timing); a no-op on the CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------ memory
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory so far: CUDA max allocated on a GPU, process peak RSS on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def available_memory_bytes(device: torch.device) -> Optional[int]:
+    """Memory this process could still take: CUDA free memory, or the CPU's MemAvailable."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+# ------------------------------------------------------------------ random state
+def rng_state(device: torch.device) -> dict:
+    """This process's random state as JSON-able values (no pickling, safe to share).
+
+    python: random's (version, 625 ints, gauss_next); numpy: the MT19937 key and position;
+    torch: the CPU generator's bytes; cuda: this rank's own device generator only, since on
+    several ranks each process owns one GPU and must get back its own stream.
+    """
+    device = torch.device(device)
+    version, internal, gauss = random.getstate()
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss},
+        "numpy": {"kind": kind, "key": key.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state().tolist(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device).tolist()
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    """Restore what `rng_state` captured (on the same kind of device)."""
+    device = torch.device(device)
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["internal"]), p["gauss_next"]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], np.array(n["key"], dtype=np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8), device)
