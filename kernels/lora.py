@@ -49,19 +49,40 @@ def _configs() -> list[triton.Config]:
     ]
 
 
-@triton.autotune(configs=_configs(), key=["M", "P", "Q", "R"])
+def m_bucket(m: int) -> int:
+    """The autotuner's stand-in for the token count M: the next power of two, clamped to [16, 65536].
+
+    Keying the autotuner on M itself re-benchmarks every config for every new padded or packed
+    batch length (seconds per new M, per shape). Tiles that suit M suit any M of the same
+    power-of-two size class, so at most 13 tunings per weight shape ever happen.
+    """
+    return min(max(16, triton.next_power_of_2(max(int(m), 1))), 65536)
+
+
+def needs_int64(M: int, P: int, Q: int, *strides: int) -> bool:
+    """Whether an element offset of any operand can reach 2**31 (int32 pointer math would wrap).
+
+    Each operand's largest offset is sum((size - 1) * stride); the operands are (M, Q) inputs,
+    (M, P) outputs and keep-masks, (M, R) LoRA left factors. A caller passes the strides of the
+    row dimension (tokens) of each; the column offsets are below max(P, Q) anyway.
+    """
+    largest_row_stride = max([max(P, Q), *[abs(s) for s in strides]])
+    return (M - 1) * largest_row_stride + max(P, Q) >= 2**31
+
+
+@triton.autotune(configs=_configs(), key=["M_BUCKET", "P", "Q", "R"])
 @triton.jit
 def _nf4_lora_matmul_kernel(
     inp_ptr, out_ptr,
     packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr,
     left_ptr, right_ptr, keep_ptr, bias_ptr,
-    M, P, Q, R,
+    M, P, Q, R, M_BUCKET,
     stride_im, stride_iq, stride_om, stride_op, stride_wq, stride_wp,
     stride_lm, stride_lr, stride_rr, stride_rp, stride_km, stride_kp,
     lora_scale, keep_scale,
     BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
     HAS_LORA: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_R: tl.constexpr, INDEX_64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """out[M, P] = inp[M, Q] @ Wop[Q, P] + lora_scale * (left @ right) * keep * keep_scale + bias.
@@ -82,6 +103,9 @@ def _nf4_lora_matmul_kernel(
     pid_p = (pid % per_group) // group_rows
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if INDEX_64:
+        # tokens x features >= 2**31: row offsets in int64, or the pointers would wrap around
+        offs_m = offs_m.to(tl.int64)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     m_ok = offs_m < M
     p_ok = offs_p < P
@@ -134,11 +158,13 @@ def nf4_lora_matmul(
     keep: torch.Tensor | None = None,
     keep_scale: float = 1.0,
     bias: torch.Tensor | None = None,
+    force_int64: bool = False,
 ) -> torch.Tensor:
     """Host side of the kernel: ``inp @ (W^T if transpose_w else W)`` plus epilogue terms.
 
     inp (tokens, Q); left (tokens, r); right (r, P), any strides (e.g. ``B.t()``);
     keep bool (tokens, P); bias (P,).  Returns a new (tokens, P) tensor of inp's dtype.
+    Offsets are int32 unless an operand is large enough to need int64 (or ``force_int64``).
     """
     n_out, n_in = quant.shape
     Q, P = (n_in, n_out) if transpose_w else (n_out, n_in)
@@ -146,6 +172,8 @@ def nf4_lora_matmul(
     out = torch.empty((M, P), dtype=inp.dtype, device=inp.device)
     if M == 0:
         return out
+    index_64 = force_int64 or needs_int64(M, P, Q, inp.stride(0), out.stride(0),
+                                          *(t.stride(0) for t in (left, keep) if t is not None))
     R = left.shape[1] if left is not None else 1
     dummy = out  # any valid pointer for absent optional operands
     lo = left if left is not None else dummy
@@ -156,7 +184,7 @@ def nf4_lora_matmul(
     _nf4_lora_matmul_kernel[grid](
         inp, out, *nf4_pointer_args(quant),
         lo, ri, ke, bias if bias is not None else dummy,
-        M, P, Q, R,
+        M, P, Q, R, m_bucket(M),
         inp.stride(0), inp.stride(1), out.stride(0), out.stride(1),
         1 if transpose_w else n_in, n_in if transpose_w else 1,
         lo.stride(0), lo.stride(1), ri.stride(0), ri.stride(1), ke.stride(0), ke.stride(1),
@@ -167,6 +195,7 @@ def nf4_lora_matmul(
         DOT_FP32=interpreting() or fp32,
         PRECISION="ieee" if (interpreting() or fp32) else "tf32",
         BLOCK_R=max(16, triton.next_power_of_2(R)),
+        INDEX_64=index_64,
         enable_fp_fusion=False,  # dequantized tiles then match bnb bit for bit
     )
     return out

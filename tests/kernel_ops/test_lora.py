@@ -154,3 +154,37 @@ def test_gpu_bf16_matches_twin(mode, assert_close):
     ref = (y_ref, *torch.autograd.grad(y_ref, (x, A, B), grad))
     for name, g, r_ in zip(("y", "dx", "dA", "dB"), got, ref):
         assert_close(g, r_, dtype, name)
+
+
+def test_autotune_key_is_not_the_token_count():
+    """Padded and packed batches change the token count M nearly every step; keyed on M, the
+    autotuner re-benchmarked every config for each new M. It keys on M's power-of-two class."""
+    from tunekit_kernels.lora import _nf4_lora_matmul_kernel, m_bucket
+
+    assert "M" not in _nf4_lora_matmul_kernel.keys and "M_BUCKET" in _nf4_lora_matmul_kernel.keys
+    buckets = {m_bucket(m) for m in range(1, 70_000, 7)}
+    assert buckets == {2**k for k in range(4, 17)}  # 13 classes for any token count
+    assert m_bucket(1000) == m_bucket(1024) == 1024 and m_bucket(1025) == 2048
+
+
+def test_int64_offsets_when_tokens_times_features_reach_2_31():
+    from tunekit_kernels.lora import needs_int64
+
+    # an (M, 4096) activation at 2^31 elements: M = 524288 tokens (e.g. 64 x 8192)
+    assert not needs_int64(2**19 - 1, 4096, 4096, 4096, 4096)
+    assert needs_int64(2**19, 4096, 4096, 4096, 4096)
+    assert needs_int64(2**19, 4096, 1024, 4096)  # the larger side decides
+    assert needs_int64(600_000, 14336, 4096, 14336)  # Llama-8B MLP width, long packed batch
+    assert not needs_int64(4096, 14336, 4096, 14336)
+
+
+def test_int64_path_gives_the_same_result():
+    """The int64 pointer path (used past 2^31 elements) computes exactly what the int32 path does."""
+    from tunekit_kernels.lora import nf4_lora_matmul
+
+    quant = _quant(IN, OUT)
+    torch.manual_seed(1)
+    x, xa, B = torch.randn(70, IN), torch.randn(70, R), torch.randn(OUT, R)
+    y32 = nf4_lora_matmul(x, quant, True, left=xa, right=B.t(), lora_scale=0.5)
+    y64 = nf4_lora_matmul(x, quant, True, left=xa, right=B.t(), lora_scale=0.5, force_int64=True)
+    assert torch.equal(y32, y64)
