@@ -302,7 +302,7 @@ def test_load_errors(tiny_model_dir, tmp_path):
     big = adapter.apply(make_base(tiny_model_dir, "none"), MethodConfig(name="adapter", bottleneck=8))
     with pytest.raises(TunekitError, match="bottleneck"):
         adapter.load(big, tmp_path / "b4")
-    with pytest.raises(TunekitError, match="no adapter_model.safetensors"):
+    with pytest.raises(TunekitError, match=r"no \*.safetensors file"):
         adapter.load(big, tmp_path / "missing")
     with pytest.raises(TunekitError, match="not a prompt-tuning"):
         load_soft_prompt(tmp_path / "b4", 64)

@@ -27,7 +27,8 @@ import torch
 import torch.nn as nn
 
 from tunekit import TunekitError
-from tunekit.methods import cannot_merge, load_tensors_into, register, save_tensors
+from tunekit.methods.registry import Method, register
+from tunekit.methods.saving import load_tensors_into, save_tensors
 
 ACTIVATIONS = {"gelu": nn.GELU, "silu": nn.SiLU, "relu": nn.ReLU}
 SUBLAYERS = ("self_attn", "mlp")
@@ -80,7 +81,7 @@ def _check_cfg(cfg) -> tuple[int, str, list[str]]:
 
 
 @register("adapter")
-class BottleneckAdapter:
+class BottleneckAdapter(Method):
     can_merge = False
 
     def apply(self, model: nn.Module, cfg) -> nn.Module:
@@ -107,11 +108,8 @@ class BottleneckAdapter:
     def _state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return {name: p for name, p in model.named_parameters() if f".{CHILD}." in name}
 
-    def save(self, model: nn.Module, out_dir: Path) -> None:
+    def write(self, model: nn.Module, out_dir: Path) -> None:
         save_tensors(out_dir, self._state(model), model.tunekit_adapter_config)
 
-    def load(self, model: nn.Module, in_dir: Path) -> None:
-        load_tensors_into(in_dir, self._state(model), "adapter weights")
-
-    def merge(self, model: nn.Module) -> nn.Module:
-        raise cannot_merge(self.name)
+    def read(self, model: nn.Module, in_dir: Path) -> None:
+        load_tensors_into(in_dir, self._state(model))

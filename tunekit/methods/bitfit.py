@@ -23,7 +23,8 @@ import torch
 import torch.nn as nn
 
 from tunekit import TunekitError
-from tunekit.methods import load_tensors_into, register, save_tensors
+from tunekit.methods.registry import Method, register
+from tunekit.methods.saving import load_tensors_into, save_tensors
 from tunekit.methods.adapter import decoder_layers
 from tunekit.methods.lora import dequantized_linear, is_4bit, replace_module, to_plain_model
 
@@ -55,7 +56,7 @@ def _targets(model: nn.Module, wanted: list[str]) -> list[tuple[str, nn.Module]]
 
 
 @register("bitfit")
-class BitFit:
+class BitFit(Method):
     can_merge = True
 
     def apply(self, model: nn.Module, cfg) -> nn.Module:
@@ -78,13 +79,16 @@ class BitFit:
 
     def _state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """{"model.layers.0.self_attn.q_proj.bias": (out,) parameter, ...}"""
-        return {name.removesuffix(PARAM) + "bias": p for name, p in model.named_parameters() if name.endswith(PARAM)}
+        return {self.saved_key(name): p for name, p in model.named_parameters() if name.endswith(PARAM)}
 
-    def save(self, model: nn.Module, out_dir: Path) -> None:
+    def saved_key(self, param_name: str) -> str:
+        return param_name.removesuffix(PARAM) + "bias"
+
+    def write(self, model: nn.Module, out_dir: Path) -> None:
         save_tensors(out_dir, self._state(model), model.tunekit_bitfit_config)
 
-    def load(self, model: nn.Module, in_dir: Path) -> None:
-        load_tensors_into(in_dir, self._state(model), "BitFit biases")
+    def read(self, model: nn.Module, in_dir: Path) -> None:
+        load_tensors_into(in_dir, self._state(model))
 
     def merge(self, model: nn.Module) -> nn.Module:
         """Every projection of every block becomes an nn.Linear with a bias (the trained one, or

@@ -12,14 +12,13 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file
-
 from tunekit import TunekitError
-from tunekit.methods import register
+from tunekit.methods.registry import Method, register
+from tunekit.methods.saving import read_tensors
 
 
 @register("full")
-class FullFineTune:
+class FullFineTune(Method):
     can_merge = True
 
     def apply(self, model: nn.Module, cfg) -> nn.Module:
@@ -29,18 +28,13 @@ class FullFineTune:
         model.requires_grad_(True)
         return model
 
-    def save(self, model: nn.Module, out_dir: Path) -> None:
+    def write(self, model: nn.Module, out_dir: Path) -> None:
         model.save_pretrained(out_dir, safe_serialization=True)
 
-    def load(self, model: nn.Module, in_dir: Path) -> None:
-        files = sorted(Path(in_dir).glob("*.safetensors"))
-        if not files:
-            raise TunekitError(f"{in_dir}: no model weights (*.safetensors) to load")
-        state = {}
-        for f in files:
-            state.update(load_file(str(f)))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        # tied output heads are saved once; anything else missing means another model
+    def read(self, model: nn.Module, in_dir: Path) -> None:
+        # Method.load has checked that every trainable tensor is there in its shape; a tied output
+        # head is saved once, under the embedding's name.
+        missing, unexpected = model.load_state_dict(read_tensors(Path(in_dir)), strict=False)
         missing = [k for k in missing if not k.endswith("lm_head.weight")]
         if missing or unexpected:
             raise TunekitError(f"{in_dir}: weights do not fit this model (missing {missing[:3]}, unexpected {unexpected[:3]})")

@@ -21,7 +21,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dic
 from safetensors.torch import load_file
 
 from tunekit import TunekitError
-from tunekit.methods import register
+from tunekit.methods.registry import Method, register
 
 
 def is_4bit(module: nn.Module) -> bool:
@@ -88,7 +88,7 @@ def to_plain_model(model: nn.Module) -> nn.Module:
 
 
 @register("lora")
-class LoRA:
+class LoRA(Method):
     can_merge = True
 
     def apply(self, model: nn.Module, cfg) -> nn.Module:
@@ -108,15 +108,19 @@ class LoRA:
         except ValueError as e:  # peft says which target module it could not find
             raise TunekitError(f"method.target_modules: {e}") from None
 
-    def save(self, model: PeftModel, out_dir: Path) -> None:
+    def saved_key(self, param_name: str) -> str:
+        """peft's file keys drop the adapter name: ...lora_A.default.weight -> ...lora_A.weight."""
+        return param_name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+
+    def write(self, model: PeftModel, out_dir: Path) -> None:
         model.save_pretrained(out_dir, safe_serialization=True)
 
-    def load(self, model: PeftModel, in_dir: Path) -> None:
+    def read(self, model: PeftModel, in_dir: Path) -> None:
         state = load_file(str(Path(in_dir) / "adapter_model.safetensors"))
         result = set_peft_model_state_dict(model, state)
-        missing = [k for k in result.unexpected_keys if "lora_" in k]
-        if missing:
-            raise TunekitError(f"{in_dir}: adapter does not fit this model (unexpected keys {missing[:3]})")
+        unexpected = [k for k in result.unexpected_keys if "lora_" in k]
+        if unexpected:
+            raise TunekitError(f"{in_dir}: adapter does not fit this model (unexpected keys {unexpected[:3]})")
 
     def merge(self, model: PeftModel) -> nn.Module:
         """W + (alpha / r) B A in every LoRA layer; fp32 over a 4-bit base, the base dtype otherwise."""

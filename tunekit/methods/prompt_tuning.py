@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from transformers.modeling_outputs import CausalLMOutput
 
 from tunekit import TunekitError
-from tunekit.methods import cannot_merge, register
+from tunekit.methods.registry import Method, register
 
 
 class SoftPromptLM(nn.Module):
@@ -139,7 +139,7 @@ def load_soft_prompt(in_dir: Path | str, hidden_size: int) -> torch.Tensor:
 
 
 @register("prompt_tuning")
-class PromptTuning:
+class PromptTuning(Method):
     can_merge = False
 
     def apply(self, model: nn.Module, cfg) -> SoftPromptLM:
@@ -164,7 +164,7 @@ class PromptTuning:
         prompt = table.detach()[torch.tensor(ids, device=table.device)].float().clone()
         return SoftPromptLM(model, prompt, init)
 
-    def save(self, model: SoftPromptLM, out_dir: Path) -> None:
+    def write(self, model: SoftPromptLM, out_dir: Path) -> None:
         from peft import PromptTuningConfig
 
         out_dir = Path(out_dir)
@@ -178,13 +178,10 @@ class PromptTuning:
         save_file({"prompt_embeddings": model.prompt_embeddings.detach().float().contiguous().cpu()},
                   str(out_dir / "adapter_model.safetensors"))
 
-    def load(self, model: SoftPromptLM, in_dir: Path) -> None:
+    def read(self, model: SoftPromptLM, in_dir: Path) -> None:
         prompt = load_soft_prompt(in_dir, model.config.hidden_size)
         if prompt.shape != model.prompt_embeddings.shape:
             raise TunekitError(f"adapter {in_dir}: {prompt.shape[0]} virtual tokens, this run has "
                                f"method.num_virtual_tokens={model.num_virtual_tokens}")
         with torch.no_grad():
             model.prompt_embeddings.copy_(prompt)
-
-    def merge(self, model: nn.Module) -> nn.Module:
-        raise cannot_merge(self.name)
