@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,17 +15,21 @@ from safetensors.torch import load_file
 from _helpers import read_jsonl, run_cli, tiny_args
 
 
+def launch_two_ranks(args: list[str], cwd: Path, port: int, timeout: int = 300) -> subprocess.CompletedProcess:
+    # the venv's own launcher: CI runs tests without activating the venv, so PATH may lack it
+    launch = [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(port), "-m", "tunekit.cli", "train", *args]
+    return subprocess.run(launch, cwd=cwd, env={**os.environ, "ACCELERATE_USE_CPU": "true"},
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def test_two_ranks_match_one_process(tiny_model_dir, tiny_data, tmp_path):
     """2 ranks x 2 micro-batches x 2 examples == 1 process x 4 micro-batches x 2 examples:
     same examples, same token normalisation, so the same adapter (dropout off)."""
     common = ["recipe=qlora", "method.dropout=0", "trainer.micro_batch_size=2"]
     two = tmp_path / "two"
-    # the venv's own launcher: CI runs tests without activating the venv, so PATH may lack it
-    launch = [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517",
-              "-m", "tunekit.cli", "train", *tiny_args(tiny_model_dir, tiny_data, two, *common)]
-    r = subprocess.run(launch, cwd=tmp_path, env={**os.environ, "ACCELERATE_USE_CPU": "true"},
-                       capture_output=True, text=True, timeout=600)
+    r = launch_two_ranks(tiny_args(tiny_model_dir, tiny_data, two, *common), tmp_path, 29517)
     assert r.returncode == 0, r.stderr[-3000:]
     one = tmp_path / "one"
     r1 = run_cli(["train", *tiny_args(tiny_model_dir, tiny_data, one, *common, "trainer.grad_accum=4")], tmp_path)
@@ -44,3 +49,28 @@ def test_two_ranks_match_one_process(tiny_model_dir, tiny_data, tmp_path):
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6, msg=key)
     trained = load_file(str(two / "checkpoints" / "step-000002" / "adapter" / "adapter_model.safetensors"))
     assert any(not torch.equal(trained[k], a[k]) for k in a)  # weights moved between steps
+
+
+def test_two_ranks_resume_each_with_its_own_random_state(tiny_model_dir, tiny_data, tmp_path):
+    """Dropout draws differ per rank; a resume must give each rank back its own RNG stream (once
+    every rank loaded rank 0's). One held-out row for two ranks: rank 1 evaluates nothing and
+    must still take part in the same reductions (it used to reduce fewer values: a hang on NCCL)."""
+    common = ["recipe=lora", "method.dropout=0.2", "trainer.micro_batch_size=2", "trainer.max_steps=4",
+              "data.max_val_examples=1"]
+    full = tmp_path / "full"
+    r = launch_two_ranks(tiny_args(tiny_model_dir, tiny_data, full, *common), tmp_path, 29518)
+    assert r.returncode == 0, r.stderr[-3000:]
+    evals = [row for row in read_jsonl(full / "metrics.jsonl") if "val_loss" in row]
+    assert [row["step"] for row in evals] == [0, 2, 4]
+
+    crashed = tmp_path / "crashed"
+    shutil.copytree(full, crashed)
+    shutil.rmtree(crashed / "checkpoints" / "step-000004")
+    shutil.rmtree(crashed / "adapter")
+    r = launch_two_ranks(tiny_args(tiny_model_dir, tiny_data, crashed, *common, "trainer.resume=true"), tmp_path, 29519)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a = load_file(str(full / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(crashed / "adapter" / "adapter_model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    state = json.loads((crashed / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
+    assert len(state["rng"]) == 2 and state["rng"][0]["torch"] != state["rng"][1]["torch"]

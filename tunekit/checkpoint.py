@@ -1,35 +1,58 @@
-"""Checkpoints: the adapter in PEFT format plus the full training state, written atomically.
+"""Checkpoints: the adapter plus the full training state, written atomically, read without pickle.
 
 output_dir/checkpoints/step-000020/
-    adapter/             method.save() output (adapter_model.safetensors, adapter_config.json)
-    training_state.pt    optimizer, scheduler, RNG states
-    trainer_state.json   step, tokens seen; written last: its presence marks a complete checkpoint
-Every checkpoint is built in a hidden temp folder and renamed into place, so a crash leaves either
-the old set of checkpoints or the new one, never a folder that looks complete but is not.
+    adapter/                 Method.save() output (read back and verified as it is written)
+    optimizer.safetensors    every tensor of the optimizer's state
+    trainer_state.json       step, tokens seen, first evaluation, the run's fingerprint, the
+                             optimizer's structure (tensors referenced by key), the scheduler, the
+                             random state of every rank, and the SHA-256 of every file above.
+                             Written last: its presence marks a complete checkpoint.
+
+Checkpoints get shared, so loading one must never run code: everything is safetensors (raw
+tensors) or JSON (plain values). Each checkpoint is built in a hidden temp folder and renamed into
+place, so a crash leaves the old set of checkpoints or the new one; a file damaged later
+(truncated copy, disk error) fails its checksum, and resume falls back to the newest intact one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import math
 import os
-import random
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
-import numpy as np
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from tunekit import TunekitError
+
+log = logging.getLogger(__name__)
 
 STATE_JSON = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+FORMAT_VERSION = 2  # 1: training_state.pt (pickle), no longer read
+
+
+def step_of(ckpt: Path) -> int:
+    try:
+        return int(Path(ckpt).name.split("-")[1])
+    except (IndexError, ValueError):
+        return -1
 
 
 def checkpoint_dirs(output_dir: Path) -> list[Path]:
+    """Complete checkpoints (their marker file exists), oldest first."""
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    done = [d for d in root.glob("step-*") if (d / STATE_JSON).is_file()]
-    return sorted(done, key=lambda d: int(d.name.split("-")[1]))
+    done = [d for d in root.glob("step-*") if (d / STATE_JSON).is_file() and step_of(d) >= 0]
+    return sorted(done, key=step_of)
 
 
 def latest_checkpoint(output_dir: Path) -> Optional[Path]:
@@ -37,8 +60,13 @@ def latest_checkpoint(output_dir: Path) -> Optional[Path]:
     return dirs[-1] if dirs else None
 
 
+# ------------------------------------------------------------------ atomic writes
 def atomic_dir(target: Path, write: Callable[[Path], None]) -> None:
-    """Call write(tmp_dir), then move tmp_dir to target (replacing an older target)."""
+    """Call write(tmp_dir), then move tmp_dir to target (replacing an older target).
+
+    Replacing renames the old target to `.name.old` first; `cleanup_leftovers` restores it if a
+    crash falls between the two renames.
+    """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
@@ -63,32 +91,117 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+def cleanup_leftovers(output_dir: Path) -> list[str]:
+    """Remove what interrupted saves left behind in a run folder; returns what was done.
+
+    `.X.tmp-*` folders and `.X.tmp` files are unfinished writes (the target was never replaced).
+    `.X.old` is a replaced target: deleted when X exists, renamed back when the crash came
+    between the two renames of atomic_dir and X is missing.
+    """
+    done = []
+    for folder in (Path(output_dir), Path(output_dir) / "checkpoints"):
+        if not folder.is_dir():
+            continue
+        for p in sorted(folder.glob(".*")):
+            name = p.name
+            if ".tmp" in name:
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                done.append(f"removed {p}")
+            elif name.endswith(".old") and p.is_dir():
+                target = p.with_name(name[1:-len(".old")])
+                if target.exists():
+                    shutil.rmtree(p, ignore_errors=True)
+                    done.append(f"removed {p}")
+                else:
+                    p.rename(target)
+                    done.append(f"restored {target} from {p.name}")
+    return done
 
 
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+# ------------------------------------------------------------------ state trees without pickle
+def encode_tree(obj, tensors: dict[str, torch.Tensor], path: str = "state"):
+    """A nested state (dicts, lists, tuples, numbers, strings, tensors) as JSON-able values.
+
+    Tensors go into `tensors` under a fresh key and are replaced by {"__tensor__": key}. Dicts
+    with non-string keys (an optimizer's per-parameter state) and tuples keep their type through
+    small tags. Anything else is refused: it would need pickle.
+    """
+    if isinstance(obj, torch.Tensor):
+        key = f"t{len(tensors)}"
+        tensors[key] = obj.detach().to("cpu").contiguous().clone()
+        return {"__tensor__": key}
+    if isinstance(obj, bool) or obj is None or isinstance(obj, (int, str)):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else {"__float__": repr(obj)}
+    if isinstance(obj, torch.dtype):
+        return {"__dtype__": str(obj).removeprefix("torch.")}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [encode_tree(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [encode_tree(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: encode_tree(v, tensors, f"{path}.{k}") for k, v in obj.items()}
+        return {"__items__": [[encode_tree(k, tensors, path), encode_tree(v, tensors, f"{path}[{k!r}]")]
+                              for k, v in obj.items()]}
+    raise TypeError(f"cannot checkpoint {type(obj).__name__} at {path} without pickle")
 
 
+def decode_tree(obj, tensors: dict[str, torch.Tensor]):
+    """Inverse of encode_tree. Only builds plain values and tensors: nothing is executed."""
+    if isinstance(obj, list):
+        return [decode_tree(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__tensor__" in obj:
+        return tensors[obj["__tensor__"]]
+    if "__float__" in obj:
+        return float(obj["__float__"])
+    if "__dtype__" in obj:
+        dtype = getattr(torch, str(obj["__dtype__"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {obj['__dtype__']!r}")
+        return dtype
+    if "__tuple__" in obj:
+        return tuple(decode_tree(v, tensors) for v in obj["__tuple__"])
+    if "__items__" in obj:
+        return {decode_tree(k, tensors): decode_tree(v, tensors) for k, v in obj["__items__"]}
+    return {k: decode_tree(v, tensors) for k, v in obj.items()}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _file_digests(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): _sha256(p) for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != STATE_JSON}
+
+
+# ------------------------------------------------------------------ save / verify / load
 def save_checkpoint(output_dir: Path, step: int, save_adapter: Callable[[Path], None], optimizer, scheduler,
-                    trainer_state: dict, keep: int) -> Path:
+                    trainer_state: dict, rng_states: list[dict], keep: int) -> Path:
+    """Write checkpoints/step-NNNNNN atomically and prune all but the newest `keep`.
+
+    trainer_state: JSON-able run facts (tokens seen, first evaluation, fingerprint); rng_states:
+    one `tunekit.device.rng_state` per rank, in rank order.
+    """
     target = Path(output_dir) / "checkpoints" / f"step-{step:06d}"
 
     def write(tmp: Path) -> None:
         save_adapter(tmp / "adapter")
-        torch.save(
-            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
-            tmp / "training_state.pt",
-        )
-        (tmp / STATE_JSON).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
+        tensors: dict[str, torch.Tensor] = {}
+        optimizer_tree = encode_tree(optimizer.state_dict(), tensors, "optimizer")
+        save_file(tensors, str(tmp / OPTIMIZER_FILE))
+        state = {"format": FORMAT_VERSION, "step": step, **trainer_state, "optimizer": optimizer_tree,
+                 "scheduler": encode_tree(scheduler.state_dict(), {}, "scheduler"), "rng": rng_states,
+                 "files": _file_digests(tmp)}
+        (tmp / STATE_JSON).write_text(json.dumps(state, indent=1))
 
     atomic_dir(target, write)
     for old in checkpoint_dirs(output_dir)[:-keep]:
@@ -96,10 +209,56 @@ def save_checkpoint(output_dir: Path, step: int, save_adapter: Callable[[Path], 
     return target
 
 
-def load_training_state(ckpt: Path, optimizer, scheduler) -> dict:
-    # weights_only=False: the file holds RNG states (numpy arrays, tuples) that we wrote ourselves
-    blob = torch.load(Path(ckpt) / "training_state.pt", map_location="cpu", weights_only=False)
-    optimizer.load_state_dict(blob["optimizer"])
-    scheduler.load_state_dict(blob["scheduler"])
-    set_rng_state(blob["rng"])
-    return json.loads((Path(ckpt) / STATE_JSON).read_text())
+def read_state(ckpt: Path) -> dict:
+    """trainer_state.json of a checkpoint; TunekitError if unreadable or of an older format."""
+    path = Path(ckpt) / STATE_JSON
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TunekitError(f"{path}: unreadable ({type(e).__name__}: {str(e).splitlines()[0][:100]})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
+        raise TunekitError(f"{path}: not a checkpoint of this tunekit version (format {state.get('format') if isinstance(state, dict) else '?'}, "
+                           f"expected {FORMAT_VERSION}); older checkpoints held pickled state and are not loaded")
+    return state
+
+
+def damage(ckpt: Path) -> Optional[str]:
+    """Why a checkpoint cannot be resumed from (missing, truncated or altered files), or None."""
+    try:
+        state = read_state(ckpt)
+    except TunekitError as e:
+        return str(e)
+    files = state.get("files")
+    if not isinstance(files, dict) or OPTIMIZER_FILE not in files:
+        return f"{Path(ckpt) / STATE_JSON}: no file list"
+    for rel, digest in files.items():
+        path = Path(ckpt) / rel
+        if not path.is_file():
+            return f"{path} is missing"
+        if _sha256(path) != digest:
+            return f"{path} is truncated or altered (checksum mismatch)"
+    return None
+
+
+def find_resumable(output_dir: Path) -> tuple[Optional[Path], list[str]]:
+    """The newest intact checkpoint, and a note for each newer one that is damaged."""
+    skipped = []
+    for ckpt in reversed(checkpoint_dirs(output_dir)):
+        why = damage(ckpt)
+        if why is None:
+            return ckpt, skipped
+        skipped.append(f"{ckpt.name}: {why}")
+    return None, skipped
+
+
+def load_checkpoint(ckpt: Path, optimizer, scheduler) -> dict:
+    """Restore optimizer and scheduler from an intact checkpoint; returns its trainer_state.json."""
+    state = read_state(ckpt)
+    try:
+        tensors = load_file(str(Path(ckpt) / OPTIMIZER_FILE))
+        optimizer.load_state_dict(decode_tree(state["optimizer"], tensors))
+        scheduler.load_state_dict(decode_tree(state["scheduler"], {}))
+    except (KeyError, ValueError, TypeError, RuntimeError, SafetensorError) as e:
+        raise TunekitError(f"{ckpt}: optimizer or scheduler state does not fit this run "
+                           f"({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+    return state

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -108,6 +109,14 @@ def check_overrides(overrides: list[str]) -> None:
         raise TunekitError(_hydra_message(e)) from None
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, turned into the same unwinding as Ctrl-C so temp folders are cleaned up."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
 def _train_job(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -124,14 +133,23 @@ def _train_job(cfg) -> None:
         output_dir = output_dir / str(hc.job.num)
         log.info("sweep job %d: %s -> %s", hc.job.num, " ".join(hc.overrides.task) or "(defaults)", output_dir)
     recipe = TrainRecipe(obj, output_dir)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)  # schedulers stop jobs with SIGTERM
     try:
         recipe.setup()
         summary = recipe.train()
     except TunekitError as e:  # raised inside Hydra's job: report it ourselves, as one line
         fail(str(e))
-    except KeyboardInterrupt:
-        fail(f"interrupted; checkpoints so far are in {output_dir}/checkpoints: resume with "
-             f"output_dir={output_dir} trainer.resume=true", code=130)
+    except KeyboardInterrupt as e:  # SIGINT, or SIGTERM through _raise_terminated
+        # Whatever was being written when the signal came was in a temp folder, removed on the way out.
+        from tunekit.checkpoint import latest_checkpoint
+
+        last = latest_checkpoint(output_dir)
+        where = (f"the last checkpoint is {last.name}: resume with output_dir={output_dir} trainer.resume=true"
+                 if last else "no checkpoint was saved yet; start again to train")
+        name, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("SIGINT", 130)
+        fail(f"interrupted by {name}; {where}", code=code)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if recipe.main:
         changes = []
         for name in ("loss", "kl", "ce"):

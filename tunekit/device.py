@@ -143,14 +143,14 @@ def fused_kernel_support(facts: DeviceFacts, dtype: torch.dtype, triton_installe
     if not triton_installed:
         return False, "triton is not installed (pip install triton)"
     if facts.type == "cuda":
-        if interpreting:
-            return False, "TRITON_INTERPRET=1 is set: Triton would interpret, not compile, on the GPU"
         cap = tuple(facts.capability or (0, 0))
         if cap < (7, 0):
             return False, f"{facts.describe()} is older than sm_70, which Triton does not support"
         if dtype == torch.bfloat16 and cap < BF16_MIN_CAPABILITY:
             return False, (f"{facts.describe()} has no native bf16 (sm_80+ needed); the Triton kernels "
                            "cannot compile bf16 there (use model.dtype=fp32 or kernels.fused_lora=off)")
+        if interpreting:
+            return False, "TRITON_INTERPRET=1 is set: Triton would interpret, not compile, on the GPU"
         return True, f"{facts.describe()}, {_dtype_name(dtype)}"
     if facts.type == "cpu" and interpreting:
         return True, "cpu under TRITON_INTERPRET=1 (numpy interpreter: for tests, not speed)"

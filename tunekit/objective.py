@@ -28,6 +28,8 @@ def model_inputs(batch: dict) -> dict:
 class SFTObjective:
     """Token-summed cross-entropy on response tokens."""
 
+    eval_names = ("loss",)  # the keys of eval_sums, the same on every rank
+
     def loss(self, hidden: torch.Tensor, head: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         return sft_loss_from_hidden(hidden, head, batch["labels"])
 
@@ -43,6 +45,8 @@ class DistillObjective:
     The teacher is frozen and run under no_grad on the same batch; its logits, like the
     student's, are only ever formed `chunk_size` trained tokens at a time.
     """
+
+    eval_names = ("ce", "kl", "loss")
 
     def __init__(self, teacher: nn.Module, cfg):
         from tunekit.model import decoder_and_head

@@ -25,17 +25,20 @@ from omegaconf import OmegaConf
 from transformers import AutoConfig
 
 from tunekit import TunekitError
-from tunekit.checkpoint import atomic_dir, atomic_write_text, latest_checkpoint, load_training_state, save_checkpoint
+from tunekit import device as dev
+from tunekit.checkpoint import (atomic_dir, atomic_write_text, cleanup_leftovers, find_resumable, latest_checkpoint,
+                                load_checkpoint, read_state, save_checkpoint)
 from tunekit.config import TrainConfig, plain
 from tunekit.data import BatchSchedule, IGNORE, collate, collate_packed, count_tokens, eval_batches, load_splits
+from tunekit.fused import choose_lora_path
 from tunekit.objective import DistillObjective, SFTObjective, check_same_vocabulary, model_inputs
 from tunekit.methods import get_method, trainable_parameters
-from tunekit.methods.fused import enable_fused_lora
 from tunekit.model.student import make_student
-from tunekit.model import (compute_dtype, decoder_and_head, load_base_model, load_tokenizer, prepare_for_training,
+from tunekit.model import (decoder_and_head, load_base_model, load_tokenizer, prepare_for_training,
                            quantized_bits_per_param, resolve_model_path)
 from tunekit.optim import build_optimizer, warmup_cosine
-from tunekit.tracking import NullTracker, Tracker, memory_mb
+from tunekit.resume import check_output_dir, check_same_run, fingerprint
+from tunekit.tracking import NullTracker, Tracker
 
 log = logging.getLogger("tunekit")
 
@@ -49,11 +52,18 @@ class TrainRecipe:
     def setup(self) -> None:
         cfg = self.cfg
         self.acc = Accelerator()
-        self.device = self.acc.device
+        # A single process's Accelerator().device is `cuda` without an index (TRAPS.md).
+        self.device = dev.rank_device(self.acc.device, self.acc.local_process_index)
+        self.facts = dev.probe(self.device)
         self.main = self.acc.is_main_process
         if not self.main:  # one copy of every info line, from rank 0
             logging.getLogger("tunekit").setLevel(logging.WARNING)
-        self._check_output_dir()
+        check_output_dir(self.output_dir, cfg.trainer.resume)
+        if self.main:
+            for line in cleanup_leftovers(self.output_dir):
+                self._info(f"leftover of an interrupted save: {line}")
+        self.fingerprint = fingerprint(cfg, self.acc.num_processes)
+        self.resume_from, self.resume_state = self._find_checkpoint() if cfg.trainer.resume else (None, None)
 
         # Same seed on every rank: identical adapter init, identical data schedule.
         set_seed(cfg.seed)
@@ -73,14 +83,16 @@ class TrainRecipe:
                    + (", packed" if cfg.data.packing else ""))
         self.collate = collate_packed if cfg.data.packing else collate
 
-        self.dtype = compute_dtype(plain(cfg.model.dtype), self.device)
+        self.dtype = dev.compute_dtype(plain(cfg.model.dtype), self.facts)
         quantize = plain(cfg.model.quantize)
         model = load_base_model(self.model_path, quantize, self.dtype, self.device)
         bits = quantized_bits_per_param(model)
+        where = f"on {self.facts.describe()}"
         if bits is not None:
-            self._info(f"base: {self.model_path} in 4-bit NF4 + double quant, {bits:.3f} bits/param, compute {self.dtype}")
+            self._info(f"base: {self.model_path} in 4-bit NF4 + double quant, {bits:.3f} bits/param, "
+                       f"compute {self.dtype}, {where}")
         else:
-            self._info(f"base: {self.model_path} in {self.dtype}")
+            self._info(f"base: {self.model_path} in {self.dtype}, {where}")
         self.bits_per_param = bits
         prepare_for_training(model, quantize, cfg.model.gradient_checkpointing)
 
@@ -88,9 +100,9 @@ class TrainRecipe:
 
         self.method = get_method(cfg.method.name)
         self.model = self.method.apply(model, cfg.method)
-        fused = enable_fused_lora(self.model, plain(cfg.kernels.fused_lora), self.device)
-        if fused:
-            self._info(f"kernels: {fused} LoRA layers use the fused Triton NF4 kernel")
+        self.lora_path = choose_lora_path(self.model, plain(cfg.kernels.fused_lora), self.facts, self.dtype)
+        if self.lora_path.layers or plain(cfg.kernels.fused_lora) != "auto" or self.lora_path.checks:
+            self._info(f"kernels: LoRA layers use {self.lora_path.path} ({self.lora_path.reason})")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         trainable, total = trainable_parameters(self.model)
         self._info(f"method {cfg.method.name}: {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.3f}%)")
@@ -103,11 +115,11 @@ class TrainRecipe:
         self.schedule = BatchSchedule([len(e["input_ids"]) for e in self.train_data], t.micro_batch_size,
                                       t.grad_accum, self.acc.num_processes, self.acc.process_index, cfg.seed)
         # Dropout masks differ per rank (as in DDP); everything that must agree is already built.
-        # A resumed run then restores the RNG state saved with its checkpoint, so it continues
-        # the exact random stream of an uninterrupted run.
+        # A resumed run then restores each rank's own RNG state saved with its checkpoint, so it
+        # continues the random stream of an uninterrupted run.
         set_seed(cfg.seed + 1000 * self.acc.process_index)
-        self.start_step, self.tokens_seen = 0, 0
-        if t.resume:
+        self.start_step, self.tokens_seen, self.first_eval = 0, 0, None
+        if self.resume_from is not None:
             self._resume()
 
         if self.main:
@@ -128,26 +140,28 @@ class TrainRecipe:
                    f"alpha {d.alpha}, T {d.temperature}")
         return DistillObjective(teacher, d)
 
-    def _check_output_dir(self) -> None:
-        """Never train over a finished or interrupted run by accident: that would lose its data."""
-        if self.cfg.trainer.resume:
-            return
-        previous = latest_checkpoint(self.output_dir) or (
-            self.output_dir / "adapter" if (self.output_dir / "adapter").exists() else None)
-        if previous is not None:
-            raise TunekitError(
-                f"output_dir: {self.output_dir} already holds a run ({previous.name}); "
-                "pass trainer.resume=true to continue it or choose another output_dir"
-            )
+    def _find_checkpoint(self) -> tuple[Path | None, dict | None]:
+        """The newest intact checkpoint to resume (checked before any model loads), or (None, None)."""
+        ckpt, skipped = find_resumable(self.output_dir)
+        for note in skipped:
+            log.warning("skipping damaged checkpoint %s", note)
+        if ckpt is None:
+            if skipped:
+                raise TunekitError(f"trainer.resume: no intact checkpoint in {self.output_dir / 'checkpoints'} "
+                                   f"({skipped[0]}); remove the damaged ones to start over")
+            self._info(f"trainer.resume=true but no checkpoint in {self.output_dir}: starting from step 0")
+            return None, None
+        state = read_state(ckpt)
+        check_same_run(state.get("fingerprint", {}), self.fingerprint, ckpt)
+        return ckpt, state
 
     def _resume(self) -> None:
-        ckpt = latest_checkpoint(self.output_dir)
-        if ckpt is None:
-            self._info(f"trainer.resume=true but no checkpoint in {self.output_dir}: starting from step 0")
-            return
+        ckpt = self.resume_from
         self.method.load(self.model, ckpt / "adapter")
-        state = load_training_state(ckpt, self.optimizer, self.scheduler)
+        state = load_checkpoint(ckpt, self.optimizer, self.scheduler)
+        dev.set_rng_state(state["rng"][self.acc.process_index], self.device)
         self.start_step, self.tokens_seen = state["step"], state.get("tokens_seen", 0)
+        self.first_eval = state.get("first_eval")
         self._info(f"resumed from {ckpt} (step {self.start_step})")
 
     def _info(self, msg: str) -> None:
@@ -158,21 +172,28 @@ class TrainRecipe:
     def train(self) -> dict:
         t = self.cfg.trainer
         start = time.perf_counter()
-        first_val = self.evaluate(self.start_step) if self.start_step == 0 else None
-        last_val = first_val
-        for step in range(self.start_step, t.max_steps):
-            self.tracker.step(self.train_step(step))
-            done = step + 1
-            if done % t.eval_every == 0 or done == t.max_steps:
-                last_val = self.evaluate(done)
-            if done % t.save_every == 0 or done == t.max_steps:
-                self.save_checkpoint(done)
-        self.save_final()
-        summary = {**{f"first_{k}": v for k, v in (first_val or {}).items()},
+        try:
+            if self.start_step == 0:
+                self.first_eval = self.evaluate(0)
+            last_val = self.first_eval
+            for step in range(self.start_step, t.max_steps):
+                self.tracker.step(self.train_step(step))
+                done = step + 1
+                if done % t.eval_every == 0 or done == t.max_steps:
+                    last_val = self.evaluate(done)
+                if done % t.save_every == 0 or done == t.max_steps:
+                    self.save_checkpoint(done)
+            self.save_final()
+        except BaseException:
+            self.tracker.abort()
+            raise
+        summary = {**{f"first_{k}": v for k, v in (self.first_eval or {}).items()},
                    **{f"last_{k}": v for k, v in (last_val or {}).items()}, "steps": t.max_steps,
+                   "resumed_from_step": self.start_step or None,
                    "wall_s": time.perf_counter() - start, "trainable_params": self.trainable_params,
                    "bits_per_param": self.bits_per_param, "world_size": self.acc.num_processes,
-                   "ranks_in_sync": self._ranks_in_sync()}
+                   "device": self.facts.describe(), "compute_dtype": str(self.dtype).removeprefix("torch."),
+                   "kernels": self.lora_path.as_dict(), "ranks_in_sync": self._ranks_in_sync()}
         if self.main:
             atomic_write_text(self.output_dir / "summary.json", json.dumps(summary, indent=2))
         self.tracker.close()
@@ -184,15 +205,27 @@ class TrainRecipe:
         start = time.perf_counter()
         loss, n_trained, n_input = self._train_step(step)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.trainer.max_grad_norm).item()
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self._stop_non_finite(step, f"the training loss is {loss} and the gradient norm {grad_norm}")
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if not all(bool(p.detach().isfinite().all()) for p in self.params):
+            self._stop_non_finite(step, "the optimizer step made trainable weights inf/nan")
         self.tokens_seen += n_input
         dt = time.perf_counter() - start
         return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": n_input / dt,
                 "input_tokens": n_input, "trained_tokens": n_trained, "tokens_seen": self.tokens_seen,
-                "step_time_s": dt, "epoch": self.schedule.epoch_of(step + 1), "memory_mb": memory_mb(self.device)}
+                "step_time_s": dt, "epoch": self.schedule.epoch_of(step + 1), "memory_mb": dev.peak_memory_mb(self.device)}
+
+    def _stop_non_finite(self, step: int, what: str) -> None:
+        """Every rank sees the same reduced loss and gradients, so all stop here together."""
+        last = latest_checkpoint(self.output_dir)
+        kept = (f"the last good checkpoint is {last} (resume from it with trainer.resume=true)" if last
+                else "no checkpoint was saved before it")
+        raise TunekitError(f"step {step + 1}: {what}; training stopped and nothing more was saved: {kept}. "
+                           "Lower trainer.lr, check trainer.max_grad_norm, or look for bad rows in the data")
 
     def _train_step(self, step: int) -> tuple[float, int, int]:
         micro = [self.collate([self.train_data[i] for i in idx], self.tokenizer.pad_token_id)
@@ -254,17 +287,19 @@ class TrainRecipe:
         """Token-weighted held-out metrics (split across ranks, sums reduced): val_loss, plus
         val_ce and val_kl (to the teacher) when distilling."""
         self.model.eval()
-        sums: dict[str, torch.Tensor] = {}
+        # Every rank reduces the same named sums, even one with no held-out batch (fewer held-out
+        # rows than ranks): a rank reducing fewer values would hang NCCL.
+        names = list(self.objective.eval_names)
+        sums = {name: torch.zeros((), device=self.device, dtype=torch.float64) for name in names}
         tokens = torch.zeros((), device=self.device, dtype=torch.float64)
         for idx in eval_batches(len(self.val_data), self.cfg.trainer.micro_batch_size,
                                 self.acc.num_processes, self.acc.process_index):
             batch = self.collate([self.val_data[i] for i in idx], self.tokenizer.pad_token_id)
             parts, n = self.objective.eval_sums(*self._forward(batch))
-            for name, value in parts.items():
-                sums[name] = sums.get(name, 0) + value.double()
+            for name in names:
+                sums[name] += parts[name].double()
             tokens += n.double().to(self.device)
         self.model.train()
-        names = sorted(sums)
         reduced = self.acc.reduce(torch.stack([sums[k] for k in names] + [tokens]), reduction="sum").tolist()
         metrics = {f"val_{k}": v / max(reduced[-1], 1) for k, v in zip(names, reduced[:-1])}
         metrics["val_ppl"] = math.exp(min(metrics.get("val_ce", metrics["val_loss"]), 50))
@@ -273,9 +308,13 @@ class TrainRecipe:
 
     # ------------------------------------------------------------------ save
     def save_checkpoint(self, step: int) -> None:
+        from accelerate.utils import gather_object
+
+        rng = gather_object([dev.rng_state(self.device)])  # every rank's own stream, in rank order
         if self.main:
+            facts = {"tokens_seen": self.tokens_seen, "first_eval": self.first_eval, "fingerprint": self.fingerprint}
             save_checkpoint(self.output_dir, step, lambda d: self.method.save(self.model, d), self.optimizer,
-                            self.scheduler, {"tokens_seen": self.tokens_seen}, self.cfg.trainer.keep_checkpoints)
+                            self.scheduler, facts, rng, self.cfg.trainer.keep_checkpoints)
         self.acc.wait_for_everyone()
 
     def save_final(self) -> None:

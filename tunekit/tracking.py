@@ -8,21 +8,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
 import sys
 from pathlib import Path
 from typing import Optional
 
-import torch
 
 log = logging.getLogger(__name__)
-
-
-def memory_mb(device: torch.device) -> float:
-    """Peak memory: CUDA max allocated on GPU, process peak RSS on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -114,6 +105,11 @@ class Tracker:
     def plot(self) -> None:
         plot_losses(read_metrics(self.metrics_path), self.output_dir / "loss_curve.png")
 
+    def abort(self) -> None:
+        """A run stopped by an error or a signal: end the progress line so the message starts on its own."""
+        self.bar.close()
+        self.metrics.close()
+
     def close(self) -> None:
         self.bar.close()
         self.metrics.close()
@@ -128,3 +124,4 @@ class NullTracker:
     def eval(self, row): ...
     def plot(self): ...
     def close(self): ...
+    def abort(self): ...

@@ -32,23 +32,11 @@ def resolve_model_path(path: Optional[str], key: str = "model.path") -> str:
     return path  # looks like a hub id ("org/name"); the load below says if the hub is unreachable
 
 
-def cpu_has_bf16() -> bool:
-    """Native bf16 on this CPU (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "fp32":
-        return torch.float32
-    if name == "bf16":
-        return torch.bfloat16
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    """model.dtype for a real device (see tunekit.device.compute_dtype for the rule)."""
+    from tunekit import device as dev
+
+    return dev.compute_dtype(name, dev.probe(device))
 
 
 def _hub_error(path: str, err: Exception) -> TunekitError:
@@ -91,7 +79,9 @@ def load_base_model(path: str, quantize: str, dtype: torch.dtype, device: torch.
             # the output head stays in high precision, as in QLoRA
             llm_int8_skip_modules=["lm_head"],
         )
-        kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
+        from tunekit.device import device_map
+
+        kwargs["device_map"] = device_map(device)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as e:

@@ -1,0 +1,150 @@
+"""Interrupted and resumed runs through the real CLI: what may change, what is refused, what survives."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from _helpers import read_jsonl, run_cli, tiny_args
+
+# LoRA dropout on, so the resumed run must also restore the random stream exactly.
+COMMON = ("recipe=lora", "method.dropout=0.1", "trainer.max_steps=4")
+
+
+def adapter(run: Path) -> dict:
+    return load_file(str(run / "adapter" / "adapter_model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny_model_dir, tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("resume") / "full"
+    r = run_cli(["train", *tiny_args(tiny_model_dir, tiny_data, out, *COMMON)], out.parent)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def crashed_copy(full_run: Path, dest: Path) -> Path:
+    """The folder as a run killed right after its step-2 checkpoint would have left it."""
+    shutil.copytree(full_run, dest)
+    shutil.rmtree(dest / "checkpoints" / "step-000004")
+    shutil.rmtree(dest / "adapter")
+    (dest / "summary.json").unlink()
+    return dest
+
+
+def test_resume_restores_rng_and_reports_first_eval(full_run, tiny_model_dir, tiny_data, tmp_path):
+    run = crashed_copy(full_run, tmp_path / "run")
+    (run / "checkpoints" / ".step-000004.tmp-x1").mkdir()  # what a kill during a save leaves
+    r = run_cli(["train", *tiny_args(tiny_model_dir, tiny_data, run, *COMMON, "trainer.resume=true")], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "leftover of an interrupted save: removed" in r.stderr
+    assert not list((run / "checkpoints").glob(".*"))
+    a, b = adapter(full_run), adapter(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # dropout masks included
+    full, resumed = (json.loads((d / "summary.json").read_text()) for d in (full_run, run))
+    assert resumed["first_val_loss"] == full["first_val_loss"] and resumed["resumed_from_step"] == 2
+    assert "n/a (resumed)" not in r.stderr
+
+
+def test_resume_falls_back_from_a_damaged_checkpoint(full_run, tiny_model_dir, tiny_data, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(full_run, run)
+    shutil.rmtree(run / "adapter")
+    bad = run / "checkpoints" / "step-000004" / "adapter" / "adapter_model.safetensors"
+    bad.write_bytes(bad.read_bytes()[:100])  # a truncated copy
+    r = run_cli(["train", *tiny_args(tiny_model_dir, tiny_data, run, *COMMON, "trainer.resume=true")], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "skipping damaged checkpoint step-000004" in r.stderr and "resumed from" in r.stderr
+    a, b = adapter(full_run), adapter(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("change, named", [
+    ("method.r=8", "method.r (16 -> 8)"),
+    ("trainer.lr=5e-4", "trainer.lr"),
+    ("seed=3", "seed (0 -> 3)"),
+    ("trainer.micro_batch_size=2", "trainer.micro_batch_size"),
+    ("data", "data.path (file content changed)"),
+])
+def test_resume_refuses_a_changed_run(full_run, tiny_model_dir, tiny_data, tmp_path, change, named):
+    run = crashed_copy(full_run, tmp_path / "run")
+    config_before = (run / "config.yaml").read_text()
+    data = tiny_data
+    if change == "data":
+        data = tmp_path / "other.jsonl"
+        data.write_text(tiny_data.read_text().replace("easy", "simple"))
+        change = f"data.path={data}"
+    r = run_cli(["train", *tiny_args(tiny_model_dir, data, run, *COMMON, "trainer.resume=true", change)], tmp_path)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "tunekit: error: trainer.resume: this config differs" in r.stderr and named in r.stderr
+    assert "Traceback" not in r.stderr and "base:" not in r.stderr  # refused before the model loads
+    assert (run / "config.yaml").read_text() == config_before  # the original config is kept
+
+
+def test_resume_accepts_more_steps_and_other_cadence(full_run, tiny_model_dir, tiny_data, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(full_run, run)
+    r = run_cli(["train", *tiny_args(tiny_model_dir, tiny_data, run, *COMMON, "trainer.resume=true",
+                                     "trainer.max_steps=5", "trainer.eval_every=5", "trainer.save_every=5")], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stderr and "step 4" in r.stderr
+    assert [row["step"] for row in read_jsonl(run / "metrics.jsonl") if "loss" in row] == [1, 2, 3, 4, 5]
+
+
+def test_a_started_run_without_checkpoint_is_not_overwritten(full_run, tiny_model_dir, tiny_data, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("config.yaml", "metrics.jsonl"):  # a run killed before its first save
+        shutil.copy(full_run / name, run / name)
+    before = (run / "metrics.jsonl").read_bytes()
+    r = run_cli(["train", *tiny_args(tiny_model_dir, tiny_data, run, *COMMON)], tmp_path)
+    assert r.returncode == 2 and "already holds a run (config.yaml, metrics.jsonl)" in r.stderr
+    assert (run / "metrics.jsonl").read_bytes() == before
+
+
+def test_non_finite_training_stops_and_keeps_the_last_good_checkpoint(tiny_model_dir, tiny_data, tmp_path):
+    run = tmp_path / "run"
+    # lr 1e30: the first update moves LoRA weights by ~1e30, the next forward overflows to inf/nan
+    r = run_cli(["train", *tiny_args(tiny_model_dir, tiny_data, run, "recipe=lora", "trainer.max_steps=6",
+                                     "trainer.save_every=1", "trainer.warmup_steps=0", "trainer.lr=1e30")], tmp_path)
+    assert r.returncode == 2, r.stderr[-2000:]
+    line = [ln for ln in r.stderr.splitlines() if ln.startswith("tunekit: error:")]
+    assert len(line) == 1 and "nan" in line[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "the last good checkpoint is" in line[0]
+    assert not (run / "adapter").exists() and not (run / "summary.json").exists()
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts and all(not n.startswith(".") for n in ckpts)
+    for ckpt in ckpts:  # every checkpoint kept holds finite weights
+        t = load_file(str(run / "checkpoints" / ckpt / "adapter" / "adapter_model.safetensors"))
+        assert all(v.isfinite().all() for v in t.values()), ckpt
+
+
+def test_sigterm_behaves_like_ctrl_c(tiny_model_dir, tiny_data, tmp_path):
+    """What schedulers send: stop cleanly, leave no temp folder, say how to resume; then resume."""
+    run = tmp_path / "run"
+    args = tiny_args(tiny_model_dir, tiny_data, run, *COMMON, "trainer.max_steps=40", "trainer.save_every=1",
+                     "trainer.eval_every=40")
+    exe = Path(sys.executable).with_name("tunekit")
+    proc = subprocess.Popen([str(exe), "train", *args], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ})
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "step-000001").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert "tunekit: error: interrupted by SIGTERM; the last checkpoint is step-" in err and "trainer.resume=true" in err
+    assert "Traceback" not in err
+    assert not [p for p in run.rglob(".*") if ".tmp" in p.name or p.name.endswith(".old")]
+    r = run_cli(["train", *args, "trainer.resume=true"], tmp_path)
+    assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-2000:]

@@ -1,0 +1,94 @@
+"""What makes a run folder resumable: its fingerprint, and the rules for reusing a folder.
+
+A checkpoint records the fingerprint of the run that wrote it: every config value that shapes the
+trained weights or the order of the data (method, rank, targets, optimizer, lr, seed, batch
+layout, dtype...), the SHA-256 of the data files, and the number of ranks. Resuming with any of
+them changed would silently train a different run on top of the first, so it is refused with
+the keys that differ. What only changes when or how long the run trains, or what it reports, may
+change: `MAY_CHANGE` below.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from tunekit import TunekitError
+from tunekit.config import plain
+
+# Keys (or key prefixes, ending in ".") a resumed run may change.
+MAY_CHANGE = (
+    "output_dir", "recipe",                       # where the run lives; the recipe's name is a label
+    "trainer.max_steps",                          # train longer or shorter (the cosine schedule follows)
+    "trainer.eval_every", "trainer.save_every", "trainer.keep_checkpoints", "trainer.resume",
+    "data.max_val_examples",                      # only what is evaluated
+    "tracker.",                                   # where metrics go
+    "kernels.",                                   # the fused kernel computes the same function
+    "model.gradient_checkpointing",               # recomputation, not a different result
+)
+# What a folder holds once a run has started writing into it.
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "adapter")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = [plain(x) for x in v] if isinstance(v, (list, tuple)) else plain(v)
+    return out
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fingerprint(cfg, world_size: int) -> dict[str, Any]:
+    """{dotted config key: value} of everything that must not change on resume, plus data hashes."""
+    from tunekit.data.formats import DEFAULT_DATA_DIR
+
+    flat = _flatten(asdict(cfg))
+    kept = {k: v for k, v in flat.items()
+            if not any(k == m or (m.endswith(".") and k.startswith(m)) for m in MAY_CHANGE)}
+    data = cfg.data
+    train = Path(data.path) if data.path else DEFAULT_DATA_DIR / "train.jsonl"
+    val = Path(data.val_path) if data.val_path else (DEFAULT_DATA_DIR / "val.jsonl" if not data.path else None)
+    kept["data.path:sha256"] = _file_sha256(train)
+    kept["data.val_path:sha256"] = _file_sha256(val) if val is not None else None
+    kept["world_size"] = world_size
+    return kept
+
+
+def check_same_run(saved: dict, current: dict, ckpt: Path) -> None:
+    """Refuse to resume `ckpt` when anything in the fingerprint differs; name what differs."""
+    changed = [k for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+    if not changed:
+        return
+
+    def show(key: str) -> str:
+        if key.endswith(":sha256"):
+            return f"{key.removesuffix(':sha256')} (file content changed)"
+        return f"{key} ({saved.get(key)!r} -> {current.get(key)!r})"
+
+    listed = ", ".join(show(k) for k in changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+    raise TunekitError(f"trainer.resume: this config differs from the run saved in {ckpt} in {listed}; these "
+                       "shape the trained weights or the data order, so resuming would mix two runs. Restore them, "
+                       "or train into a new output_dir")
+
+
+def check_output_dir(output_dir: Path, resume: bool) -> None:
+    """Never start a run over another one: a folder with any run file needs trainer.resume=true."""
+    if resume:
+        return
+    found = [name for name in RUN_FILES if (Path(output_dir) / name).exists()]
+    if found:
+        raise TunekitError(f"output_dir: {output_dir} already holds a run ({', '.join(found)}); pass "
+                           "trainer.resume=true to continue it, or choose another output_dir")
