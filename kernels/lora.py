@@ -40,7 +40,7 @@ def _configs() -> list[triton.Config]:
     if interpreting():
         # The interpreter cannot autotune over several configs and its cost is per
         # program: one config with big tiles.
-        return [triton.Config({"BLOCK_M": 64, "BLOCK_P": 128, "BLOCK_Q": 128, "GROUP_M": 8}, num_warps=4)]
+        return [triton.Config({"BLOCK_M": 256, "BLOCK_P": 128, "BLOCK_Q": 128, "GROUP_M": 8}, num_warps=4)]
     shapes = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
               (64, 64, 64, 4, 4), (128, 256, 64, 8, 3), (64, 64, 32, 4, 5)]
     return [

@@ -180,6 +180,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                  "greedy generation, each prompt with its own prompt-tuning adapter: tunekit generate --help"),
     "export": ("tunekit.export:main",
                "adapter | merged HF model | GGUF, each checked against the trained model: tunekit export --help"),
+    "doctor": ("tunekit.doctor:main",
+               "check this build on this machine (kernels, fused vs peft training, resume, export): a report"),
 }
 
 

@@ -224,3 +224,13 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8), device)
+
+
+def cuda_device_count() -> int:
+    """GPUs this process can see (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def default_device() -> torch.device:
+    """Where a single-process command (generate, eval, doctor) runs: the first GPU, else the CPU."""
+    return torch.device("cuda", 0) if cuda_device_count() else torch.device("cpu")
