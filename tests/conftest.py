@@ -6,12 +6,18 @@ templates, EOS == pad and the 49k vocabulary behave exactly as in a real run.
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
-import pytest
-import torch
+# One intra-op thread for the test process and every `tunekit` it starts: the tiny model's ops are
+# far too small to split, and two processes each spinning 2 OpenMP threads on a 2-core machine
+# slowed a 15 s run to ~5 min (TRAPS.md). Set before torch is imported anywhere.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -98,3 +98,14 @@ def test_memory_figures_on_cpu():
     cpu = torch.device("cpu")
     assert dev.peak_memory_mb(cpu) > 10
     assert dev.available_memory_bytes(cpu) > 2**20
+
+
+@pytest.mark.parametrize("given, expected", [("cuda", 0), ("cuda:1", 1), ("cpu", "cpu")])
+def test_a_4bit_load_gets_a_device_index(given, expected):
+    """Issue 10: load_base_model(dir, 'nf4', bf16, torch.device('cuda')) died on device_map={'': None}."""
+    from tunekit.model.loader import load_kwargs
+
+    kwargs = load_kwargs("nf4", torch.bfloat16, torch.device(given))
+    assert kwargs["device_map"] == {"": expected}
+    assert kwargs["quantization_config"].bnb_4bit_use_double_quant
+    assert "device_map" not in load_kwargs("none", torch.bfloat16, torch.device(given))

@@ -61,13 +61,17 @@ def load_tokenizer(path: str):
     return tok
 
 
-def load_base_model(path: str, quantize: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Frozen base in `dtype`; with quantize='nf4', linear layers as bitsandbytes Linear4bit.
+def load_kwargs(quantize: str, dtype: torch.dtype, device: torch.device) -> dict:
+    """from_pretrained keyword arguments for the frozen base (a plain function: tested for `cuda`,
+    `cuda:1` and the CPU on a machine without a GPU).
 
     NF4 + double quantization (QLoRA): 4-bit NormalFloat codes in blocks of 64 whose absmax
-    constants are themselves 8-bit quantized in blocks of 256: ~4.13 bits per parameter.
+    constants are themselves 8-bit quantized in blocks of 256: ~4.13 bits per parameter. A 4-bit
+    load places the weights itself, so it needs a device map with an explicit device index.
     """
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import BitsAndBytesConfig
+
+    from tunekit.device import device_map
 
     kwargs = {"dtype": dtype}
     if quantize == "nf4":
@@ -79,9 +83,15 @@ def load_base_model(path: str, quantize: str, dtype: torch.dtype, device: torch.
             # the output head stays in high precision, as in QLoRA
             llm_int8_skip_modules=["lm_head"],
         )
-        from tunekit.device import device_map
-
         kwargs["device_map"] = device_map(device)
+    return kwargs
+
+
+def load_base_model(path: str, quantize: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Frozen base in `dtype`; with quantize='nf4', linear layers as bitsandbytes Linear4bit."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = load_kwargs(quantize, dtype, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as e:
