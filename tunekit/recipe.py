@@ -104,6 +104,12 @@ class TrainRecipe:
         if self.lora_path.layers or plain(cfg.kernels.fused_lora) != "auto" or self.lora_path.checks:
             self._info(f"kernels: LoRA layers use {self.lora_path.path} ({self.lora_path.reason})")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        trains = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        saves = {n for n, _ in self.model.named_parameters() if self.method.owns(n)}
+        if trains != saves:  # a parameter that trains but is not saved would be lost at the end
+            odd = sorted(trains ^ saves)
+            raise TunekitError(f"method {cfg.method.name}: trains {len(trains)} tensors but saves {len(saves)} "
+                               f"(first differing: {odd[0]})")
         trainable, total = trainable_parameters(self.model)
         self._info(f"method {cfg.method.name}: {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.3f}%)")
         self.trainable_params = trainable

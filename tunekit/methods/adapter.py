@@ -108,6 +108,9 @@ class BottleneckAdapter(Method):
     def _state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return {name: p for name, p in model.named_parameters() if f".{CHILD}." in name}
 
+    def owns(self, param_name: str) -> bool:
+        return f".{CHILD}." in param_name
+
     def write(self, model: nn.Module, out_dir: Path) -> None:
         save_tensors(out_dir, self._state(model), model.tunekit_adapter_config)
 

@@ -81,6 +81,9 @@ class BitFit(Method):
         """{"model.layers.0.self_attn.q_proj.bias": (out,) parameter, ...}"""
         return {self.saved_key(name): p for name, p in model.named_parameters() if name.endswith(PARAM)}
 
+    def owns(self, param_name: str) -> bool:
+        return param_name.endswith(PARAM)
+
     def saved_key(self, param_name: str) -> str:
         return param_name.removesuffix(PARAM) + "bias"
 

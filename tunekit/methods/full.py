@@ -28,6 +28,9 @@ class FullFineTune(Method):
         model.requires_grad_(True)
         return model
 
+    def owns(self, param_name: str) -> bool:
+        return True  # every weight of the model
+
     def write(self, model: nn.Module, out_dir: Path) -> None:
         model.save_pretrained(out_dir, safe_serialization=True)
 

@@ -108,6 +108,9 @@ class LoRA(Method):
         except ValueError as e:  # peft says which target module it could not find
             raise TunekitError(f"method.target_modules: {e}") from None
 
+    def owns(self, param_name: str) -> bool:
+        return ".lora_A." in param_name or ".lora_B." in param_name
+
     def saved_key(self, param_name: str) -> str:
         """peft's file keys drop the adapter name: ...lora_A.default.weight -> ...lora_A.weight."""
         return param_name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")

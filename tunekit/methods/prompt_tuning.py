@@ -164,6 +164,9 @@ class PromptTuning(Method):
         prompt = table.detach()[torch.tensor(ids, device=table.device)].float().clone()
         return SoftPromptLM(model, prompt, init)
 
+    def owns(self, param_name: str) -> bool:
+        return param_name == "prompt_embeddings"
+
     def write(self, model: SoftPromptLM, out_dir: Path) -> None:
         from peft import PromptTuningConfig
 

@@ -39,8 +39,12 @@ class Method:
         """Load weights written by `write` into a model that went through `apply`."""
         raise NotImplementedError
 
+    def owns(self, param_name: str) -> bool:
+        """Whether `param_name` is one of the parameters this method added (and trains)."""
+        raise NotImplementedError
+
     def saved_key(self, param_name: str) -> str:
-        """The key under which `write` stores the trainable parameter `param_name`."""
+        """The key under which `write` stores the method's parameter `param_name`."""
         return param_name
 
     def merge(self, model: nn.Module) -> nn.Module:
@@ -51,8 +55,9 @@ class Method:
 
     # ------------------------------------------------------------ defined once, for every method
     def expected_tensors(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """{saved key: trainable parameter} for every trainable parameter of the model."""
-        return {self.saved_key(name): p for name, p in model.named_parameters() if p.requires_grad}
+        """{saved key: parameter} for every parameter the method owns (trainable while training;
+        export and evaluation freeze them, and must still save and load all of them)."""
+        return {self.saved_key(name): p for name, p in model.named_parameters() if self.owns(name)}
 
     def save(self, model: nn.Module, out_dir: Path) -> None:
         """write(), then prove the folder holds every trainable tensor, equal to the model's."""
