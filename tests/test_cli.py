@@ -23,7 +23,7 @@ def run_main(args, capsys) -> tuple[int, str]:
         (["trainer.optimizer=sgd"], "trainer.optimizer: Invalid value 'sgd'"),
         (["model.quantize=int3"], "model.quantize: Invalid value 'int3'"),
         (["data.path=/no/such/file.jsonl"], "data.path: file not found: /no/such/file.jsonl"),
-        (["trainer.max_steps=0"], "trainer.max_steps: must be > 0"),
+        (["trainer.max_steps=0"], "trainer.max_steps: must be >= 1, got 0"),
         (["tracker=nope"], "Could not find 'tracker/nope'"),
         (["-m", "recipe=qlora,nope"], "Could not find 'recipe/nope'"),
     ],

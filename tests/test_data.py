@@ -71,7 +71,7 @@ def test_base_tokenizer_without_template_gets_chatml(tok):
 
 
 @pytest.mark.parametrize("ext", [".jsonl", ".json", ".csv", ".parquet"])
-def test_file_types_load_through_datasets(tmp_path, ext):
+def test_file_types_load(tmp_path, ext):
     rows = [{"instruction": f"q{i}", "input": "", "output": f"a{i}"} for i in range(5)]
     path = tmp_path / f"d{ext}"
     df = pd.DataFrame(rows)
