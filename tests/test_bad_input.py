@@ -163,6 +163,9 @@ CASES = [
     train("distill-teacher-bert", f"recipe=distill distill.teacher={M}/bert", "distill.teacher: {w}/models/bert/config.json describes BertForMaskedLM, not a causal"),
     train("distill-vocab-mismatch", f"recipe=distill distill.student_keep_every=0 model.quantize=none distill.teacher={M}/vocab100",
           "distill.teacher: {w}/models/vocab100 has vocab_size 100"),
+    train("fused-on-without-4bit", "kernels.fused_lora=on model.quantize=none", "kernels.fused_lora: on needs a 4-bit base"),
+    train("recipe-empty", "recipe=''", "recipe:"),
+    train("data-fifo", f"data.path={D}/pipe.jsonl", "data.path: {w}/data/pipe.jsonl is not a regular file"),
     train("fused-unknown", "kernels.fused_lora=maybe", "kernels.fused_lora: Invalid value 'maybe'"),
     train("tracker-group-unknown", "tracker=nope", "Could not find 'tracker/nope'"),
     train("tracker-name-unknown", "tracker.name=tensorboard", "tracker.name: unknown value 'tensorboard'"),
@@ -212,6 +215,8 @@ CASES = [
     train("data-json-broken", f"data.path={D}/broken.json", "{w}/data/broken.json: line 3: not valid JSON"),
     train("data-json-array-of-text", f"data.path={D}/strings.json", "{w}/data/strings.json: row 2: a JSON string, not an object"),
     train("data-parquet-corrupt", f"data.path={D}/corrupt.parquet", "{w}/data/corrupt.parquet: cannot read as parquet"),
+    train("data-huge-row", f"data.path={D}/huge_row.jsonl", "{w}/data/huge_row.jsonl: row 2: 1,200,000 characters, over the 1,000,000"),
+    train("data-nested-too-deep", f"data.path={D}/deep.jsonl", "{w}/data/deep.jsonl: line 2: JSON nested too deeply"),
     train("data-one-row", f"data.path={D}/one_row.jsonl", "data.path: {w}/data/one_row.jsonl has 1 row(s): too few to hold out"),
     train("data-too-long", f"data.path={D}/too_long.jsonl", "{w}/data/too_long.jsonl: no usable rows: none of its 6 rows keeps a response token"),
     train("data-unreadable", f"data.path={D}/secret.jsonl", "data.path: cannot read {w}/data/secret.jsonl: Permission denied",
@@ -309,7 +314,10 @@ def build_world(w: Path, tiny: Path) -> None:
     (d / "strings.json").write_text(json.dumps([qa, "just text"]))
     (d / "corrupt.parquet").write_bytes(b"PAR1 this is not parquet at all PAR1")
     _jsonl(d / "one_row.jsonl", [qa])
+    _jsonl(d / "huge_row.jsonl", [{"text": "Short."}, {"text": "All work and no play. " * 54_545 + "x" * 10}])
+    _jsonl(d / "deep.jsonl", [qa, "[" * 100_000 + "]" * 100_000])
     _jsonl(d / "too_long.jsonl", [{"instruction": "word " * 200, "output": "x"}] * 6)
+    os.mkfifo(d / "pipe.jsonl")
     _jsonl(d / "secret.jsonl", [qa] * 6)
     (d / "secret.jsonl").chmod(0)
 

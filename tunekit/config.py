@@ -246,6 +246,9 @@ def check_values(cfg: TrainConfig) -> None:
                            "model.path as the student, or 2 or more")
 
     one_of("kernels.fused_lora", plain(cfg.kernels.fused_lora), [x.value for x in FusedMode])
+    if plain(cfg.kernels.fused_lora) == "on" and plain(m.quantize) != "nf4":
+        raise TunekitError("kernels.fused_lora: on needs a 4-bit base (the kernel fuses NF4 dequantization into "
+                           "LoRA's matmul); set model.quantize=nf4, or kernels.fused_lora=auto")
     one_of("tracker.name", cfg.tracker.name, TRACKERS)
     _optional_text("tracker.project", cfg.tracker.project, "a project name", allow_none=False)
 
@@ -303,13 +306,13 @@ def _check_libraries(cfg: TrainConfig) -> None:
 def _check_data(d: DataConfig) -> None:
     """Every row of the data files, read and checked (no tokenizer); the held-out split must leave
     training rows."""
-    from tunekit.data.formats import check_file
+    from tunekit.data.formats import check_file, row_char_limit
 
     for key in ("path", "val_path"):
         value = getattr(d, key)
         if value is None:
             continue
-        rows, _ = check_file(value, plain(d.format), f"data.{key}")
+        rows, _ = check_file(value, plain(d.format), f"data.{key}", row_char_limit(d.max_seq_len))
         if key == "path" and d.val_path is None and rows - max(1, int(rows * d.val_fraction)) < 1:
             raise TunekitError(f"data.path: {value} has {rows} row(s): too few to hold out data.val_fraction="
                                f"{d.val_fraction} and train on the rest; add rows or give data.val_path")

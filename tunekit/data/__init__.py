@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from tunekit.data.batching import BatchSchedule, collate, collate_packed, count_tokens, eval_batches
-from tunekit.data.formats import DEFAULT_DATA_DIR, DataError, detect_format, iter_examples, read_rows
+from tunekit.data.formats import DEFAULT_DATA_DIR, DataError, detect_format, iter_examples, read_rows, row_char_limit
 from tunekit.data.tokenize import IGNORE, encode_example, ensure_chat_template
 
 log = logging.getLogger(__name__)
@@ -19,7 +19,7 @@ __all__ = ["BatchSchedule", "DataError", "IGNORE", "collate", "collate_packed", 
 
 def tokenize_rows(rows: list[dict], fmt: str, path, tokenizer, max_len: int, why: str = "") -> list[dict]:
     out, dropped = [], 0
-    for _, messages, row in iter_examples(rows, fmt, path, why):
+    for _, messages, row in iter_examples(rows, fmt, path, why, row_char_limit(max_len)):
         ex = encode_example(tokenizer, messages, row, f"{path}", max_len)
         if ex is None:
             dropped += 1
