@@ -238,6 +238,8 @@ CASES = [
     train("model-truncated-weights", f"model.path={M}/truncated", "model.path: {w}/models/truncated/model.safetensors is truncated"),
     train("model-garbage-weights", f"model.path={M}/garbage", "model.safetensors is not a valid safetensors file"),
     train("model-missing-shard", f"model.path={M}/sharded", "lacks 1 weight file(s) its model.safetensors.index.json lists"),
+    train("model-weights-too-few-layers", f"model.path={M}/threelayers", "model.path: {w}/models/threelayers: the weights lack 9 of the tensors"),
+    train("model-weights-other-shape", f"model.path={M}/wider", "model.path: {w}/models/wider: tensor embed_tokens.weight has shape [49152, 64] in the weights, [49152, 96]"),
     train("model-no-tokenizer", f"model.path={M}/notok", "model.path: {w}/models/notok has no tokenizer"),
     train("model-bad-tokenizer", f"model.path={M}/badtok", "model.path: {w}/models/badtok/tokenizer.json is not a whole JSON object"),
     train("model-bad-values", f"model.path={M}/badvalues", "models/badvalues/config.json: Class validation error for validator 'validate_architecture': ValueError: The hidden size (64) is not a multiple"),
@@ -346,8 +348,13 @@ def build_world(w: Path, tiny: Path) -> None:
     model("noweights", weights=False)
     model("vocab100", cfg={**config, "vocab_size": 100})
     model("badvalues", cfg={**config, "num_attention_heads": 5})  # hidden 64 is not a multiple of 5 heads
-    model("biased", cfg={**config, "attention_bias": True, "mlp_bias": True})
+    f = model("biased", weights=False)  # a real model with biases (Qwen-style), for BitFit's refusal
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny, attention_bias=True, mlp_bias=True)).save_pretrained(f)
     model("notok", tokenizer=False)
+    model("threelayers", cfg={**config, "num_hidden_layers": 3})
+    model("wider", cfg={**config, "hidden_size": 96, "head_dim": 16})
     f = model("badtok", tokenizer=False)
     (f / "tokenizer.json").write_text('{"version": "1.0", "model": ')
     f = model("truncated", weights=False)

@@ -324,7 +324,7 @@ def _check_models(cfg: TrainConfig) -> None:
     is the first run's job)."""
     from tunekit.methods import check_method_config
     from tunekit.model.default import converted_default_dir
-    from tunekit.model.folder import max_positions, model_skeleton, read_json, resolve_model_path
+    from tunekit.model.folder import check_weights_fit, max_positions, model_skeleton, read_json, resolve_model_path
 
     def local(path: Optional[str], key: str) -> Optional[Path]:
         if path is None:
@@ -343,10 +343,14 @@ def _check_models(cfg: TrainConfig) -> None:
             if sizes[0] != sizes[1]:
                 raise TunekitError(f"distill.teacher: {teacher} has vocab_size {sizes[1]}, the student "
                                    f"{student} {sizes[0]}; distillation needs the same vocabulary")
+        if teacher is not None and student != teacher:
+            check_weights_fit(teacher, model_skeleton(str(teacher), "distill.teacher"), "distill.teacher")
     if student is None:
         return
     limit = max_positions(read_json(student / "config.json", student_key))
     if limit is not None and cfg.data.max_seq_len > limit:
         raise TunekitError(f"data.max_seq_len: {cfg.data.max_seq_len} is more than the {limit} positions the model "
                            f"in {student} was built for; lower it to {limit} or less")
-    check_method_config(cfg.method, model_skeleton(str(student), student_key), plain(cfg.model.quantize))
+    skeleton = model_skeleton(str(student), student_key)
+    check_weights_fit(student, skeleton, student_key)
+    check_method_config(cfg.method, skeleton, plain(cfg.model.quantize))

@@ -91,8 +91,9 @@ def check_causal_config(config: dict, where: str, key: str) -> None:
                            "decoder-only LMs (…ForCausalLM)")
 
 
-def _check_safetensors(path: Path, key: str) -> None:
-    """The header fits the file: a truncated download or copy is caught here, not mid-load."""
+def _safetensors_header(path: Path, key: str) -> dict[str, list[int]]:
+    """{tensor name: shape} from the header, after checking the header fits the file: a truncated
+    download or copy is caught here, not mid-load."""
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
@@ -101,7 +102,9 @@ def _check_safetensors(path: Path, key: str) -> None:
             if n < 2 or 8 + n > size:
                 raise ValueError("no valid header")
             header = json.loads(f.read(n))
-        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        ends = [v["data_offsets"][1] for v in tensors.values()]
+        shapes = {k: list(v["shape"]) for k, v in tensors.items()}
     except OSError as e:
         raise TunekitError(f"{key}: cannot read {path}: {e.strerror or e}") from None
     except (ValueError, KeyError, TypeError, IndexError, AttributeError):
@@ -110,9 +113,11 @@ def _check_safetensors(path: Path, key: str) -> None:
     if size < need:
         raise TunekitError(f"{key}: {path} is truncated ({size:,} bytes, its header needs {need:,}); "
                            "copy or download it again")
+    return shapes
 
 
-def check_weights(folder: Path, key: str) -> None:
+def check_weights(folder: Path, key: str) -> Optional[dict[str, list[int]]]:
+    """The weight files are there and whole; {tensor name: shape} where they are safetensors."""
     present = [name for name in WEIGHTS if (folder / name).is_file()]
     if not present:
         raise TunekitError(f"{key}: {folder} has no weights ({' or '.join(WEIGHTS[::2])})")
@@ -129,9 +134,45 @@ def check_weights(folder: Path, key: str) -> None:
         files = [folder / s for s in shards]
     else:
         files = [folder / name]
+    if not all(f.suffix == ".safetensors" for f in files):
+        return None  # a pickle-format checkpoint: its names are not readable without loading it
+    shapes: dict[str, list[int]] = {}
     for f in files:
-        if f.suffix == ".safetensors":
-            _check_safetensors(f, key)
+        shapes.update(_safetensors_header(f, key))
+    return shapes
+
+
+def check_weights_fit(folder: Path, model, key: str) -> None:
+    """The weights hold every parameter of the model config.json describes, in its shape.
+
+    transformers fills a parameter missing from the checkpoint with random values and only logs
+    it (a config.json edited to more layers, weights of a smaller sibling): training would start
+    from a partly random model. `model` is the skeleton (meta device). Names are compared
+    without the base-model prefix; a checkpoint that shares no name with the model (another
+    naming scheme, which transformers converts on load) is left to the load.
+    """
+    shapes = check_weights(folder, key)
+    if not shapes:
+        return
+    prefix = (getattr(model, "base_model_prefix", "") or "") + "."
+
+    def bare(name: str) -> str:
+        return name[len(prefix):] if name.startswith(prefix) else name
+
+    have = {bare(k): v for k, v in shapes.items()}
+    want = {bare(n): list(p.shape) for n, p in model.named_parameters()}  # tied weights once
+    common = sorted(want.keys() & have.keys())
+    if not common:
+        return
+    for name in common:
+        if have[name] != want[name]:
+            raise TunekitError(f"{key}: {folder}: tensor {name} has shape {have[name]} in the weights, "
+                               f"{want[name]} in the model config.json describes (another model's weights?)")
+    missing = sorted(want.keys() - have.keys())
+    if missing:
+        raise TunekitError(f"{key}: {folder}: the weights lack {len(missing)} of the tensors the model in "
+                           f"config.json needs, e.g. {missing[0]} (another model's weights, or an edited "
+                           "config.json?); transformers would fill them with random values")
 
 
 def _looks_whole(path: Path, key: str) -> None:
