@@ -1,9 +1,11 @@
 """Run many `tunekit` command lines fast: import tunekit once, then fork one child per command.
 
-    python tests/_cli_forker.py < cases.json > results.json
+    python tests/_cli_forker.py < request.json > results.json
 
-cases.json: [{"id", "argv", "cwd", "env": {...}, "user": null | "nobody"}, ...]
-results.json: [{"id", "code", "stdout", "stderr", "seconds"}, ...]
+request: {"cases": [{"id", "argv", "cwd", "env": {...}, "user": null | "nobody"}, ...],
+          "warmup": [overrides of one good train command] | null, "jobs": 2, "timeout": 120}
+results: [{"id", "code", "stdout", "stderr", "seconds"}, ...] in the cases' order
+(`jobs` children run at once, each single-threaded.)
 
 Each child is the real CLI path: `tunekit.cli.main(argv)` in a fresh process image with its own
 stdout/stderr (file descriptors 1 and 2), cwd and environment; its exit status is what the shell

@@ -456,3 +456,22 @@ def test_forker_matches_the_console_script(results, world):
         places = {**places_of(world, case), "cwd": world["w"] / "cwds" / case.id}
         r = run_cli(shlex.split(_fill(case.argv, places)), places["cwd"], env={"OMP_NUM_THREADS": "1"})
         assert (r.returncode, r.stderr.strip()) == (results[case.id]["code"], results[case.id]["stderr"].strip())
+
+
+def test_missing_optional_library_is_one_line(monkeypatch):
+    """A choice that needs bitsandbytes or wandb fails at validation, not as an ImportError mid-setup."""
+    import importlib.util
+
+    from tunekit import TunekitError
+    from tunekit.config import ModelConfig, TrackerConfig, TrainConfig, TrainerConfig, _check_libraries
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("bitsandbytes", "wandb") else real(name, *a))
+    with pytest.raises(TunekitError, match=r"^model.quantize: nf4 needs bitsandbytes, which is not installed"):
+        _check_libraries(TrainConfig(model=ModelConfig(quantize="nf4")))
+    with pytest.raises(TunekitError, match=r"^trainer.optimizer: paged_adamw_8bit needs bitsandbytes"):
+        _check_libraries(TrainConfig(trainer=TrainerConfig(optimizer="paged_adamw_8bit")))
+    with pytest.raises(TunekitError, match=r"^tracker.name: wandb needs the wandb package"):
+        _check_libraries(TrainConfig(tracker=TrackerConfig(name="wandb")))
+    _check_libraries(TrainConfig())  # adamw on a bf16 base needs neither

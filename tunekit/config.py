@@ -205,7 +205,7 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def check_values(cfg: TrainConfig) -> None:
-    """Types, ranges and choices of every key, the method's excepted (its own check_config)."""
+    """Types, ranges and choices of every key except the method's (each method's check_config)."""
     t, d, m, dist = cfg.trainer, cfg.data, cfg.model, cfg.distill
     for key in ("max_steps", "micro_batch_size", "grad_accum", "eval_every", "save_every", "keep_checkpoints"):
         number(f"trainer.{key}", getattr(t, key), ge=1, integer=True)
