@@ -221,6 +221,8 @@ CASES = [
     train("data-too-long", f"data.path={D}/too_long.jsonl", "{w}/data/too_long.jsonl: no usable rows: none of its 6 rows keeps a response token"),
     train("data-unreadable", f"data.path={D}/secret.jsonl", "data.path: cannot read {w}/data/secret.jsonl: Permission denied",
           user="nobody"),
+    train("data-template-refuses", f"data.path={D}/system_chat.jsonl model.path={M}/strict_template",
+          "{w}/data/system_chat.jsonl: row 2: the tokenizer's chat template refuses this conversation (no system turns here)"),
     train("val-missing", "data.val_path={w}/nope.jsonl", "data.val_path: file not found: {w}/nope.jsonl"),
     train("val-bad-row", f"data.val_path={D}/no_output.jsonl", "{w}/data/no_output.jsonl: row 2: 'output' must be"),
     train("val-empty", f"data.val_path={D}/empty.jsonl", "{w}/data/empty.jsonl: no rows"),
@@ -266,7 +268,7 @@ CASES = [
     generate("generate-model-bad-config", f"--model {M}/badjson --prompt hi", "--model: {w}/models/badjson/config.json is not valid JSON"),
     generate("generate-hub-offline", "--model someorg/somemodel --prompt hi", "--model: 'someorg/somemodel' is not a local folder",
              env=OFFLINE),
-    raw("unknown-command", "fly", "unknown command 'fly'"),
+    raw("unknown-command", "fly", "fly: unknown command (choose from: train, generate, export"),
 ]
 
 
@@ -316,6 +318,8 @@ def build_world(w: Path, tiny: Path) -> None:
     (d / "strings.json").write_text(json.dumps([qa, "just text"]))
     (d / "corrupt.parquet").write_bytes(b"PAR1 this is not parquet at all PAR1")
     _jsonl(d / "one_row.jsonl", [qa])
+    system = {"messages": [{"role": "system", "content": "Be brief."}, *chat["messages"]]}
+    _jsonl(d / "system_chat.jsonl", [chat, system] + [chat] * 4)
     _jsonl(d / "huge_row.jsonl", [{"text": "Short."}, {"text": "All work and no play. " * 54_545 + "x" * 10}])
     _jsonl(d / "deep.jsonl", [qa, "[" * 100_000 + "]" * 100_000])
     _jsonl(d / "too_long.jsonl", [{"instruction": "word " * 200, "output": "x"}] * 6)
@@ -353,6 +357,14 @@ def build_world(w: Path, tiny: Path) -> None:
 
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny, attention_bias=True, mlp_bias=True)).save_pretrained(f)
     model("notok", tokenizer=False)
+    f = model("strict_template", tokenizer=False)  # a chat template that refuses system turns (as Llama-2's did)
+    for p in tok_files:
+        if p.name != "chat_template.jinja":
+            (f / p.name).symlink_to(p)
+    (f / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system turns here') }}{% endif %}"
+        "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
     model("threelayers", cfg={**config, "num_hidden_layers": 3})
     model("wider", cfg={**config, "hidden_size": 96, "head_dim": 16})
     f = model("badtok", tokenizer=False)

@@ -38,7 +38,7 @@ def test_bad_config_is_one_line_naming_the_culprit(args, culprit, capsys):
 def test_unknown_command_and_help(capsys):
     with pytest.raises(SystemExit) as e:
         main(["fly"])
-    assert e.value.code == 2 and "unknown command 'fly'" in capsys.readouterr().err
+    assert e.value.code == 2 and "tunekit: error: fly: unknown command" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0 and "tunekit train recipe=qlora" in capsys.readouterr().out

@@ -126,6 +126,9 @@ def test_allowed_file_shapes(tmp_path):
     bom.write_bytes(b"\xef\xbb\xbf" + (json.dumps(qa) + "\n\n").encode() * 2)
     rows = read_rows(bom)
     assert rows == [qa, qa] and rows.labels == ["row 1", "row 2 (line 3)"]
+    raw = tmp_path / "raw.jsonl"  # U+2028 and U+0085 may stand unescaped inside a JSON string
+    raw.write_text('{"text": "a\u2028b\u0085c"}\r\n{"text": "d"}\n', encoding="utf-8")
+    assert read_rows(raw) == [{"text": "a\u2028b\u0085c"}, {"text": "d"}]
     lines = tmp_path / "lines.json"
     lines.write_text(json.dumps(qa) + "\n" + json.dumps(qa) + "\n")
     assert read_rows(lines) == [qa, qa]

@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     command, rest = argv[0], argv[1:]
     if command != "train" and command not in COMMANDS:
-        fail(f"unknown command {command!r} (choose from: {', '.join(['train', *COMMANDS])}; tunekit --help)")
+        fail(f"{command}: unknown command (choose from: {', '.join(['train', *COMMANDS])}; tunekit --help)")
     _setup_logging()
     try:
         if command == "train":

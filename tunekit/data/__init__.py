@@ -19,8 +19,8 @@ __all__ = ["BatchSchedule", "DataError", "IGNORE", "collate", "collate_packed", 
 
 def tokenize_rows(rows: list[dict], fmt: str, path, tokenizer, max_len: int, why: str = "") -> list[dict]:
     out, dropped = [], 0
-    for _, messages, row in iter_examples(rows, fmt, path, why, row_char_limit(max_len)):
-        ex = encode_example(tokenizer, messages, row, f"{path}", max_len)
+    for where, messages, row in iter_examples(rows, fmt, path, why, row_char_limit(max_len)):
+        ex = encode_example(tokenizer, messages, row, where, max_len)
         if ex is None:
             dropped += 1
         else:

@@ -72,7 +72,8 @@ def _json_error(e: json.JSONDecodeError, path: Path, line: Optional[int] = None)
 
 def _read_jsonl(text: str, path: Path) -> Rows:
     rows, labels = [], []
-    for line_no, line in enumerate(text.splitlines(), start=1):
+    # "\n" only: str.splitlines() would also break at U+2028, U+0085, ... which JSON strings may hold raw
+    for line_no, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -237,14 +238,15 @@ def _chars(value: Any) -> int:
 
 def iter_examples(rows: Iterable[dict], fmt: str, path: str | Path, why: str = "",
                   max_chars: Optional[int] = None):
-    """Yield (row_number, messages or None, row); rows are named as a user finds them, from 1."""
+    """Yield (where, messages or None, row); `where` names the file and the row as a user finds
+    it ("data.jsonl: row 3", counted from 1), for any later error about that row."""
     labels = getattr(rows, "labels", None)
     for i, row in enumerate(rows, start=1):
         where = f"{path}: {labels[i - 1] if labels else f'row {i}'}"
         if max_chars is not None and _chars(row) > max_chars:
             raise DataError(f"{where}: {_chars(row):,} characters, over the {max_chars:,} a row may hold; only the "
                             "first data.max_seq_len tokens of a row train: split long texts into several rows")
-        yield i, row_to_messages(row, fmt, where, why), row
+        yield where, row_to_messages(row, fmt, where, why), row
 
 
 _CHECKED: dict[tuple, tuple[int, str]] = {}
