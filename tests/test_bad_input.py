@@ -436,6 +436,7 @@ def results(world):
         {"cases": cases, "warmup": warmup, "timeout": 180, "jobs": jobs}), capture_output=True, text=True,
         env=env, cwd=world["w"], timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    print(proc.stderr.strip().splitlines()[-1], f"({jobs} at a time)")  # "N cases in X s": shown with -s
     if os.environ.get("TUNEKIT_CATALOGUE_DUMP"):  # for reading every message at once
         Path(os.environ["TUNEKIT_CATALOGUE_DUMP"]).write_text(proc.stdout)
     return {r["id"]: r for r in json.loads(proc.stdout)}

@@ -112,7 +112,7 @@ class LoRA:
     @staticmethod
     def check_config(cfg, model: nn.Module | None = None, quantize: str = "none") -> None:
         number("method.r", cfg.r, ge=1, integer=True)
-        number("method.alpha", cfg.alpha, gt=0)  # the update is scaled by alpha / r: <= 0 undoes or kills it
+        number("method.alpha", cfg.alpha, gt=0)  # the update is scaled by alpha / r: < 0 flips it, 0 removes it
         number("method.dropout", cfg.dropout, ge=0, lt=1)
         check_targets(cfg.target_modules, model)
 
