@@ -463,8 +463,9 @@ def test_bad_input(case, results, world):
 
 
 def test_forker_matches_the_console_script(results, world):
-    """A few rows through the installed `tunekit` script: same exit code, same stderr."""
-    for case_id in ("lr-inf", "data-bad-json-line5", "model-bert", "comma-in-path"):
+    """Two rows through the installed `tunekit` script (a config error found before torch is
+    imported, a model-folder error after): same exit code, same stderr as the forked child."""
+    for case_id in ("lr-inf", "model-bert"):
         case = next(c for c in CASES if c.id == case_id)
         places = {**places_of(world, case), "cwd": world["w"] / "cwds" / case.id}
         r = run_cli(shlex.split(_fill(case.argv, places)), places["cwd"], env={"OMP_NUM_THREADS": "1"})
