@@ -23,7 +23,7 @@ def run_main(args, capsys) -> tuple[int, str]:
         (["trainer.optimizer=sgd"], "trainer.optimizer: Invalid value 'sgd'"),
         (["model.quantize=int3"], "model.quantize: Invalid value 'int3'"),
         (["data.path=/no/such/file.jsonl"], "data.path: file not found: /no/such/file.jsonl"),
-        (["trainer.max_steps=0"], "trainer.max_steps: must be > 0"),
+        (["trainer.max_steps=0"], "trainer.max_steps: must be >= 1, got 0"),
         (["tracker=nope"], "Could not find 'tracker/nope'"),
         (["-m", "recipe=qlora,nope"], "Could not find 'recipe/nope'"),
     ],
@@ -38,7 +38,7 @@ def test_bad_config_is_one_line_naming_the_culprit(args, culprit, capsys):
 def test_unknown_command_and_help(capsys):
     with pytest.raises(SystemExit) as e:
         main(["fly"])
-    assert e.value.code == 2 and "unknown command 'fly'" in capsys.readouterr().err
+    assert e.value.code == 2 and "tunekit: error: fly: unknown command" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0 and "tunekit train recipe=qlora" in capsys.readouterr().out

@@ -71,7 +71,7 @@ def test_base_tokenizer_without_template_gets_chatml(tok):
 
 
 @pytest.mark.parametrize("ext", [".jsonl", ".json", ".csv", ".parquet"])
-def test_file_types_load_through_datasets(tmp_path, ext):
+def test_file_types_load(tmp_path, ext):
     rows = [{"instruction": f"q{i}", "input": "", "output": f"a{i}"} for i in range(5)]
     path = tmp_path / f"d{ext}"
     df = pd.DataFrame(rows)
@@ -115,6 +115,37 @@ def test_unparseable_and_unknown_columns(tmp_path, tok):
     txt.write_text("x")
     with pytest.raises(DataError, match="unsupported file type"):
         read_rows(txt)
+
+
+def test_allowed_file_shapes(tmp_path):
+    """Accepted, not refused: a UTF-8 byte-order mark, blank lines between JSON lines (rows keep
+    their line numbers), JSON lines in a .json file, CSV cells as text, a CSV field over the csv
+    module's 128 KiB default."""
+    qa = {"instruction": "q", "output": "4"}
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + (json.dumps(qa) + "\n\n").encode() * 2)
+    rows = read_rows(bom)
+    assert rows == [qa, qa] and rows.labels == ["row 1", "row 2 (line 3)"]
+    raw = tmp_path / "raw.jsonl"  # U+2028 and U+0085 may stand unescaped inside a JSON string
+    raw.write_text('{"text": "a\u2028b\u0085c"}\r\n{"text": "d"}\n', encoding="utf-8")
+    assert read_rows(raw) == [{"text": "a\u2028b\u0085c"}, {"text": "d"}]
+    lines = tmp_path / "lines.json"
+    lines.write_text(json.dumps(qa) + "\n" + json.dumps(qa) + "\n")
+    assert read_rows(lines) == [qa, qa]
+    big = tmp_path / "big.csv"
+    big.write_text("instruction,output\n" + "w " * 100_000 + ",4\n")
+    [row] = read_rows(big)
+    assert row["output"] == "4" and len(row["instruction"]) == 200_000
+
+
+def test_row_of_another_format_is_blamed_not_row_1(tmp_path, tok):
+    """datasets unified the columns of all rows, so a chat row after alpaca rows made row 1 look
+    like chat; each row now keeps its own keys."""
+    path = tmp_path / "mixed.jsonl"
+    chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    path.write_text("".join(json.dumps(r) + "\n" for r in [{"instruction": "q", "output": "a"}] * 2 + [chat]))
+    with pytest.raises(DataError, match=r"mixed.jsonl: row 3: a chat row \(has messages\) in a file of alpaca rows"):
+        load_splits(str(path), None, "auto", tok, 512, 0.3, None, 0)
 
 
 def test_default_data_has_held_out_split(tok):

@@ -69,13 +69,16 @@ def test_bf16_base_is_frozen(tiny_model_dir):
     assert m.dtype == torch.bfloat16 and not any(p.requires_grad for p in m.parameters())
 
 
-def test_model_path_errors(tmp_path):
+def test_model_path_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(TunekitError, match="no model folder at"):
         resolve_model_path(str(tmp_path / "missing"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(TunekitError, match="no config.json"):
         resolve_model_path(str(tmp_path / "empty"))
-    assert resolve_model_path("org/name") == "org/name"  # a hub id passes through to the loader
+    # a hub id is looked up (config.json) before anything loads: offline and not cached, one error
+    with pytest.raises(TunekitError, match="'org/name' is not a local folder, is not in the local hub cache"):
+        resolve_model_path("org/name")
 
 
 def test_hub_id_offline_is_one_clear_error(monkeypatch):

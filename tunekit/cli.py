@@ -29,7 +29,7 @@ CONFIG_MODULE = "tunekit_recipes"
 def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="[tunekit] %(message)s", stream=sys.stderr)
     # Libraries' own chatter (deprecation notes, per-tensor progress bars) buries our lines.
-    for name in ("transformers", "peft", "accelerate", "datasets", "bitsandbytes", "httpx", "urllib3"):
+    for name in ("transformers", "peft", "accelerate", "datasets", "bitsandbytes", "httpx", "urllib3", "huggingface_hub"):
         logging.getLogger(name).setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -56,14 +56,18 @@ def _hydra_message(err: Exception) -> str:
     if isinstance(err, MissingConfigException) and "Could not find" in first:
         options = list(getattr(err, "options", None) or [])
         hint = f"; available: {', '.join(options)}" if options else ""
-        return first.split(":", 1)[-1].strip() + hint
-    cause = err.__cause__
+        what = first.split(":", 1)[-1].strip()  # "Could not find 'recipe/nope'"
+        group = what.split("'")[1].rsplit("/", 1)[0] if what.count("'") >= 2 and "/" in what else None
+        return (f"{group}: " if group else "") + what + hint
+    cause = err.__cause__ if getattr(err.__cause__, "full_key", None) else err  # OmegaConf errors carry the key
     key = getattr(cause, "full_key", None)
-    if cause is not None and key:
+    if key:
         # "Value 'abc' of type 'str' could not be converted to Integer" -> "trainer.max_steps: ..."
         reason = str(cause).strip().splitlines()[0]
         if "not in" in reason:  # unknown key
             return f"{key}: unknown config key ({reason})"
+        if "is not a ListConfig" in reason:
+            return f"{key}: must be a list, e.g. {key}=[a,b] ({reason})"
         return f"{key}: {reason}"
     return " ".join(ln.strip() for ln in str(err).splitlines()[:2] if ln.strip())
 
@@ -71,6 +75,23 @@ def _hydra_message(err: Exception) -> str:
 # Hydra flags that take a value; they and their value are Hydra's business, not overrides.
 FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
                     "--config-dir", "-cd", "--experimental-rerun", "--info", "-i"}
+
+
+HYDRA_FLAGS = PASSTHROUGH | FLAGS_WITH_VALUE | {"--multirun", "-m", "--run", "-r", "--resolve", "--version"}
+
+
+def check_flags(argv: list[str]) -> None:
+    """Hydra's argparse answers an unknown flag with its usage text: say it in one line instead."""
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg.startswith("-"):
+            flag = arg.split("=", 1)[0]
+            if flag not in HYDRA_FLAGS:
+                raise TunekitError(f"{flag}: unknown flag; train takes key=value overrides (e.g. "
+                                   "trainer.max_steps=10) and Hydra's flags (-m, --cfg job, --help)")
+            skip = flag in FLAGS_WITH_VALUE and "=" not in arg
 
 
 def split_overrides(argv: list[str]) -> list[str]:
@@ -85,28 +106,56 @@ def split_overrides(argv: list[str]) -> list[str]:
     return out
 
 
+def parse_overrides(overrides: list[str], multirun: bool) -> list:
+    """Hydra's parse of each override, one at a time, so that a parse error names its key.
+
+    Outside -m, a value with an unquoted comma (data.path=a,b.jsonl) parses as a sweep over
+    ['a', 'b.jsonl']; Hydra then fails with "Ambiguous value", and before that our per-job check
+    would report the truncated path 'a'. Say what happened and how to quote instead.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    parsed = []
+    for text in overrides:
+        key, eq, value = text.partition("=")
+        try:
+            [override] = parser.parse_overrides([text])
+        except Exception as e:  # OverrideParseException, with the grammar's complaint on its 2nd line
+            if not eq:
+                raise TunekitError(f"{text}: not a key=value override (e.g. trainer.max_steps=10)") from None
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.startswith("See https")]
+            reason = next((ln for ln in lines if not ln.startswith("Error parsing override")), "syntax error")
+            raise TunekitError(f"{key}: cannot parse the value {value!r} ({reason}); quote it: '{key}=\"{value}\"'"
+                               ) from None
+        if override.is_sweep_override() and not multirun:
+            what = "an unquoted comma, which Hydra reads as several values to sweep" if "," in value \
+                else "a sweep (several values)"
+            raise TunekitError(f"{override.key_or_group}: the value {value!r} holds {what}; quote it "
+                               f"('{key}=\"{value}\"') or pass -m to run a sweep")
+        parsed.append(override)
+    return parsed
+
+
 def check_overrides(overrides: list[str]) -> None:
     """Compose every job of the command line (each point of a -m sweep) and validate it."""
     from hydra import compose, initialize_config_module
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
     from tunekit.config import register_schema, validate
 
     mine = split_overrides(overrides)
     register_schema()
+    parsed = parse_overrides(mine, multirun=bool({"-m", "--multirun"} & set(overrides)))
     try:
-        parsed = OverridesParser.create().parse_overrides(mine)
         jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-            for job in jobs:
-                cfg = compose(config_name="train", overrides=job)
-                validate(OmegaConf.to_object(cfg))
-    except TunekitError:
-        raise
+            configs = [OmegaConf.to_object(compose(config_name="train", overrides=job)) for job in jobs]
     except Exception as e:  # Hydra and OmegaConf raise a dozen types; all mean "bad config"
         raise TunekitError(_hydra_message(e)) from None
+    for cfg in configs:  # outside the handler above: a TunekitError here already names its culprit
+        validate(cfg)
 
 
 class Terminated(KeyboardInterrupt):
@@ -126,7 +175,6 @@ def _train_job(cfg) -> None:
     from tunekit.recipe import TrainRecipe
 
     obj = OmegaConf.to_object(cfg)
-    validate(obj)
     output_dir = Path(obj.output_dir)
     hc = HydraConfig.get()
     if hc.mode == RunMode.MULTIRUN:
@@ -135,6 +183,7 @@ def _train_job(cfg) -> None:
     recipe = TrainRecipe(obj, output_dir)
     previous = signal.signal(signal.SIGTERM, _raise_terminated)  # schedulers stop jobs with SIGTERM
     try:
+        validate(obj)  # again: files may have changed since check_overrides (its costly parts are cached)
         recipe.setup()
         summary = recipe.train()
     except TunekitError as e:  # raised inside Hydra's job: report it ourselves, as one line
@@ -165,6 +214,7 @@ def run_train(argv: list[str]) -> None:
 
     from tunekit.config import register_schema
 
+    check_flags(argv)
     if not PASSTHROUGH.intersection(argv):
         check_overrides(argv)
     register_schema()
@@ -217,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     command, rest = argv[0], argv[1:]
     if command != "train" and command not in COMMANDS:
-        parser.error(f"unknown command {command!r} (choose from: {', '.join(['train', *COMMANDS])})")
+        fail(f"{command}: unknown command (choose from: {', '.join(['train', *COMMANDS])}; tunekit --help)")
     _setup_logging()
     try:
         if command == "train":

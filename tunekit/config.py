@@ -8,6 +8,8 @@ runs. Checks that need more than a type (files that must exist, positive sizes) 
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import List, Optional
 from hydra.core.config_store import ConfigStore
 
 from tunekit import TunekitError
+from tunekit.checks import number, one_of
 
 
 class Optimizer(str, Enum):
@@ -67,7 +70,7 @@ class DataConfig:
     val_fraction: float = 0.05
     format: DataFormat = DataFormat.auto
     max_seq_len: int = 512
-    max_val_examples: Optional[int] = 256
+    max_val_examples: Optional[int] = 256  # >= 1; null = the whole held-out split
     # Concatenate each micro-batch into one row with per-example positions and attention
     # (no padding). Same examples and same loss as unpacked; faster on short examples.
     packing: bool = False
@@ -101,8 +104,8 @@ class TrainerConfig:
     optimizer: Optimizer = Optimizer.adamw
     lr: float = 2e-4
     weight_decay: float = 0.0
-    warmup_steps: int = 5
-    max_grad_norm: float = 1.0
+    warmup_steps: int = 5  # linear warmup, then cosine decay; >= max_steps means warmup only
+    max_grad_norm: float = 1.0  # > 0; .inf turns clipping off (the norm is still logged)
     eval_every: int = 20
     save_every: int = 20
     keep_checkpoints: int = 2
@@ -176,38 +179,178 @@ def plain(value):
     return value.value if isinstance(value, Enum) else value
 
 
+SEED_MAX = 2**31 - 1  # numpy seeds must fit 32 bits; ranks add 1000 * rank on top
+
+
 def validate(cfg: TrainConfig) -> None:
-    """Checks beyond types. Raises TunekitError naming the key and the bad value."""
+    """Every check that needs no model weights, cheapest first; each raises TunekitError naming the
+    key (or the file and row). Runs before anything loads (cli.check_overrides) and again in the job.
 
-    def need(ok: bool, key: str, msg: str) -> None:
-        if not ok:
-            raise TunekitError(f"{key}: {msg}")
+    1. values and ranges of every key          (no imports beyond this module)
+    2. output_dir can be created and written   (a probe folder, removed at once)
+    3. the libraries a choice needs            (bitsandbytes, wandb)
+    4. data files: every row read and checked  (no tokenizer)
+    5. the method's own checks                 (imports tunekit.methods: torch, peft)
+    6. model folders: config.json, weights, tokenizer; the method's targets against the model
+       built on the meta device (no weights)
+    """
+    check_values(cfg)
+    check_output_dir(cfg.output_dir)
+    _check_libraries(cfg)
+    _check_data(cfg.data)
+    from tunekit.methods import check_method_config
 
-    t = cfg.trainer
-    for key in ("max_steps", "micro_batch_size", "grad_accum", "eval_every", "save_every"):
-        need(getattr(t, key) > 0, f"trainer.{key}", f"must be > 0, got {getattr(t, key)}")
-    need(t.lr > 0, "trainer.lr", f"must be > 0, got {t.lr}")
-    need(t.warmup_steps >= 0, "trainer.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
-    need(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", "must be >= 1")
-    need(cfg.data.max_seq_len >= 8, "data.max_seq_len", f"must be >= 8, got {cfg.data.max_seq_len}")
-    need(0 < cfg.data.val_fraction < 1, "data.val_fraction", f"must be in (0, 1), got {cfg.data.val_fraction}")
-    need(cfg.objective in OBJECTIVES, "objective", f"unknown objective {cfg.objective!r}; choose one of {OBJECTIVES}")
-    d = cfg.distill
-    need(0 <= d.alpha <= 1, "distill.alpha", f"must be in [0, 1], got {d.alpha}")
-    need(d.temperature > 0, "distill.temperature", f"must be > 0, got {d.temperature}")
-    need(0 < d.beta < 1, "distill.beta", f"must be in (0, 1), got {d.beta}")
-    need(d.chunk_size >= 1, "distill.chunk_size", f"must be >= 1, got {d.chunk_size}")
-    need(d.student_keep_every >= 0, "distill.student_keep_every", f"must be >= 0, got {d.student_keep_every}")
-    if d.teacher is not None:
-        from tunekit.model.loader import resolve_model_path
+    check_method_config(cfg.method)
+    _check_models(cfg)
 
-        resolve_model_path(d.teacher, key="distill.teacher")
-    need(cfg.tracker.name in TRACKERS, "tracker.name", f"unknown tracker {cfg.tracker.name!r}; choose one of {TRACKERS}")
+
+def check_values(cfg: TrainConfig) -> None:
+    """Types, ranges and choices of every key except the method's (each method's check_config)."""
+    t, d, m, dist = cfg.trainer, cfg.data, cfg.model, cfg.distill
+    for key in ("max_steps", "micro_batch_size", "grad_accum", "eval_every", "save_every", "keep_checkpoints"):
+        number(f"trainer.{key}", getattr(t, key), ge=1, integer=True)
+    number("trainer.warmup_steps", t.warmup_steps, ge=0, integer=True)  # >= max_steps: warmup only, allowed
+    number("trainer.lr", t.lr, gt=0)
+    number("trainer.weight_decay", t.weight_decay, ge=0)
+    if t.lr * t.weight_decay >= 1:  # AdamW multiplies every weight by (1 - lr * wd) per step
+        raise TunekitError(f"trainer.weight_decay: lr * weight_decay = {t.lr * t.weight_decay:g} >= 1 would flip "
+                           "or zero every weight at each step; lower it")
+    number("trainer.max_grad_norm", t.max_grad_norm, gt=0, allow_inf=True)  # inf: no clipping
+    one_of("trainer.optimizer", plain(t.optimizer), [o.value for o in Optimizer])
+    number("seed", cfg.seed, ge=0, le=SEED_MAX, integer=True)
+    _optional_text("output_dir", cfg.output_dir, "a folder for the run", allow_none=False)
+
+    _optional_text("model.path", m.path, "a model folder, or null for the default model")
+    one_of("model.quantize", plain(m.quantize), [q.value for q in Quantize])
+    one_of("model.dtype", plain(m.dtype), [x.value for x in DType])
+
+    _optional_text("data.path", d.path, "a data file, or null for the default data")
+    _optional_text("data.val_path", d.val_path, "a data file, or null to hold out data.val_fraction")
+    number("data.val_fraction", d.val_fraction, gt=0, lt=1)
+    one_of("data.format", plain(d.format), [f.value for f in DataFormat])
+    number("data.max_seq_len", d.max_seq_len, ge=8, integer=True)
+    if d.max_val_examples is not None:
+        number("data.max_val_examples", d.max_val_examples, ge=1, integer=True)
+
+    one_of("objective", cfg.objective, OBJECTIVES)
+    _optional_text("distill.teacher", dist.teacher, "a model folder, or null for the default model")
+    one_of("distill.teacher_quantize", plain(dist.teacher_quantize), [q.value for q in Quantize])
+    number("distill.alpha", dist.alpha, ge=0, le=1)
+    number("distill.temperature", dist.temperature, gt=0)
+    one_of("distill.divergence", plain(dist.divergence), [x.value for x in Divergence])
+    number("distill.beta", dist.beta, gt=0, lt=1)
+    number("distill.chunk_size", dist.chunk_size, ge=1, integer=True)
+    number("distill.student_keep_every", dist.student_keep_every, ge=0, integer=True)
+    if dist.student_keep_every == 1:
+        raise TunekitError("distill.student_keep_every: 1 keeps every layer (no smaller student); use 0 to train "
+                           "model.path as the student, or 2 or more")
+
+    one_of("kernels.fused_lora", plain(cfg.kernels.fused_lora), [x.value for x in FusedMode])
+    if plain(cfg.kernels.fused_lora) == "on" and plain(m.quantize) != "nf4":
+        raise TunekitError("kernels.fused_lora: on needs a 4-bit base (the kernel fuses NF4 dequantization into "
+                           "LoRA's matmul); set model.quantize=nf4, or kernels.fused_lora=auto")
+    one_of("tracker.name", cfg.tracker.name, TRACKERS)
+    _optional_text("tracker.project", cfg.tracker.project, "a project name", allow_none=False)
+
+
+def _optional_text(key: str, value, what: str, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, str) or not value.strip():
+        raise TunekitError(f"{key}: empty; give {what}")
+
+
+def check_output_dir(path: str, key: str = "output_dir") -> None:
+    """The run folder is, or can become, a writable folder: refused before Hydra or the run create it.
+
+    Writability is probed by creating (and at once removing) a hidden folder: permission bits
+    say nothing for root, and a read-only mount or a sandbox can refuse what os.access allows.
+    """
+    _optional_text(key, path, "a folder for the run")
+    p = Path(path).expanduser()
+    try:
+        if p.exists() and not p.is_dir():
+            raise TunekitError(f"{key}: {p} is a file; give a folder")
+        parent = p
+        while not parent.exists():
+            parent = parent.parent
+    except OSError as e:
+        raise TunekitError(f"{key}: cannot inspect {p}: {e.strerror or e}") from None
+    if not parent.is_dir():
+        raise TunekitError(f"{key}: {p} lies under {parent}, which is a file")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".tunekit-write-probe-", dir=parent))
+    except OSError as e:
+        where = "in" if parent == p else f"{p} in"
+        raise TunekitError(f"{key}: cannot create {where} {parent} ({e.strerror or e}); choose a writable "
+                           "folder") from None
+
+
+def _check_libraries(cfg: TrainConfig) -> None:
+    """A choice that needs an optional library fails here rather than as an ImportError mid-setup."""
+    from importlib.util import find_spec
+
+    wants_bnb = [("trainer.optimizer", plain(cfg.trainer.optimizer))] if plain(cfg.trainer.optimizer) != "adamw" else []
+    if plain(cfg.model.quantize) == "nf4":
+        wants_bnb.append(("model.quantize", "nf4"))
+    if cfg.objective == "distill" and plain(cfg.distill.teacher_quantize) == "nf4":
+        wants_bnb.append(("distill.teacher_quantize", "nf4"))
+    if wants_bnb and find_spec("bitsandbytes") is None:
+        key, value = wants_bnb[0]
+        raise TunekitError(f"{key}: {value} needs bitsandbytes, which is not installed: pip install bitsandbytes "
+                           "(or trainer.optimizer=adamw and model.quantize=none)")
+    if cfg.tracker.name == "wandb" and find_spec("wandb") is None:
+        raise TunekitError("tracker.name: wandb needs the wandb package: pip install wandb (or tracker=none)")
+
+
+def _check_data(d: DataConfig) -> None:
+    """Every row of the data files, read and checked (no tokenizer); the held-out split must leave
+    training rows."""
+    from tunekit.data.formats import check_file, row_char_limit
+
     for key in ("path", "val_path"):
-        value = getattr(cfg.data, key)
-        if value is not None:
-            need(Path(value).is_file(), f"data.{key}", f"file not found: {value}")
-    if cfg.model.path is not None:
-        from tunekit.model.loader import resolve_model_path
+        value = getattr(d, key)
+        if value is None:
+            continue
+        rows, _ = check_file(value, plain(d.format), f"data.{key}", row_char_limit(d.max_seq_len))
+        if key == "path" and d.val_path is None and rows - max(1, int(rows * d.val_fraction)) < 1:
+            raise TunekitError(f"data.path: {value} has {rows} row(s): too few to hold out data.val_fraction="
+                               f"{d.val_fraction} and train on the rest; add rows or give data.val_path")
 
-        resolve_model_path(cfg.model.path)  # a local path must be a model folder; hub ids pass
+
+def _check_models(cfg: TrainConfig) -> None:
+    """The folders the run loads, from their small files; then the method against the model's layout
+    (built on the meta device). The default model is checked only once converted (the conversion
+    is the first run's job)."""
+    from tunekit.methods import check_method_config
+    from tunekit.model.default import converted_default_dir
+    from tunekit.model.folder import check_weights_fit, max_positions, model_skeleton, read_json, resolve_model_path
+
+    def local(path: Optional[str], key: str) -> Optional[Path]:
+        if path is None:
+            return converted_default_dir()
+        resolved = Path(resolve_model_path(path, key=key))
+        return resolved if resolved.is_dir() else None  # a hub id: checked by resolve, no local layout
+
+    student_key, student = "model.path", local(cfg.model.path, "model.path")
+    if cfg.objective == "distill":
+        teacher = local(cfg.distill.teacher, "distill.teacher")
+        if cfg.distill.student_keep_every:  # the student is the teacher with fewer layers
+            student_key, student = "distill.teacher", teacher
+        elif teacher is not None and student is not None:
+            sizes = [read_json(p / "config.json", k).get("vocab_size") for p, k in
+                     ((student, "model.path"), (teacher, "distill.teacher"))]
+            if sizes[0] != sizes[1]:
+                raise TunekitError(f"distill.teacher: {teacher} has vocab_size {sizes[1]}, the student "
+                                   f"{student} {sizes[0]}; distillation needs the same vocabulary")
+        if teacher is not None and student != teacher:
+            check_weights_fit(teacher, model_skeleton(str(teacher), "distill.teacher"), "distill.teacher")
+    if student is None:
+        return
+    limit = max_positions(read_json(student / "config.json", student_key))
+    if limit is not None and cfg.data.max_seq_len > limit:
+        raise TunekitError(f"data.max_seq_len: {cfg.data.max_seq_len} is more than the {limit} positions the model "
+                           f"in {student} was built for; lower it to {limit} or less")
+    skeleton = model_skeleton(str(student), student_key)
+    check_weights_fit(student, skeleton, student_key)
+    check_method_config(cfg.method, skeleton, plain(cfg.model.quantize))

@@ -179,7 +179,7 @@ def main(argv: list[str]) -> None:
     from transformers import AutoConfig
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    path = resolve_model_path(args.model)
+    path = resolve_model_path(args.model, key="--model")
     hidden = AutoConfig.from_pretrained(path).hidden_size
     cache: dict[str, torch.Tensor] = {}
     for _, adapter in rows:  # every adapter is checked before the model loads

@@ -45,8 +45,12 @@ def encode_chat(tokenizer, messages: list[dict], where: str) -> tuple[list[int],
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], generation_prompt=True)
-        after = _render(tokenizer, messages[: i + 1], generation_prompt=False)
+        try:
+            before = _render(tokenizer, messages[:i], generation_prompt=True)
+            after = _render(tokenizer, messages[: i + 1], generation_prompt=False)
+        except Exception as e:  # jinja2's TemplateError: templates raise_exception() on turns they refuse
+            reason = " ".join(str(e).split())[:200] or type(e).__name__
+            raise DataError(f"{where}: the tokenizer's chat template refuses this conversation ({reason})") from None
         if not (before.startswith(done) and after.startswith(before)):
             raise DataError(f"{where}: the tokenizer's chat template does not render turn by turn; cannot mask prompts")
         context = _ids(tokenizer, before[len(done):])

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from tunekit import TunekitError
+from tunekit.checks import names, number, one_of
 from tunekit.methods.registry import Method, register
 from tunekit.methods.saving import load_tensors_into, save_tensors
 
@@ -68,24 +69,28 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def _check_cfg(cfg) -> tuple[int, str, list[str]]:
-    if cfg.bottleneck <= 0:
-        raise TunekitError(f"method.bottleneck: must be > 0, got {cfg.bottleneck}")
-    if cfg.activation not in ACTIVATIONS:
-        raise TunekitError(f"method.activation: unknown activation {cfg.activation!r}; choose one of {sorted(ACTIVATIONS)}")
-    sublayers = list(cfg.sublayers)
-    bad = [s for s in sublayers if s not in SUBLAYERS]
-    if bad or not sublayers:
-        raise TunekitError(f"method.sublayers: {bad or 'empty'}; choose from {list(SUBLAYERS)}")
-    return cfg.bottleneck, cfg.activation, sublayers
-
-
 @register("adapter")
 class BottleneckAdapter(Method):
     can_merge = False
 
+    @staticmethod
+    def check_config(cfg, model: nn.Module | None = None, quantize: str = "none") -> None:
+        number("method.bottleneck", cfg.bottleneck, ge=1, integer=True)
+        one_of("method.activation", cfg.activation, sorted(ACTIVATIONS))
+        sublayers = names("method.sublayers", cfg.sublayers, "sublayers")
+        bad = [s for s in sublayers if s not in SUBLAYERS]
+        if bad:
+            raise TunekitError(f"method.sublayers: {bad[0]!r} is not a sublayer; choose from {list(SUBLAYERS)}")
+        if model is not None:
+            layer = decoder_layers(model)[0]
+            absent = [s for s in sublayers if not isinstance(getattr(layer, s, None), nn.Module)]
+            if absent:
+                raise TunekitError(f"method.sublayers: the decoder blocks of {type(model).__name__} have no "
+                                   f"{absent[0]!r} sublayer")
+
     def apply(self, model: nn.Module, cfg) -> nn.Module:
-        bottleneck, activation, sublayers = _check_cfg(cfg)
+        self.check_config(cfg, model)
+        bottleneck, activation, sublayers = cfg.bottleneck, cfg.activation, list(cfg.sublayers)
         model.requires_grad_(False)
         dim = model.config.hidden_size
         for layer in decoder_layers(model):

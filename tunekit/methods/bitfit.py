@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from tunekit import TunekitError
+from tunekit.checks import names
 from tunekit.methods.registry import Method, register
 from tunekit.methods.saving import load_tensors_into, save_tensors
 from tunekit.methods.adapter import decoder_layers
@@ -43,31 +44,46 @@ def _add_bias(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
 
 def _targets(model: nn.Module, wanted: list[str]) -> list[tuple[str, nn.Module]]:
     """(full name, projection) for every wanted projection inside the decoder blocks."""
-    names = list(ALL_LINEAR) if list(wanted) == ["all-linear"] else list(wanted)
-    unknown = [n for n in names if n not in BIAS_FLAG]
+    wanted = _target_names(wanted)
+    inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}  # not lm_head and the like
+    found = [(name, m) for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in wanted and id(m) in inside]
+    if not found:
+        raise TunekitError(f"method.target_modules: no module named {wanted} in this model")
+    return found
+
+
+def _target_names(wanted) -> list[str]:
+    wanted = names("method.target_modules", wanted, "projection names")
+    if wanted == ["all-linear"]:
+        return list(ALL_LINEAR)
+    unknown = [n for n in wanted if n not in BIAS_FLAG]
     if unknown:
         raise TunekitError(f"method.target_modules: {unknown} are not Llama projections; choose from "
                            f"{list(ALL_LINEAR)} or [all-linear]")
-    inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}  # not lm_head and the like
-    found = [(name, m) for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in names and id(m) in inside]
-    if not found:
-        raise TunekitError(f"method.target_modules: no module named {names} in this model")
-    return found
+    return wanted
 
 
 @register("bitfit")
 class BitFit(Method):
     can_merge = True
 
-    def apply(self, model: nn.Module, cfg) -> nn.Module:
-        model.requires_grad_(False)
-        targets = _targets(model, cfg.target_modules)
-        for _, proj in targets:
+    @staticmethod
+    def check_config(cfg, model: nn.Module | None = None, quantize: str = "none") -> None:
+        _target_names(cfg.target_modules)
+        if model is None:
+            return
+        for _, proj in _targets(model, cfg.target_modules):
             if hasattr(proj, PARAM):
                 raise TunekitError("model: BitFit biases are already applied to this model")
             if getattr(proj, "bias", None) is not None:
-                raise TunekitError(f"model: {type(proj).__name__} already has a bias; BitFit here adds biases to "
-                                   "bias-free (Llama-style) projections only")
+                raise TunekitError(f"method.name=bitfit: the projections of {type(model).__name__} already have "
+                                   "biases; BitFit here adds biases to bias-free (Llama-style) projections only")
+
+    def apply(self, model: nn.Module, cfg) -> nn.Module:
+        self.check_config(cfg, model)
+        model.requires_grad_(False)
+        targets = _targets(model, cfg.target_modules)
+        for _, proj in targets:
             device = proj.weight.device
             proj.register_parameter(PARAM, nn.Parameter(torch.zeros(proj.out_features, device=device)))
             proj.register_forward_hook(_add_bias)

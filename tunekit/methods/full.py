@@ -21,9 +21,14 @@ from tunekit.methods.saving import read_tensors
 class FullFineTune(Method):
     can_merge = True
 
-    def apply(self, model: nn.Module, cfg) -> nn.Module:
-        if any(getattr(p, "quant_state", None) is not None for p in model.parameters()):
+    @staticmethod
+    def check_config(cfg, model: nn.Module | None = None, quantize: str = "none") -> None:
+        if quantize == "nf4":
             raise TunekitError("method.name=full: cannot train a 4-bit base; set model.quantize=none")
+
+    def apply(self, model: nn.Module, cfg) -> nn.Module:
+        quantized = any(getattr(p, "quant_state", None) is not None for p in model.parameters())
+        self.check_config(cfg, model, "nf4" if quantized else "none")
         model.float()
         model.requires_grad_(True)
         return model

@@ -21,6 +21,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dic
 from safetensors.torch import load_file
 
 from tunekit import TunekitError
+from tunekit.checks import names, number
 from tunekit.methods.registry import Method, register
 
 
@@ -87,11 +88,36 @@ def to_plain_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def check_targets(targets: list[str], model: nn.Module | None) -> list[str]:
+    """method.target_modules: [all-linear] alone, or names that each match a module (peft matches a
+    name or a dotted suffix of a module's path)."""
+    targets = names("method.target_modules", targets)
+    if "all-linear" in targets and len(targets) > 1:
+        raise TunekitError(f"method.target_modules: all-linear stands alone, got {targets}")
+    if model is None or targets == ["all-linear"]:
+        return targets
+    modules = [n for n, _ in model.named_modules()]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in modules)]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise TunekitError(f"method.target_modules: no module named {missing[0]!r} in {type(model).__name__}; "
+                           f"its linear layers are {linear}, or use [all-linear]")
+    return targets
+
+
 @register("lora")
 class LoRA(Method):
     can_merge = True
 
+    @staticmethod
+    def check_config(cfg, model: nn.Module | None = None, quantize: str = "none") -> None:
+        number("method.r", cfg.r, ge=1, integer=True)
+        number("method.alpha", cfg.alpha, gt=0)  # the update is scaled by alpha / r: < 0 flips it, 0 removes it
+        number("method.dropout", cfg.dropout, ge=0, lt=1)
+        check_targets(cfg.target_modules, model)
+
     def apply(self, model: nn.Module, cfg) -> nn.Module:
+        self.check_config(cfg, model)
         targets = list(cfg.target_modules)
         if targets == ["all-linear"]:
             targets = "all-linear"  # peft's own shorthand: every Linear but the output head
@@ -105,8 +131,8 @@ class LoRA(Method):
         )
         try:
             return get_peft_model(model, lora_cfg)
-        except ValueError as e:  # peft says which target module it could not find
-            raise TunekitError(f"method.target_modules: {e}") from None
+        except ValueError as e:  # what check_config cannot see (a module type peft does not wrap)
+            raise TunekitError(f"method: peft refuses this LoRA config: {str(e).splitlines()[0]}") from None
 
     def owns(self, param_name: str) -> bool:
         return ".lora_A." in param_name or ".lora_B." in param_name

@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from transformers.modeling_outputs import CausalLMOutput
 
 from tunekit import TunekitError
+from tunekit.checks import number
 from tunekit.methods.registry import Method, register
 
 
@@ -142,10 +143,17 @@ def load_soft_prompt(in_dir: Path | str, hidden_size: int) -> torch.Tensor:
 class PromptTuning(Method):
     can_merge = False
 
+    @staticmethod
+    def check_config(cfg, model: nn.Module | None = None, quantize: str = "none") -> None:
+        number("method.num_virtual_tokens", cfg.num_virtual_tokens, ge=1, integer=True)
+        text = cfg.prompt_init_text
+        if text is not None and (not isinstance(text, str) or not text):
+            raise TunekitError(f"method.prompt_init_text: must be non-empty text, or null for random vocabulary "
+                               f"rows; got {text!r}")
+
     def apply(self, model: nn.Module, cfg) -> SoftPromptLM:
+        self.check_config(cfg, model)
         n = cfg.num_virtual_tokens
-        if n <= 0:
-            raise TunekitError(f"method.num_virtual_tokens: must be > 0, got {n}")
         model.requires_grad_(False)
         table = model.get_input_embeddings().weight  # (vocab, dim)
         if cfg.prompt_init_text is not None:

@@ -27,6 +27,13 @@ class Method:
     name: str = "?"
     can_merge: bool = False
 
+    @staticmethod
+    def check_config(cfg, model: nn.Module | None = None, quantize: str = "none") -> None:
+        """Raise TunekitError naming the method.* key of a bad value. Without `model`: what needs
+        no model (ranges, names). With the base (loaded, or a skeleton on the meta device) and its
+        `quantize`: also that what the config names exists in it. Config validation calls this
+        before anything loads (through `check_method_config`), and `apply` calls it again."""
+
     def apply(self, model: nn.Module, cfg) -> nn.Module:
         """Freeze the base, add the method's trainable parameters; return the model to train."""
         raise NotImplementedError
@@ -90,6 +97,11 @@ def get_method(name: str) -> Method:
     if name not in _REGISTRY:
         raise TunekitError(f"method.name: unknown method {name!r}; available: {sorted(_REGISTRY)}")
     return _REGISTRY[name]()
+
+
+def check_method_config(cfg, model: nn.Module | None = None, quantize: str = "none") -> None:
+    """cfg: the method config (name, r, ...). The method's own checks, without a branch on its name."""
+    get_method(cfg.name).check_config(cfg, model, quantize)
 
 
 def available_methods() -> list[str]:

@@ -77,3 +77,10 @@ def default_model_dir() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def converted_default_dir() -> Path | None:
+    """The converted default model folder if it exists already; None where the first run would
+    convert it. For checks that must not start the ~30 s conversion."""
+    target = cache_root() / "models" / DEFAULT_NAME
+    return target if (target / "config.json").is_file() and (target / "model.safetensors").is_file() else None

@@ -10,26 +10,9 @@ import torch
 import torch.nn as nn
 
 from tunekit import TunekitError
-from tunekit.model.default import default_model_dir
+from tunekit.model.folder import one_line, resolve_model_path  # noqa: F401  (resolve_model_path: re-exported)
 
 log = logging.getLogger(__name__)
-
-
-def resolve_model_path(path: Optional[str], key: str = "model.path") -> str:
-    """Local folder, or the converted default model when path is None; hub ids pass through.
-
-    `key` is the config key being resolved, named in errors (model.path, distill.teacher).
-    """
-    if path is None:
-        return str(default_model_dir())
-    p = Path(path).expanduser()
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise TunekitError(f"{key}: {path} is a folder but has no config.json (not a HF model folder)")
-        return str(p)
-    if p.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1:
-        raise TunekitError(f"{key}: no model folder at {path}")
-    return path  # looks like a hub id ("org/name"); the load below says if the hub is unreachable
 
 
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -46,13 +29,20 @@ def _hub_error(path: str, err: Exception) -> TunekitError:
     )
 
 
+def _load_error(path: str, what: str, err: Exception) -> TunekitError:
+    """One line for a failed load: a local folder names itself and the first line of the cause."""
+    if not Path(path).is_dir():
+        return _hub_error(path, err)
+    return TunekitError(f"model.path: cannot load the {what} of {path}: {type(err).__name__}: {one_line(err)}")
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(path)
-    except OSError as e:
-        raise _hub_error(path, e) from None
+    except Exception as e:  # tokenizers, sentencepiece and json raise their own types for a bad file
+        raise _load_error(path, "tokenizer", e) from None
     if tok.eos_token_id is None:
         raise TunekitError(f"model.path: the tokenizer of {path} has no EOS token")
     if tok.pad_token_id is None:
@@ -94,10 +84,10 @@ def load_base_model(path: str, quantize: str, dtype: torch.dtype, device: torch.
     kwargs = load_kwargs(quantize, dtype, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except OSError as e:
-        if Path(path).is_dir():
-            raise TunekitError(f"model.path: cannot load {path}: {e}") from None
-        raise _hub_error(path, e) from None
+    except (ImportError, MemoryError):
+        raise  # a missing library or too little memory is not the folder's fault: keep the details
+    except Exception as e:  # safetensors, json and shape errors of a damaged or foreign folder
+        raise _load_error(path, "model", e) from None
     if quantize != "nf4":
         model.to(device)
     else:

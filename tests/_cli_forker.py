@@ -1,0 +1,145 @@
+"""Run many `tunekit` command lines fast: import tunekit once, then fork one child per command.
+
+    python tests/_cli_forker.py < request.json > results.json
+
+request: {"cases": [{"id", "argv", "cwd", "env": {...}, "user": null | "nobody"}, ...],
+          "warmup": [overrides of one good train command] | null, "jobs": 2, "timeout": 120}
+results: [{"id", "code", "stdout", "stderr", "seconds"}, ...] in the cases' order
+(`jobs` children run at once, each single-threaded.)
+
+Each child is the real CLI path: `tunekit.cli.main(argv)` in a fresh process image with its own
+stdout/stderr (file descriptors 1 and 2), cwd and environment; its exit status is what the shell
+would see (SystemExit codes as Python's interpreter maps them; an uncaught exception prints its
+traceback and exits 1, as `python -m` would). What the fork saves is the import of torch,
+transformers, peft and hydra (~5-10 s per process start on 2 cores).
+
+Threads: run with OMP_NUM_THREADS=1 and no torch compute before forking; a child of a process
+whose OpenMP pool is running can hang in its first parallel region.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+
+def preload(warmup: list[str] | None) -> None:
+    """Import everything a command imports; validate one good command line to fill the caches
+    (the tiny model's skeleton, the good data file) that the children then inherit."""
+    import tunekit.cli
+    import tunekit.config  # noqa: F401
+    import tunekit.data  # noqa: F401
+    import tunekit.export  # noqa: F401
+    import tunekit.generate  # noqa: F401
+    import tunekit.methods  # noqa: F401
+    import tunekit.model.folder  # noqa: F401
+    import tunekit.recipe  # noqa: F401
+
+    if warmup:
+        tunekit.cli.check_overrides(warmup)
+    logging.root.handlers.clear()
+
+
+def _child(case: dict, out_fd: int, err_fd: int) -> None:
+    code = 1
+    try:
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        sys.stdout = open(1, "w", closefd=False, buffering=1)
+        sys.stderr = open(2, "w", closefd=False, buffering=1)
+        os.chdir(case["cwd"])
+        os.environ.update(case.get("env") or {})
+        if case.get("user") and os.getuid() == 0:
+            import pwd
+
+            user = pwd.getpwnam(case["user"])
+            os.setgroups([])
+            os.setgid(user.pw_gid)
+            os.setuid(user.pw_uid)
+        from tunekit.cli import main
+
+        sys.argv = ["tunekit", *case["argv"]]
+        try:
+            main(case["argv"])
+            code = 0
+        except SystemExit as e:  # as the interpreter maps it
+            if e.code is None:
+                code = 0
+            elif isinstance(e.code, int):
+                code = e.code
+            else:
+                print(e.code, file=sys.stderr)
+                code = 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+class Running:
+    """One forked child: its pid, captured output files and start time."""
+
+    def __init__(self, case: dict):
+        self.case = case
+        self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        self.start = time.perf_counter()
+        self.pid = os.fork()
+        if self.pid == 0:
+            _child(case, self.out.fileno(), self.err.fileno())
+
+    def poll(self, timeout: float) -> dict | None:
+        done, status = os.waitpid(self.pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+        elif time.perf_counter() - self.start > timeout:
+            os.kill(self.pid, 9)
+            os.waitpid(self.pid, 0)
+            code = "timeout"
+        else:
+            return None
+        seconds = time.perf_counter() - self.start
+        self.out.seek(0)
+        self.err.seek(0)
+        result = {"id": self.case["id"], "code": code, "stdout": self.out.read().decode("utf-8", "replace"),
+                  "stderr": self.err.read().decode("utf-8", "replace"), "seconds": round(seconds, 3)}
+        self.out.close()
+        self.err.close()
+        return result
+
+
+def run_all(cases: list[dict], jobs: int, timeout: float) -> list[dict]:
+    """Every case, `jobs` children at a time (each single-threaded); results in the cases' order."""
+    pending, running, results = list(cases), [], {}
+    while pending or running:
+        while pending and len(running) < jobs:
+            running.append(Running(pending.pop(0)))
+        for child in list(running):
+            result = child.poll(timeout)
+            if result is not None:
+                results[result["id"]] = result
+                running.remove(child)
+        time.sleep(0.005)
+    return [results[case["id"]] for case in cases]
+
+
+def main() -> None:
+    request = json.load(sys.stdin)
+    preload(request.get("warmup"))
+    start = time.perf_counter()
+    results = run_all(request["cases"], max(1, int(request.get("jobs", 1))), request.get("timeout", 120))
+    print(f"{len(results)} cases in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

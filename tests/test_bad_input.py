@@ -1,0 +1,491 @@
+"""The bad-input catalogue: every malformed input a careful user can give, through the real CLI.
+
+Each row is one command line and the culprit its error must name. Every case must end with exit
+code 2, stderr exactly one `tunekit: error: <culprit>: ...` line (no traceback, no log lines),
+and nothing written: not the run's output_dir, not the working directory.
+
+Speed: one `tunekit` process start costs 5-10 s of imports on 2 cores, so the catalogue runs in
+one interpreter that imports tunekit once and forks a child per row (tests/_cli_forker.py): the
+child runs `tunekit.cli.main(argv)` with its own stdout/stderr, cwd and exit status, which is the
+real CLI path. `test_forker_matches_the_console_script` checks a few rows through the installed
+`tunekit` script too.
+
+Adding a case is one line in CASES: train(id, overrides, culprit) / export(...) / generate(...).
+Placeholders: {tiny} the tiny model folder, {data} a good data file, {w} the folder of fixture
+files built by `build_world`, {out} the case's own output_dir, {cwd} its working directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from _helpers import run_cli
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class Case:
+    id: str
+    argv: str  # one shell-quoted string, placeholders in {}
+    culprit: str  # must appear in the error line
+    code: int = 2
+    user: str | None = None  # run as this user (where tests run as root): permission cases
+    env: dict = field(default_factory=dict)
+
+
+# Every train case starts from these (a case's own key=value replaces the same key).
+TRAIN_BASE = ("recipe=lora model.path={tiny} data.path={data} output_dir={out} trainer.max_steps=2 "
+              "trainer.micro_batch_size=2 data.max_seq_len=64 data.val_fraction=0.2")
+
+
+def train(id, overrides, culprit, **kw):
+    base = dict(a.split("=", 1) for a in shlex.split(TRAIN_BASE))
+    mine = shlex.split(overrides)
+    keys = {a.split("=", 1)[0] for a in mine if "=" in a and not a.startswith("-")}
+    args = [f"{k}={v}" for k, v in base.items() if k not in keys] + mine
+    return Case(id, shlex.join(["train", *args]), culprit, **kw)
+
+
+def export(id, args, culprit, **kw):
+    return Case(id, "export " + args, culprit, **kw)
+
+
+def generate(id, args, culprit, **kw):
+    return Case(id, "generate " + args, culprit, **kw)
+
+
+def raw(id, args, culprit, **kw):
+    return Case(id, args, culprit, **kw)
+
+
+M, D = "{w}/models", "{w}/data"
+OFFLINE = {"HF_HUB_OFFLINE": "1"}
+
+CASES = [
+    # ---- trainer.*
+    train("max_steps-0", "trainer.max_steps=0", "trainer.max_steps: must be >= 1, got 0"),
+    train("max_steps-neg", "trainer.max_steps=-5", "trainer.max_steps: must be >= 1"),
+    train("max_steps-text", "trainer.max_steps=abc", "trainer.max_steps: Value 'abc'"),
+    train("max_steps-typo", "trainer.max_stpes=10", "trainer.max_stpes: unknown config key"),
+    train("trainer-unknown", "trainer.nope=1", "trainer.nope: unknown config key"),
+    train("micro_batch-0", "trainer.micro_batch_size=0", "trainer.micro_batch_size: must be >= 1"),
+    train("grad_accum-0", "trainer.grad_accum=0", "trainer.grad_accum: must be >= 1"),
+    train("eval_every-0", "trainer.eval_every=0", "trainer.eval_every: must be >= 1"),
+    train("save_every-0", "trainer.save_every=0", "trainer.save_every: must be >= 1"),
+    train("keep_checkpoints-0", "trainer.keep_checkpoints=0", "trainer.keep_checkpoints: must be >= 1"),
+    train("warmup-neg", "trainer.warmup_steps=-1", "trainer.warmup_steps: must be >= 0"),
+    train("lr-0", "trainer.lr=0", "trainer.lr: must be > 0, got 0"),
+    train("lr-neg", "trainer.lr=-1e-4", "trainer.lr: must be > 0"),
+    train("lr-inf", "trainer.lr=inf", "trainer.lr: must be > 0 and finite, got inf"),
+    train("lr-nan", "trainer.lr=nan", "trainer.lr: must be a number, got nan"),
+    train("lr-text", "trainer.lr=fast", "trainer.lr: Value 'fast'"),
+    train("weight_decay-neg", "trainer.weight_decay=-1", "trainer.weight_decay: must be >= 0"),
+    train("weight_decay-inf", "trainer.weight_decay=inf", "trainer.weight_decay: must be >= 0 and finite"),
+    train("weight_decay-huge", "trainer.weight_decay=10000", "trainer.weight_decay: lr * weight_decay"),
+    train("max_grad_norm-neg", "trainer.max_grad_norm=-1", "trainer.max_grad_norm: must be > 0, got -1"),
+    train("max_grad_norm-0", "trainer.max_grad_norm=0", "trainer.max_grad_norm: must be > 0, got 0"),
+    train("max_grad_norm-nan", "trainer.max_grad_norm=nan", "trainer.max_grad_norm: must be a number"),
+    train("optimizer-unknown", "trainer.optimizer=sgd", "trainer.optimizer: Invalid value 'sgd'"),
+    train("resume-not-bool", "trainer.resume=maybe", "trainer.resume:"),
+    # ---- top level
+    train("seed-neg", "seed=-1", "seed: must be in [0, 2147483647], got -1"),
+    train("seed-huge", "seed=4294967296", "seed: must be in [0, 2147483647]"),
+    train("seed-float", "seed=1.5", "seed: Value '1.5'"),
+    train("objective-unknown", "objective=rl", "objective: unknown value 'rl'"),
+    train("recipe-unknown", "recipe=nope", "recipe: Could not find 'recipe/nope'; available: adapter, bitfit"),
+    train("sweep-recipe-unknown", "-m recipe=lora,nope", "Could not find 'recipe/nope'"),
+    train("toplevel-unknown", "epochs=3", "epochs: unknown config key"),
+    # ---- data.* values
+    train("val_fraction-0", "data.val_fraction=0", "data.val_fraction: must be in (0, 1), got 0"),
+    train("val_fraction-1", "data.val_fraction=1", "data.val_fraction: must be in (0, 1), got 1"),
+    train("val_fraction-neg", "data.val_fraction=-0.1", "data.val_fraction: must be in (0, 1)"),
+    train("max_seq_len-4", "data.max_seq_len=4", "data.max_seq_len: must be >= 8, got 4"),
+    train("max_seq_len-over-model", "data.max_seq_len=100000",
+          "data.max_seq_len: 100000 is more than the 512 positions"),
+    train("max_val_examples-0", "data.max_val_examples=0", "data.max_val_examples: must be >= 1, got 0"),
+    train("max_val_examples-neg", "data.max_val_examples=-1", "data.max_val_examples: must be >= 1"),
+    train("format-unknown", "data.format=xml", "data.format: Invalid value 'xml'"),
+    train("packing-not-bool", "data.packing=maybe", "data.packing:"),
+    # ---- model.* values
+    train("quantize-unknown", "model.quantize=int3", "model.quantize: Invalid value 'int3'"),
+    train("dtype-unknown", "model.dtype=fp8", "model.dtype: Invalid value 'fp8'"),
+    train("model-path-empty", "model.path=''", "model.path: empty"),
+    # ---- method.* (every method, none of them needs the model loaded)
+    train("method-unknown", "method.name=nope", "method.name: unknown method 'nope'"),
+    train("lora-r-0", "method.r=0", "method.r: must be >= 1, got 0"),
+    train("lora-r-neg", "method.r=-4", "method.r: must be >= 1"),
+    train("lora-r-float", "method.r=1.5", "method.r: Value '1.5'"),
+    train("lora-alpha-neg", "method.alpha=-8", "method.alpha: must be > 0, got -8"),
+    train("lora-alpha-0", "method.alpha=0", "method.alpha: must be > 0"),
+    train("lora-alpha-inf", "method.alpha=inf", "method.alpha: must be > 0 and finite"),
+    train("lora-dropout-2", "method.dropout=2.0", "method.dropout: must be in [0, 1), got 2"),
+    train("lora-dropout-neg", "method.dropout=-0.1", "method.dropout: must be in [0, 1)"),
+    train("lora-dropout-1", "method.dropout=1", "method.dropout: must be in [0, 1), got 1"),
+    train("lora-targets-empty", "method.target_modules=[]", "method.target_modules: must be a non-empty list"),
+    train("lora-targets-typo", "method.target_modules=[q_projj]", "method.target_modules: no module named 'q_projj'"),
+    train("lora-targets-all-plus", "method.target_modules=[all-linear,q_proj]",
+          "method.target_modules: all-linear stands alone"),
+    train("lora-targets-twice", "method.target_modules=[q_proj,q_proj]", "method.target_modules: 'q_proj' is listed twice"),
+    train("lora-targets-not-list", "method.target_modules=q_proj", "method.target_modules: must be a list, e.g. method.target_modules=[a,b]"),
+    train("adapter-bottleneck-0", "recipe=adapter method.bottleneck=0", "method.bottleneck: must be >= 1"),
+    train("adapter-activation", "recipe=adapter method.activation=tanh", "method.activation: unknown value 'tanh'"),
+    train("adapter-sublayers-empty", "recipe=adapter method.sublayers=[]", "method.sublayers: must be a non-empty list"),
+    train("adapter-sublayers-unknown", "recipe=adapter method.sublayers=[ffn]", "method.sublayers: 'ffn' is not a sublayer"),
+    train("bitfit-targets-head", "recipe=bitfit method.target_modules=[lm_head]",
+          "method.target_modules: ['lm_head'] are not Llama projections"),
+    train("bitfit-targets-empty", "recipe=bitfit method.target_modules=[]", "method.target_modules: must be a non-empty"),
+    train("prompt-tokens-0", "recipe=prompt_tuning method.num_virtual_tokens=0", "method.num_virtual_tokens: must be >= 1"),
+    train("prompt-init-empty", "recipe=prompt_tuning method.prompt_init_text=''", "method.prompt_init_text: must be non-empty"),
+    train("full-on-4bit", "method.name=full model.quantize=nf4", "method.name=full: cannot train a 4-bit base"),
+    # ---- distill.*, kernels.*, tracker.*
+    train("distill-alpha", "recipe=distill distill.alpha=1.5", "distill.alpha: must be in [0, 1], got 1.5"),
+    train("distill-temperature-0", "recipe=distill distill.temperature=0", "distill.temperature: must be > 0"),
+    train("distill-temperature-inf", "recipe=distill distill.temperature=inf", "distill.temperature: must be > 0 and finite"),
+    train("distill-beta-0", "recipe=distill distill.beta=0", "distill.beta: must be in (0, 1)"),
+    train("distill-chunk-0", "recipe=distill distill.chunk_size=0", "distill.chunk_size: must be >= 1"),
+    train("distill-keep-1", "recipe=distill distill.student_keep_every=1", "distill.student_keep_every: 1 keeps every layer"),
+    train("distill-keep-neg", "recipe=distill distill.student_keep_every=-2", "distill.student_keep_every: must be >= 0"),
+    train("distill-divergence", "recipe=distill distill.divergence=l2", "distill.divergence: Invalid value 'l2'"),
+    train("distill-teacher-missing", "recipe=distill distill.teacher={w}/nope", "distill.teacher: no model folder at {w}/nope"),
+    train("distill-teacher-bert", f"recipe=distill distill.teacher={M}/bert", "distill.teacher: {w}/models/bert/config.json describes BertForMaskedLM, not a causal"),
+    train("distill-vocab-mismatch", f"recipe=distill distill.student_keep_every=0 model.quantize=none distill.teacher={M}/vocab100",
+          "distill.teacher: {w}/models/vocab100 has vocab_size 100"),
+    train("fused-on-without-4bit", "kernels.fused_lora=on model.quantize=none", "kernels.fused_lora: on needs a 4-bit base"),
+    train("recipe-empty", "recipe=''", "recipe:"),
+    train("data-fifo", f"data.path={D}/pipe.jsonl", "data.path: {w}/data/pipe.jsonl is not a regular file"),
+    train("fused-unknown", "kernels.fused_lora=maybe", "kernels.fused_lora: Invalid value 'maybe'"),
+    train("tracker-group-unknown", "tracker=nope", "Could not find 'tracker/nope'"),
+    train("tracker-name-unknown", "tracker.name=tensorboard", "tracker.name: unknown value 'tensorboard'"),
+    train("tracker-project-empty", "tracker.project=''", "tracker.project: empty"),
+    # ---- Hydra syntax
+    train("comma-in-path", "data.path=a,b.jsonl", "data.path: the value 'a,b.jsonl' holds an unquoted comma"),
+    train("bracket-in-path", "data.path=a[1].jsonl", "data.path: cannot parse the value 'a[1].jsonl'"),
+    train("brace-in-path", "output_dir=x{y}", "output_dir: cannot parse the value 'x{y}'"),
+    train("not-key-value", "fast", "fast: not a key=value override"),
+    train("interpolation", "output_dir=${{oops}}", "output_dir:"),
+    train("unknown-flag", "--max-steps 10", "--max-steps: unknown flag"),
+    # ---- data files and rows
+    train("data-path-empty", "data.path=''", "data.path: empty"),
+    train("data-missing", "data.path={w}/nope.jsonl", "data.path: file not found: {w}/nope.jsonl"),
+    train("data-folder", f"data.path={D}/folder.jsonl", "data.path: {w}/data/folder.jsonl is a folder"),
+    train("data-suffix", f"data.path={D}/notes.txt", "{w}/data/notes.txt: unsupported file type '.txt'"),
+    train("data-empty", f"data.path={D}/empty.jsonl", "{w}/data/empty.jsonl: no rows (the file is empty)"),
+    train("data-whitespace", f"data.path={D}/blank.jsonl", "{w}/data/blank.jsonl: no rows"),
+    train("data-not-utf8", f"data.path={D}/latin1.jsonl", "{w}/data/latin1.jsonl: line 3: not UTF-8 text (byte 0xe9"),
+    train("data-bad-json-line5", f"data.path={D}/badjson5.jsonl", "{w}/data/badjson5.jsonl: line 5: not valid JSON"),
+    train("data-bad-json-line1", f"data.path={D}/badjson1.jsonl", "{w}/data/badjson1.jsonl: line 1: not valid JSON"),
+    train("data-row-is-list", f"data.path={D}/listrow.jsonl", "{w}/data/listrow.jsonl: row 2: a JSON array, not an object"),
+    train("data-row-is-null", f"data.path={D}/nullrow.jsonl", "{w}/data/nullrow.jsonl: row 3: a JSON null, not an object"),
+    train("data-blank-lines", f"data.path={D}/gaps.jsonl", "{w}/data/gaps.jsonl: row 3 (line 5): 'output' must be"),
+    train("data-alpaca-then-chat", f"data.path={D}/alpaca_then_chat.jsonl",
+          "{w}/data/alpaca_then_chat.jsonl: row 4: a chat row (has messages) in a file of alpaca rows (as its first row)"),
+    train("data-chat-then-alpaca", f"data.path={D}/chat_then_alpaca.jsonl",
+          "{w}/data/chat_then_alpaca.jsonl: row 3: an alpaca row (has instruction+output) in a file of chat rows"),
+    train("data-format-forced", f"data.path={D}/alpaca.jsonl data.format=chat",
+          "{w}/data/alpaca.jsonl: row 1: an alpaca row (has instruction+output) in a file of chat rows (data.format=chat)"),
+    train("data-no-output", f"data.path={D}/no_output.jsonl", "{w}/data/no_output.jsonl: row 2: 'output' must be a non-empty string, got None"),
+    train("data-empty-output", f"data.path={D}/empty_output.jsonl", "{w}/data/empty_output.jsonl: row 2: 'output' must be a non-empty string, got ''"),
+    train("data-number-output", f"data.path={D}/number_output.jsonl", "row 2: 'output' must be a non-empty string, got 3"),
+    train("data-blank-instruction", f"data.path={D}/blank_instruction.jsonl", "row 1: 'instruction' must be a non-empty string"),
+    train("data-input-not-text", f"data.path={D}/input_list.jsonl", "row 2: 'input' must be a non-empty string"),
+    train("data-messages-text", f"data.path={D}/messages_str.jsonl", "row 2: 'messages' must be a non-empty list"),
+    train("data-messages-empty", f"data.path={D}/messages_empty.jsonl", "row 2: 'messages' must be a non-empty list"),
+    train("data-bad-role", f"data.path={D}/bad_role.jsonl", "row 2: messages[1] needs a role"),
+    train("data-no-content", f"data.path={D}/no_content.jsonl", "row 2: messages[0].content must be a non-empty string"),
+    train("data-no-assistant", f"data.path={D}/no_assistant.jsonl", "row 2: no assistant message"),
+    train("data-empty-text", f"data.path={D}/empty_text.jsonl", "{w}/data/empty_text.jsonl: row 2: 'text' must be a non-empty string"),
+    train("data-unknown-columns", f"data.path={D}/odd.jsonl", "{w}/data/odd.jsonl: cannot tell the format from the columns ['answer', 'question']"),
+    train("data-csv-columns", f"data.path={D}/odd.csv", "{w}/data/odd.csv: cannot tell the format"),
+    train("data-csv-extra-field", f"data.path={D}/extra.csv", "{w}/data/extra.csv: row 2 (line 3): more fields than the header"),
+    train("data-csv-empty-output", f"data.path={D}/empty_output.csv", "{w}/data/empty_output.csv: row 2 (line 3): 'output' must be"),
+    train("data-json-object", f"data.path={D}/object.json", "{w}/data/object.json: holds a JSON object; expected an array"),
+    train("data-json-broken", f"data.path={D}/broken.json", "{w}/data/broken.json: line 3: not valid JSON"),
+    train("data-json-array-of-text", f"data.path={D}/strings.json", "{w}/data/strings.json: row 2: a JSON string, not an object"),
+    train("data-parquet-corrupt", f"data.path={D}/corrupt.parquet", "{w}/data/corrupt.parquet: cannot read as parquet"),
+    train("data-huge-row", f"data.path={D}/huge_row.jsonl", "{w}/data/huge_row.jsonl: row 2: 1,200,000 characters, over the 1,000,000"),
+    train("data-nested-too-deep", f"data.path={D}/deep.jsonl", "{w}/data/deep.jsonl: line 2: JSON nested too deeply"),
+    train("data-one-row", f"data.path={D}/one_row.jsonl", "data.path: {w}/data/one_row.jsonl has 1 row(s): too few to hold out"),
+    train("data-too-long", f"data.path={D}/too_long.jsonl", "{w}/data/too_long.jsonl: no usable rows: none of its 6 rows keeps a response token"),
+    train("data-unreadable", f"data.path={D}/secret.jsonl", "data.path: cannot read {w}/data/secret.jsonl: Permission denied",
+          user="nobody"),
+    train("data-template-refuses", f"data.path={D}/system_chat.jsonl model.path={M}/strict_template",
+          "{w}/data/system_chat.jsonl: row 2: the tokenizer's chat template refuses this conversation (no system turns here)"),
+    train("val-missing", "data.val_path={w}/nope.jsonl", "data.val_path: file not found: {w}/nope.jsonl"),
+    train("val-bad-row", f"data.val_path={D}/no_output.jsonl", "{w}/data/no_output.jsonl: row 2: 'output' must be"),
+    train("val-empty", f"data.val_path={D}/empty.jsonl", "{w}/data/empty.jsonl: no rows"),
+    # ---- model folders
+    train("model-missing", "model.path={w}/nope", "model.path: no model folder at {w}/nope"),
+    train("model-is-file", f"model.path={D}/alpaca.jsonl", "model.path: {w}/data/alpaca.jsonl is a file"),
+    train("model-no-config", f"model.path={M}/noconfig", "model.path: {w}/models/noconfig is a folder but has no config.json"),
+    train("model-config-not-json", f"model.path={M}/badjson", "model.path: {w}/models/badjson/config.json is not valid JSON"),
+    train("model-config-list", f"model.path={M}/listjson", "model.path: {w}/models/listjson/config.json holds a JSON list"),
+    train("model-config-no-type", f"model.path={M}/notype", "model.path: {w}/models/notype/config.json has no model_type"),
+    train("model-config-unknown-type", f"model.path={M}/unknowntype", "model_type 'llamazilla' is unknown"),
+    train("model-bert", f"model.path={M}/bert", "model.path: {w}/models/bert/config.json describes BertForMaskedLM, not a causal language model"),
+    train("model-t5", f"model.path={M}/t5", "describes T5ForConditionalGeneration, not a causal language model"),
+    train("model-no-weights", f"model.path={M}/noweights", "model.path: {w}/models/noweights has no weights"),
+    train("model-truncated-weights", f"model.path={M}/truncated", "model.path: {w}/models/truncated/model.safetensors is truncated"),
+    train("model-garbage-weights", f"model.path={M}/garbage", "model.safetensors is not a valid safetensors file"),
+    train("model-missing-shard", f"model.path={M}/sharded", "lacks 1 weight file(s) its model.safetensors.index.json lists"),
+    train("model-weights-too-few-layers", f"model.path={M}/threelayers", "model.path: {w}/models/threelayers: the weights lack 9 of the tensors"),
+    train("model-weights-other-shape", f"model.path={M}/wider", "model.path: {w}/models/wider: tensor embed_tokens.weight has shape [49152, 64] in the weights, [49152, 96]"),
+    train("model-no-tokenizer", f"model.path={M}/notok", "model.path: {w}/models/notok has no tokenizer"),
+    train("model-bad-tokenizer", f"model.path={M}/badtok", "model.path: {w}/models/badtok/tokenizer.json is not a whole JSON object"),
+    train("model-bad-values", f"model.path={M}/badvalues", "models/badvalues/config.json: Class validation error for validator 'validate_architecture': ValueError: The hidden size (64) is not a multiple"),
+    train("model-hub-offline", "model.path=someorg/somemodel", "model.path: 'someorg/somemodel' is not a local folder, is not in the local hub cache",
+          env=OFFLINE),
+    train("model-not-hub-id", "model.path=a/b/c", "model.path: no model folder at a/b/c"),
+    train("model-with-bias-bitfit", f"recipe=bitfit model.path={M}/biased", "method.name=bitfit: the projections of LlamaForCausalLM already have biases"),
+    # ---- output_dir
+    train("out-empty", "output_dir=''", "output_dir: empty"),
+    train("out-is-file", "output_dir={w}/afile", "output_dir: {w}/afile is a file"),
+    train("out-under-file", "output_dir={w}/afile/run", "output_dir: {w}/afile/run lies under {w}/afile, which is a file"),
+    train("out-read-only", "output_dir={w}/ro/run", "output_dir: cannot create {w}/ro/run in {w}/ro (Permission denied)",
+          user="nobody"),
+    # ---- export and generate: generic argument errors (their own rows come with their rewrites)
+    export("export-no-run-dir", "--format adapter --out {out}", "export: the following arguments are required: RUN_DIR"),
+    export("export-bad-format", "{w} --format zip --out {out}", "export: argument --format: invalid choice: 'zip'"),
+    export("export-run-missing", "{w}/nope --format adapter --out {out}", "RUN_DIR: no such folder: {w}/nope"),
+    export("export-not-a-run", f"{D} --format adapter --out {{out}}", "RUN_DIR: {w}/data is not a tunekit run (no config.yaml"),
+    generate("generate-no-prompt", "", "--prompt: give at least one --prompt"),
+    generate("generate-rows-missing", "--rows {w}/nope.jsonl", "--rows: file not found: {w}/nope.jsonl"),
+    generate("generate-rows-and-prompt", "--rows {w}/nope.jsonl --prompt hi", "--rows: give either --rows or --prompt"),
+    generate("generate-model-missing", "--model {w}/nope --prompt hi", "--model: no model folder at {w}/nope"),
+    generate("generate-model-bert", f"--model {M}/bert --prompt hi", "--model: {w}/models/bert/config.json describes BertForMaskedLM"),
+    generate("generate-model-bad-config", f"--model {M}/badjson --prompt hi", "--model: {w}/models/badjson/config.json is not valid JSON"),
+    generate("generate-hub-offline", "--model someorg/somemodel --prompt hi", "--model: 'someorg/somemodel' is not a local folder",
+             env=OFFLINE),
+    raw("unknown-command", "fly", "fly: unknown command (choose from: train, generate, export"),
+]
+
+
+# ----------------------------------------------------------------------------- fixture files
+def _jsonl(path: Path, rows) -> None:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+
+
+def build_world(w: Path, tiny: Path) -> None:
+    """Every bad file and folder the catalogue names, under w (world-readable)."""
+    d, m = w / "data", w / "models"
+    d.mkdir()
+    m.mkdir()
+    qa = {"instruction": "What is 2 plus 2?", "output": "4."}
+    chat = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    _jsonl(d / "alpaca.jsonl", [qa] * 6)
+    (d / "folder.jsonl").mkdir()
+    (d / "notes.txt").write_text("hello\n")
+    (d / "empty.jsonl").write_text("")
+    (d / "blank.jsonl").write_text("\n   \n\t\n")
+    (d / "latin1.jsonl").write_bytes(b"".join(json.dumps(qa).encode() + b"\n" for _ in range(2))
+                                     + '{"instruction": "caf\u00e9", "output": "x"}\n'.encode("latin-1"))
+    _jsonl(d / "badjson5.jsonl", [qa] * 4 + ['{"instruction": "q", "output": "a",}'])
+    _jsonl(d / "badjson1.jsonl", ["{instruction: q}", qa])
+    _jsonl(d / "listrow.jsonl", [qa, "[1, 2]", qa])
+    _jsonl(d / "nullrow.jsonl", [qa, qa, "null"])
+    (d / "gaps.jsonl").write_text(json.dumps(qa) + "\n\n" + json.dumps(qa) + "\n\n" + json.dumps({"instruction": "q"}) + "\n")
+    _jsonl(d / "alpaca_then_chat.jsonl", [qa] * 3 + [chat, chat])
+    _jsonl(d / "chat_then_alpaca.jsonl", [chat] * 2 + [qa])
+    _jsonl(d / "no_output.jsonl", [qa, {"instruction": "q"}, qa])
+    _jsonl(d / "empty_output.jsonl", [qa, {"instruction": "q", "output": ""}, qa])
+    _jsonl(d / "number_output.jsonl", [qa, {"instruction": "q", "output": 3}, qa])
+    _jsonl(d / "blank_instruction.jsonl", [{"instruction": "  ", "output": "a"}, qa])
+    _jsonl(d / "input_list.jsonl", [qa, {"instruction": "q", "input": ["x"], "output": "a"}])
+    _jsonl(d / "messages_str.jsonl", [chat, {"messages": "hi"}])
+    _jsonl(d / "messages_empty.jsonl", [chat, {"messages": []}])
+    _jsonl(d / "bad_role.jsonl", [chat, {"messages": [{"role": "user", "content": "q"}, {"role": "bot", "content": "a"}]}])
+    _jsonl(d / "no_content.jsonl", [chat, {"messages": [{"role": "user"}, {"role": "assistant", "content": "a"}]}])
+    _jsonl(d / "no_assistant.jsonl", [chat, {"messages": [{"role": "user", "content": "q"}]}])
+    _jsonl(d / "empty_text.jsonl", [{"text": "Once upon a time."}, {"text": ""}])
+    _jsonl(d / "odd.jsonl", [{"question": "q", "answer": "a"}])
+    (d / "odd.csv").write_text("question,answer\nq,a\nq2,a2\n")
+    (d / "extra.csv").write_text("instruction,output\nq,a\nq,a,surplus\n")
+    (d / "empty_output.csv").write_text("instruction,input,output\nq,,a\nq,,\n")
+    (d / "object.json").write_text(json.dumps({"rows": [qa]}))
+    (d / "broken.json").write_text('[\n  {"instruction": "q", "output": "a"},\n  {"instruction": "q" "output": "a"}\n]\n')
+    (d / "strings.json").write_text(json.dumps([qa, "just text"]))
+    (d / "corrupt.parquet").write_bytes(b"PAR1 this is not parquet at all PAR1")
+    _jsonl(d / "one_row.jsonl", [qa])
+    system = {"messages": [{"role": "system", "content": "Be brief."}, *chat["messages"]]}
+    _jsonl(d / "system_chat.jsonl", [chat, system] + [chat] * 4)
+    _jsonl(d / "huge_row.jsonl", [{"text": "Short."}, {"text": "All work and no play. " * 54_545 + "x" * 10}])
+    _jsonl(d / "deep.jsonl", [qa, "[" * 100_000 + "]" * 100_000])
+    _jsonl(d / "too_long.jsonl", [{"instruction": "word " * 200, "output": "x"}] * 6)
+    os.mkfifo(d / "pipe.jsonl")
+    _jsonl(d / "secret.jsonl", [qa] * 6)
+    (d / "secret.jsonl").chmod(0)
+
+    config = json.loads((tiny / "config.json").read_text())
+    tok_files = [p for p in tiny.iterdir() if p.name.startswith(("tokenizer", "special_tokens", "chat_template"))]
+
+    def model(name, cfg=config, weights=True, tokenizer=True) -> Path:
+        f = m / name
+        f.mkdir()
+        if cfg is not None:
+            (f / "config.json").write_text(cfg if isinstance(cfg, str) else json.dumps(cfg))
+        if weights:
+            (f / "model.safetensors").symlink_to(tiny / "model.safetensors")
+        if tokenizer:
+            for p in tok_files:
+                (f / p.name).symlink_to(p)
+        return f
+
+    model("noconfig", cfg=None)
+    model("badjson", cfg='{"model_type": "llama",')
+    model("listjson", cfg="[1, 2]")
+    model("notype", cfg={k: v for k, v in config.items() if k != "model_type"})
+    model("unknowntype", cfg={**config, "model_type": "llamazilla"})
+    model("bert", cfg={"model_type": "bert", "architectures": ["BertForMaskedLM"], "vocab_size": 100})
+    model("t5", cfg={"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]})
+    model("noweights", weights=False)
+    model("vocab100", cfg={**config, "vocab_size": 100})
+    model("badvalues", cfg={**config, "num_attention_heads": 5})  # hidden 64 is not a multiple of 5 heads
+    f = model("biased", weights=False)  # a real model with biases (Qwen-style), for BitFit's refusal
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny, attention_bias=True, mlp_bias=True)).save_pretrained(f)
+    model("notok", tokenizer=False)
+    f = model("strict_template", tokenizer=False)  # a chat template that refuses system turns (as Llama-2's did)
+    for p in tok_files:
+        if p.name != "chat_template.jinja":
+            (f / p.name).symlink_to(p)
+    (f / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system turns here') }}{% endif %}"
+        "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    model("threelayers", cfg={**config, "num_hidden_layers": 3})
+    model("wider", cfg={**config, "hidden_size": 96, "head_dim": 16})
+    f = model("badtok", tokenizer=False)
+    (f / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    f = model("truncated", weights=False)
+    blob = (tiny / "model.safetensors").read_bytes()
+    (f / "model.safetensors").write_bytes(blob[: len(blob) // 2])
+    f = model("garbage", weights=False)
+    (f / "model.safetensors").write_bytes(b"\xff" * 64)
+    f = model("sharded", weights=False)
+    (f / "model-00001-of-00002.safetensors").symlink_to(tiny / "model.safetensors")
+    (f / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+
+    (w / "afile").write_text("not a folder\n")
+    (w / "ro").mkdir()
+    (w / "ro").chmod(0o555)
+
+
+def _fill(text: str, places: dict) -> str:
+    return re.sub(r"\{(tiny|data|w|out|cwd)\}", lambda mt: str(places[mt.group(1)]), text).replace("{{", "{").replace("}}", "}")
+
+
+def _can_run_as(user: str) -> bool:
+    if os.getuid() != 0:
+        return True  # permissions already apply to us
+    try:
+        import pwd
+
+        pwd.getpwnam(user)
+        return True
+    except KeyError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def world(tiny_model_dir, tiny_data):
+    # Outside pytest's 0700 temp root: the permission cases run as `nobody` when we are root.
+    w = Path(tempfile.mkdtemp(prefix="tunekit-bad-input-"))
+    w.chmod(0o755)
+    for sub in ("outs", "cwds"):
+        (w / sub).mkdir()
+        (w / sub).chmod(0o777)
+    build_world(w, Path(tiny_model_dir))
+    yield {"w": w, "tiny": Path(tiny_model_dir), "data": Path(tiny_data)}
+    (w / "ro").chmod(0o755)
+    shutil.rmtree(w, ignore_errors=True)
+
+
+def places_of(world: dict, case: Case) -> dict:
+    return {**world, "out": world["w"] / "outs" / case.id, "cwd": world["w"] / "cwds" / case.id}
+
+
+@pytest.fixture(scope="module")
+def results(world):
+    """Run the whole catalogue in one forking interpreter; {id: result}."""
+    cases = []
+    for case in CASES:
+        places = places_of(world, case)
+        places["cwd"].mkdir()
+        places["cwd"].chmod(0o777)
+        cases.append({"id": case.id, "argv": shlex.split(_fill(case.argv, places)), "cwd": str(places["cwd"]),
+                      "env": case.env, "user": case.user if _can_run_as(case.user or "") and case.user else None})
+    warmup = shlex.split(_fill(TRAIN_BASE, {**world, "out": world["w"] / "outs" / "warmup", "cwd": world["w"]}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    # Two single-threaded children at a time: CI machines have 2 cores (TUNEKIT_CATALOGUE_JOBS overrides).
+    jobs = int(os.environ.get("TUNEKIT_CATALOGUE_JOBS", min(2, len(os.sched_getaffinity(0)))))
+    proc = subprocess.run([sys.executable, str(HERE / "_cli_forker.py")], input=json.dumps(
+        {"cases": cases, "warmup": warmup, "timeout": 180, "jobs": jobs}), capture_output=True, text=True,
+        env=env, cwd=world["w"], timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    print(proc.stderr.strip().splitlines()[-1], f"({jobs} at a time)")  # "N cases in X s": shown with -s
+    if os.environ.get("TUNEKIT_CATALOGUE_DUMP"):  # for reading every message at once
+        Path(os.environ["TUNEKIT_CATALOGUE_DUMP"]).write_text(proc.stdout)
+    return {r["id"]: r for r in json.loads(proc.stdout)}
+
+
+def test_catalogue_is_large_and_unique():
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids)), sorted({i for i in ids if ids.count(i) > 1})
+    assert len(CASES) >= 100
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case, results, world):
+    if case.user and not _can_run_as(case.user):
+        pytest.skip(f"needs user {case.user!r} to drop root's permissions")
+    places = places_of(world, case)
+    r = results[case.id]
+    lines = r["stderr"].strip().splitlines()
+    assert r["code"] == case.code, r["stderr"][-3000:]
+    assert len(lines) == 1 and lines[0].startswith("tunekit: error: "), r["stderr"][-3000:]
+    assert _fill(case.culprit, places) in lines[0]
+    assert not places["out"].exists(), "output_dir was created"
+    assert not any(places["cwd"].iterdir()), f"wrote into the working directory: {list(places['cwd'].iterdir())}"
+
+
+def test_forker_matches_the_console_script(results, world):
+    """Two rows through the installed `tunekit` script (a config error found before torch is
+    imported, a model-folder error after): same exit code, same stderr as the forked child."""
+    for case_id in ("lr-inf", "model-bert"):
+        case = next(c for c in CASES if c.id == case_id)
+        places = {**places_of(world, case), "cwd": world["w"] / "cwds" / case.id}
+        r = run_cli(shlex.split(_fill(case.argv, places)), places["cwd"], env={"OMP_NUM_THREADS": "1"})
+        assert (r.returncode, r.stderr.strip()) == (results[case.id]["code"], results[case.id]["stderr"].strip())
+
+
+def test_missing_optional_library_is_one_line(monkeypatch):
+    """A choice that needs bitsandbytes or wandb fails at validation, not as an ImportError mid-setup."""
+    import importlib.util
+
+    from tunekit import TunekitError
+    from tunekit.config import ModelConfig, TrackerConfig, TrainConfig, TrainerConfig, _check_libraries
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("bitsandbytes", "wandb") else real(name, *a))
+    with pytest.raises(TunekitError, match=r"^model.quantize: nf4 needs bitsandbytes, which is not installed"):
+        _check_libraries(TrainConfig(model=ModelConfig(quantize="nf4")))
+    with pytest.raises(TunekitError, match=r"^trainer.optimizer: paged_adamw_8bit needs bitsandbytes"):
+        _check_libraries(TrainConfig(trainer=TrainerConfig(optimizer="paged_adamw_8bit")))
+    with pytest.raises(TunekitError, match=r"^tracker.name: wandb needs the wandb package"):
+        _check_libraries(TrainConfig(tracker=TrackerConfig(name="wandb")))
+    _check_libraries(TrainConfig())  # adamw on a bf16 base needs neither

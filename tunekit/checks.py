@@ -1,0 +1,65 @@
+"""Range checks shared by config validation and the methods' `check_config`: one line naming the key.
+
+Plain functions of (key, value); they know nothing about the config object, so layers and methods
+can use them on the plain values they are given.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from tunekit import TunekitError
+
+
+def _fmt(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def number(key: str, value: Any, *, gt: Optional[float] = None, ge: Optional[float] = None,
+           lt: Optional[float] = None, le: Optional[float] = None, integer: bool = False,
+           allow_inf: bool = False) -> None:
+    """`value` is a (finite, unless allow_inf) number within the given bounds, else TunekitError.
+
+    The message states the whole allowed range: "method.dropout: must be in [0, 1), got 2.0".
+    """
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise TunekitError(f"{key}: must be {kind}, got {value!r}")
+    if math.isnan(value):
+        raise TunekitError(f"{key}: must be {kind}, got nan")
+    lower = (f"[{_fmt(ge)}" if ge is not None else f"({_fmt(gt)}") if (ge is not None or gt is not None) else None
+    upper = (f"{_fmt(le)}]" if le is not None else f"{_fmt(lt)})") if (le is not None or lt is not None) else None
+    if lower and upper:
+        allowed = f"in {lower}, {upper}"
+    elif lower:
+        allowed = (">= " if ge is not None else "> ") + lower[1:]
+    elif upper:
+        allowed = ("<= " if le is not None else "< ") + upper[:-1]
+    else:
+        allowed = "finite"
+    ok = ((gt is None or value > gt) and (ge is None or value >= ge) and (lt is None or value < lt)
+          and (le is None or value <= le) and (allow_inf or math.isfinite(value)))
+    if not ok:
+        if not math.isfinite(value) and allowed != "finite":
+            allowed += " and finite"
+        raise TunekitError(f"{key}: must be {allowed}, got {_fmt(value)}")
+
+
+def one_of(key: str, value: Any, choices) -> None:
+    if value not in choices:
+        raise TunekitError(f"{key}: unknown value {value!r}; choose one of {', '.join(map(str, choices))}")
+
+
+def names(key: str, value: Any, what: str = "module names") -> list[str]:
+    """A non-empty list of distinct, non-empty strings."""
+    items = list(value) if isinstance(value, (list, tuple)) else None
+    if not items:
+        raise TunekitError(f"{key}: must be a non-empty list of {what}, got {value!r}")
+    bad = [v for v in items if not isinstance(v, str) or not v.strip()]
+    if bad:
+        raise TunekitError(f"{key}: {bad[0]!r} is not a name; give a list of {what}")
+    dupes = sorted({v for v in items if items.count(v) > 1})
+    if dupes:
+        raise TunekitError(f"{key}: {dupes[0]!r} is listed twice")
+    return items
