@@ -84,8 +84,11 @@ def split_overrides(argv: list[str]) -> list[str]:
     return out
 
 
-def check_overrides(overrides: list[str]) -> None:
-    """Compose every job of the command line (each point of a -m sweep) and validate it."""
+def compose_configs(overrides: list[str]) -> list:
+    """Compose every job of the command line (each point of a -m sweep) and validate it.
+
+    Returns the validated TrainConfig objects; `tunekit plan` plans them, `train` checks them.
+    """
     from hydra import compose, initialize_config_module
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -95,17 +98,28 @@ def check_overrides(overrides: list[str]) -> None:
 
     mine = split_overrides(overrides)
     register_schema()
+    configs = []
     try:
         parsed = OverridesParser.create().parse_overrides(mine)
         jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
             for job in jobs:
-                cfg = compose(config_name="train", overrides=job)
-                validate(OmegaConf.to_object(cfg))
+                cfg = OmegaConf.to_object(compose(config_name="train", overrides=job))
+                validate(cfg)
+                configs.append(cfg)
     except TunekitError:
         raise
     except Exception as e:  # Hydra and OmegaConf raise a dozen types; all mean "bad config"
         raise TunekitError(_hydra_message(e)) from None
+    return configs
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Compose and validate every job of a `train` command line, before Hydra runs it."""
+    from tunekit.config import check_trainable
+
+    for cfg in compose_configs(overrides):
+        check_trainable(cfg)
 
 
 def _train_job(cfg) -> None:
@@ -113,11 +127,15 @@ def _train_job(cfg) -> None:
     from hydra.types import RunMode
     from omegaconf import OmegaConf
 
-    from tunekit.config import validate
+    from tunekit.config import check_trainable, validate
     from tunekit.recipe import TrainRecipe
 
     obj = OmegaConf.to_object(cfg)
-    validate(obj)
+    try:
+        validate(obj)
+        check_trainable(obj)
+    except TunekitError as e:
+        fail(str(e))
     output_dir = Path(obj.output_dir)
     hc = HydraConfig.get()
     if hc.mode == RunMode.MULTIRUN:
@@ -162,6 +180,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                  "greedy generation, each prompt with its own prompt-tuning adapter: tunekit generate --help"),
     "export": ("tunekit.export:main",
                "adapter | merged HF model | GGUF, each checked against the trained model: tunekit export --help"),
+    "plan": ("tunekit.plan.report:main",
+             "will it fit? peak memory and FLOPs of a training step, nothing loaded: tunekit plan --help"),
 }
 
 
@@ -176,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  tunekit train recipe=qlora data.path=my.jsonl model.path=/models/llama\n"
             "  tunekit train -m recipe=qlora,lora               # a Hydra sweep\n"
             "  tunekit train recipe=qlora --cfg job             # print the resolved config\n"
+            "  tunekit plan recipe=qlora model.preset=llama-3-8b --device cuda --memory 24   # will it fit?\n"
             "  tunekit train --help                             # all config groups and keys"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,

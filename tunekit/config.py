@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -55,7 +55,10 @@ class ModelConfig:
     path: Optional[str] = None
     quantize: Quantize = Quantize.none
     dtype: DType = DType.auto
-    gradient_checkpointing: bool = False
+    # true | false | auto: off when the plan says the step fits without it (a third less compute)
+    gradient_checkpointing: Any = False
+    # `tunekit plan` only: the config.json of a common size (llama-3-8b, llama-3-70b, ...), no weights
+    preset: Optional[str] = None
 
 
 @dataclass
@@ -96,7 +99,8 @@ class MethodConfig:
 @dataclass
 class TrainerConfig:
     max_steps: int = 60
-    micro_batch_size: int = 8
+    # a positive int, or auto: the largest power of two up to 64 that the plan fits in free memory
+    micro_batch_size: Any = 8
     grad_accum: int = 2
     optimizer: Optimizer = Optimizer.adamw
     lr: float = 2e-4
@@ -107,6 +111,8 @@ class TrainerConfig:
     save_every: int = 20
     keep_checkpoints: int = 2
     resume: bool = False
+    # refuse, before loading, a run whose planned peak exceeds the device's free memory
+    memory_check: bool = True
 
 
 class Divergence(str, Enum):
@@ -176,15 +182,52 @@ def plain(value):
     return value.value if isinstance(value, Enum) else value
 
 
+AUTO = "auto"
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def _auto_int(value, key: str):
+    """A positive int (also given as a string of digits) or "auto"; one error otherwise."""
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise TunekitError(f"{key}: must be a positive integer or auto, got {value!r}")
+    return value
+
+
+def _auto_bool(value, key: str):
+    """true/false (as OmegaConf spells them: yes/no, on/off, 1/0) or "auto"; one error otherwise."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text == AUTO:
+        return AUTO
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise TunekitError(f"{key}: must be true, false or auto, got {value!r}")
+
+
+def is_auto(value) -> bool:
+    return value == AUTO
+
+
 def validate(cfg: TrainConfig) -> None:
-    """Checks beyond types. Raises TunekitError naming the key and the bad value."""
+    """Checks beyond types. Raises TunekitError naming the key and the bad value.
+
+    Normalises the two keys that also take `auto` (trainer.micro_batch_size to an int,
+    model.gradient_checkpointing to a bool, or the string "auto" for TrainRecipe.setup to resolve).
+    """
 
     def need(ok: bool, key: str, msg: str) -> None:
         if not ok:
             raise TunekitError(f"{key}: {msg}")
 
     t = cfg.trainer
-    for key in ("max_steps", "micro_batch_size", "grad_accum", "eval_every", "save_every"):
+    t.micro_batch_size = _auto_int(t.micro_batch_size, "trainer.micro_batch_size")
+    cfg.model.gradient_checkpointing = _auto_bool(cfg.model.gradient_checkpointing, "model.gradient_checkpointing")
+    for key in ("max_steps", "grad_accum", "eval_every", "save_every"):
         need(getattr(t, key) > 0, f"trainer.{key}", f"must be > 0, got {getattr(t, key)}")
     need(t.lr > 0, "trainer.lr", f"must be > 0, got {t.lr}")
     need(t.warmup_steps >= 0, "trainer.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
@@ -211,3 +254,14 @@ def validate(cfg: TrainConfig) -> None:
         from tunekit.model.loader import resolve_model_path
 
         resolve_model_path(cfg.model.path)  # a local path must be a model folder; hub ids pass
+    if cfg.model.preset is not None:
+        from tunekit.plan.shape import preset_shape
+
+        preset_shape(cfg.model.preset)  # a known name
+
+
+def check_trainable(cfg: TrainConfig) -> None:
+    """What `train` needs beyond `validate` (which `tunekit plan` shares): real weights."""
+    if cfg.model.preset is not None:
+        raise TunekitError(f"model.preset: {cfg.model.preset!r} is a size for `tunekit plan` only (no weights); "
+                           "train from model.path")
