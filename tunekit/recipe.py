@@ -35,6 +35,7 @@ from tunekit.model.student import make_student
 from tunekit.model import (compute_dtype, decoder_and_head, load_base_model, load_tokenizer, prepare_for_training,
                            quantized_bits_per_param, resolve_model_path)
 from tunekit.optim import build_optimizer, warmup_cosine
+from tunekit.plan.choose import resolve_memory_settings
 from tunekit.tracking import NullTracker, Tracker, memory_mb
 
 log = logging.getLogger("tunekit")
@@ -54,6 +55,8 @@ class TrainRecipe:
         if not self.main:  # one copy of every info line, from rank 0
             logging.getLogger("tunekit").setLevel(logging.WARNING)
         self._check_output_dir()
+        # Before anything loads: `auto` settings from the memory plan; a run that cannot fit stops here.
+        self._info(resolve_memory_settings(cfg, self.device, self.acc.num_processes, self.acc.local_process_index))
 
         # Same seed on every rank: identical adapter init, identical data schedule.
         set_seed(cfg.seed)

@@ -28,7 +28,7 @@ from typing import Optional
 
 from tunekit.device import DeviceFacts
 from tunekit.plan.compute import step_flops
-from tunekit.plan.memory import Memory, TrainSetup, step_memory
+from tunekit.plan.memory import STATIC_TERMS, Memory, TrainSetup, step_memory
 from tunekit.plan.shape import ModelShape
 
 GiB = 2**30
@@ -37,7 +37,7 @@ GiB = 2**30
 CPU_RUNTIME_BYTES = int(0.65 * GiB)
 CUDA_CONTEXT_BYTES = int(0.5 * GiB)  # CUDA context + cuBLAS handle, outside torch's allocator
 CUDA_ALLOCATOR_MARGIN = 0.10  # reserved over allocated: block rounding, fragmentation, workspaces
-GLIBC_RETENTION = 0.65  # extra RSS per byte of saved activations under glibc's default malloc (measured)
+CPU_ALLOCATOR_MARGIN = 1.0  # glibc: resident growth of a step up to 2x its live growth (measured 1.3-3.1x)
 AUTO_HEADROOM = 0.10  # `auto` settings keep this fraction of the free memory unused
 
 
@@ -63,17 +63,8 @@ class Plan:
         memory = memory or self.memory
         if self.facts.type == "cuda":
             return {"CUDA context": CUDA_CONTEXT_BYTES, "allocator margin": int(CUDA_ALLOCATOR_MARGIN * memory.total)}
-        return {"runtime (python, torch, tokenizer)": CPU_RUNTIME_BYTES,
-                "allocator margin (glibc)": self.glibc_retention()}
-
-    def glibc_retention(self) -> int:
-        """Freed activations that glibc's malloc keeps resident during a step (see module doc)."""
-        from tunekit.plan.memory import activation_bytes
-
-        act = activation_bytes(self.shape, self.setup)
-        if self.setup.gradient_checkpointing:
-            return (self.shape.num_layers - 1) * act["ckpt_layer"]
-        return int(GLIBC_RETENTION * act["saved"])
+        return {"runtime (python, torch, data)": CPU_RUNTIME_BYTES,
+                "allocator margin (glibc)": int(CPU_ALLOCATOR_MARGIN * dynamic_bytes(memory))}
 
     def device_total(self, memory: Optional[Memory] = None) -> int:
         """What one rank occupies on its device, margins included."""
@@ -88,6 +79,11 @@ class Plan:
 
     def fits(self, available: int, headroom: float = 0.0) -> bool:
         return self.needed_beyond_runtime() <= available * (1.0 - headroom)
+
+
+def dynamic_bytes(memory: Memory) -> int:
+    """What a step allocates and frees: the peak minus the state that lives across steps."""
+    return memory.total - sum(memory.terms.get(k, 0) for k in STATIC_TERMS)
 
 
 def predict(shape: ModelShape, setup: TrainSetup, facts: DeviceFacts, ranks: int = 1) -> Plan:

@@ -39,6 +39,8 @@ GATE_UP = ("gate_proj", "up_proj")
 NF4_BLOCK, NF4_ABSMAX_BLOCK = 64, 256
 # bitsandbytes 8-bit optimizers: tensors smaller than this keep 32-bit state; blockwise absmax per 256.
 BNB_MIN_8BIT_SIZE, BNB_STATE_BLOCK = 4096, 256
+# Terms that live across steps (the rest of a step's peak is allocated and freed within it).
+STATIC_TERMS = ("base weights", "trainable parameters", "optimizer state", "teacher weights", "gathered blocks (FSDP)")
 # The distillation chunk's working set in (chunk, vocab) fp32 buffers (5.1-5.2 measured).
 DISTILL_CHUNK_BUFFERS = 5.25
 
