@@ -98,3 +98,13 @@ def test_memory_figures_on_cpu():
     cpu = torch.device("cpu")
     assert dev.peak_memory_mb(cpu) > 10
     assert dev.available_memory_bytes(cpu) > 2**20
+
+
+def test_planning_facts_assume_a_modern_gpu_where_there_is_none():
+    facts = dev.planning_facts("cuda", 24 * 2**30, cuda_available=False)
+    assert facts.type == "cuda" and facts.total_memory == 24 * 2**30
+    assert dev.compute_dtype("auto", facts) == torch.bfloat16  # sm_80+: bf16 native
+    cpu = dev.planning_facts("cpu", 16 * 2**30, cuda_available=False)
+    assert cpu.type == "cpu" and cpu.total_memory == 16 * 2**30
+    with pytest.raises(ValueError):
+        dev.planning_facts("tpu")

@@ -173,3 +173,22 @@ def test_train_refuses_what_cannot_fit_before_loading(tiny_model_dir, tiny_data,
         r.setup()
     assert str(e.value).startswith("memory: the planned peak") and "loss and head" in str(e.value)
     assert not (out / "config.yaml").exists()
+
+
+def test_ranks_choose_from_the_least_free_memory_and_a_resumed_run_keeps_its_choice(tmp_path):
+    import torch
+
+    from tunekit.plan.choose import resolve_memory_settings
+
+    plenty = _cfg("trainer.micro_batch_size=auto")
+    resolve_memory_settings(plenty, torch.device("cpu"))
+    tight = _cfg("trainer.micro_batch_size=auto")  # another rank has only 3 GiB free: all must fit there
+    resolve_memory_settings(tight, torch.device("cpu"), least=lambda n: min(n, 3 * GiB))
+    assert tight.trainer.micro_batch_size < plenty.trainer.micro_batch_size
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"trainer": {"micro_batch_size": 2},
+                                                     "model": {"gradient_checkpointing": True}}))
+    resumed = _cfg("trainer.micro_batch_size=auto", "model.gradient_checkpointing=auto", "trainer.resume=true")
+    resolve_memory_settings(resumed, torch.device("cpu"), output_dir=run)
+    assert (resumed.trainer.micro_batch_size, resumed.model.gradient_checkpointing) == (2, True)

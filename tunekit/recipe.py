@@ -56,7 +56,9 @@ class TrainRecipe:
             logging.getLogger("tunekit").setLevel(logging.WARNING)
         self._check_output_dir()
         # Before anything loads: `auto` settings from the memory plan; a run that cannot fit stops here.
-        self._info(resolve_memory_settings(cfg, self.device, self.acc.num_processes, self.acc.local_process_index))
+        least = lambda n: int(self.acc.gather(torch.tensor([n], device=self.device)).min())  # noqa: E731
+        self._info(resolve_memory_settings(cfg, self.device, self.acc.num_processes, self.acc.local_process_index,
+                                           least, self.output_dir))
 
         # Same seed on every rank: identical adapter init, identical data schedule.
         set_seed(cfg.seed)

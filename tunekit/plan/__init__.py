@@ -70,6 +70,11 @@ class Plan:
         """What one rank occupies on its device, margins included."""
         return (memory or self.memory).total + sum(self.overhead(memory).values())
 
+    def needed_terms(self) -> dict:
+        """The terms of `needed_beyond_runtime` for one process (the runtime/context is spent)."""
+        spent = ("CUDA context",) if self.facts.type == "cuda" else ("runtime (python, torch, data)",)
+        return {**self.memory.terms, **{k: v for k, v in self.overhead().items() if k not in spent}}
+
     def needed_beyond_runtime(self) -> int:
         """What must still be free once the process runs (context/runtime already spent), summed
         over the processes that share this device's memory (CPU ranks share the host's RAM)."""

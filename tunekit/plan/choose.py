@@ -17,7 +17,8 @@ turns that into a warning: the plan is for the worst micro-batch, full-length ro
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -36,9 +37,22 @@ def gib(n: float) -> str:
 
 
 def breakdown(plan: Plan) -> str:
-    """The plan's terms in one line, largest first."""
-    terms = {**plan.memory.terms, **plan.overhead()}
-    return ", ".join(f"{k} {gib(v)}" for k, v in sorted(terms.items(), key=lambda kv: -kv[1]) if v > 0)
+    """The terms of what the run still needs, in one line, largest first."""
+    terms = plan.needed_terms()
+    text = ", ".join(f"{k} {gib(v)}" for k, v in sorted(terms.items(), key=lambda kv: -kv[1]) if v > 0)
+    if plan.facts.type == "cpu" and plan.ranks > 1:
+        text += f"; per process, x {plan.ranks} processes"
+    return text
+
+
+def hints(plan: Plan) -> str:
+    s = plan.setup
+    keys = ["trainer.micro_batch_size or data.max_seq_len"]
+    if not s.gradient_checkpointing:
+        keys.append("model.gradient_checkpointing=true")
+    if s.quantize != "nf4" and s.method != "full":
+        keys.append("model.quantize=nf4")
+    return "lower " + keys[0] + "".join(f", set {k}" for k in keys[1:])
 
 
 def candidates(cfg) -> list[tuple[int, bool]]:
@@ -76,19 +90,40 @@ def choose(cfg, facts: DeviceFacts, available: Optional[int], ranks: int = 1) ->
     smallest = plans[-1]
     where = f"{facts.describe()}" + (f", {ranks} processes sharing it" if facts.type == "cpu" and ranks > 1 else "")
     msg = (f"memory: the planned peak {gib(smallest.needed_beyond_runtime())} does not fit the {gib(available)} free "
-           f"on {where} ({breakdown(smallest)}); lower trainer.micro_batch_size or data.max_seq_len, set "
-           "model.gradient_checkpointing=true or model.quantize=nf4, or trainer.memory_check=false to try anyway")
+           f"on {where} ({breakdown(smallest)}); {hints(smallest)}")
     if cfg.trainer.memory_check:
-        raise TunekitError(msg)
-    log.warning("%s", msg.replace("; lower", " (trainer.memory_check=false: trying anyway); lower", 1))
+        raise TunekitError(msg + ", or trainer.memory_check=false to try anyway")
+    log.warning("%s (trainer.memory_check=false: trying anyway)", msg)
     return smallest.setup.micro_batch_size, smallest.setup.gradient_checkpointing, smallest
 
 
-def resolve_memory_settings(cfg, device: torch.device, ranks: int = 1, local_rank: int = 0) -> str:
+def saved_settings(output_dir: Path) -> dict:
+    """micro_batch_size and gradient_checkpointing of the run saved in output_dir (config.yaml)."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((Path(output_dir) / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+    return {"micro_batch_size": saved.get("trainer", {}).get("micro_batch_size"),
+            "gradient_checkpointing": saved.get("model", {}).get("gradient_checkpointing")}
+
+
+def resolve_memory_settings(cfg, device: torch.device, ranks: int = 1, local_rank: int = 0,
+                            least: Callable[[int], int] = lambda n: n, output_dir: Optional[Path] = None) -> str:
     """Resolve cfg's `auto` values in place from the plan and refuse what cannot fit.
 
-    Called by the trainer before anything loads. Returns the start-up line to log.
+    Called by the trainer before anything loads. `least(n)` returns the smallest n over the
+    ranks, so that every rank chooses from the same free memory (they must agree on the batch).
+    A resumed run (trainer.resume, output_dir holding its config.yaml) keeps the values its first
+    start chose: the batch schedule depends on them. Returns the start-up line to log.
     """
+    if cfg.trainer.resume and output_dir is not None:
+        kept = saved_settings(output_dir)
+        if is_auto(cfg.trainer.micro_batch_size) and isinstance(kept.get("micro_batch_size"), int):
+            cfg.trainer.micro_batch_size = kept["micro_batch_size"]
+        if is_auto(cfg.model.gradient_checkpointing) and isinstance(kept.get("gradient_checkpointing"), bool):
+            cfg.model.gradient_checkpointing = kept["gradient_checkpointing"]
     wants_auto = is_auto(cfg.trainer.micro_batch_size) or is_auto(cfg.model.gradient_checkpointing)
     device = rank_device(device, local_rank)
     facts = probe(device)
@@ -99,6 +134,8 @@ def resolve_memory_settings(cfg, device: torch.device, ranks: int = 1, local_ran
             raise TunekitError(f"{e} (needed to resolve auto settings; give explicit values)") from None
         return f"memory: not planned ({e})"
     available = available_memory_bytes(device)
+    available = least(-1 if available is None else available)
+    available = None if available < 0 else available
     b, c, plan = choose(cfg, facts, available, ranks)
     chosen = []
     if is_auto(cfg.trainer.micro_batch_size):
