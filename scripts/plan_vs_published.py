@@ -27,6 +27,42 @@ ANSWERAI = ("Answer.AI fsdp_qlora, benchmarks_03_2024.md (github.com/AnswerDotAI
             "peak memory per GPU (the text says the reported figure is peak *reserved*; for the LoRA bs 1 rows it "
             "also gives peak allocated: 8.28 and 9.16 GiB)")
 
+DIFFERENCES = """## What separates the rows (not planner error)
+
+The planner answers "what will tunekit allocate"; the published runs are other trainers. Known
+differences, sized with the planner's own terms:
+
+- torchtune, all three rows: its loss computes the output projection and cross-entropy in chunks
+  (`CEWithChunkedOutputLoss` / `LinearCrossEntropyLoss` in these configs), while tunekit forms the
+  trained positions' fp32 logits in one piece and, in backward, two more (n, vocab) fp32 buffers:
+  the planner's `loss and head` is 5.9 GiB at 2 x 2048 tokens on a 128k vocabulary, most of the
+  gap on the 4090 rows. torch.compile (on in the published runs) fuses elementwise ops and saves
+  fewer activations. Its packed rows use document masking; the plan assumes padded rows with a
+  float attention mask per block (16 MiB per block here).
+- torchtune QLoRA: torchao's NF4 covers the linear layers and leaves embeddings and output in bf16;
+  tunekit's kbit preparation (peft) keeps them in fp32 (+2.0 GiB for Llama-3-8B's two 525M-parameter
+  matrices) and the residual stream in fp32 (checkpointed block inputs: 2.0 instead of 1.0 GiB).
+  Taking the loss (5.9 GiB; a chunked loss keeps a few hundred MiB) and the two fp32 excesses
+  (2.0 + 1.0 GiB) out of the planner's 15.5 GiB leaves 6.6-6.9 GiB against 7.4 published:
+  arithmetic on the planner's terms, not a measurement.
+- torchtune LoRA on the A6000: the table does not say what differs from the 4090 row; with
+  checkpointing off the plan is dominated by tunekit's saved activations (36 GiB; every LoRA
+  branch keeps an fp32 copy of its input), which torchtune's LoRA (bf16 throughout) does not keep.
+- Answer.AI: everything in bf16 (`--precision bf16`: LoRA weights, gradients and AdamW state 2 bytes
+  each; tunekit keeps them fp32, ~0.5 GiB more per rank at r=64), the loss over full fp32 logits
+  like tunekit's (Llama-2's 32k vocabulary keeps it small), figures are peak *reserved* (compare the
+  `+ margin` column). The plan's FSDP model (base, trainable parameters, gradients and optimizer
+  state split over the ranks; two gathered blocks) is the one tunekit's FSDP work will use.
+- Not comparable, left out: rows with CPU offload (Answer.AI's 70B on 2x3090 at 14.92 GiB keeps the
+  weights in host memory, which the planner does not model), full fine-tunes (tunekit's `full`
+  method trains in fp32), torchtune's 70B/405B rows (their configs could not be verified here).
+
+No figure above was measured by us on a GPU: this machine has none. The CUDA-specific parts of the
+model (bool dropout masks, flash/efficient attention saving q, k, v, output and log-sum-exp, the
+10% allocator margin and 0.5 GiB context) are stated assumptions; the CPU measurements
+(`plan-cpu.md`) check everything the two devices share.
+"""
+
 # (source, label, published GiB, preset, TrainSetup fields, ranks, sharded, note)
 ROWS = [
     ("torchtune", "8B LoRA, 1x RTX 4090", 16.2, "llama-3-8b",
@@ -102,7 +138,7 @@ def main(argv=None):
     for source, label, published, preset, fields, ranks, sharded, note in ROWS:
         lines.append(f"- {source}, {label}: {note}.")
     lines += ["", "Error range per source: " + "; ".join(
-        f"{s} {min(e):+.0f}% to {max(e):+.0f}%" for s, e in errors.items()) + "."]
+        f"{s} {min(e):+.0f}% to {max(e):+.0f}%" for s, e in errors.items()) + ".", "", DIFFERENCES]
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

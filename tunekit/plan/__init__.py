@@ -37,7 +37,8 @@ GiB = 2**30
 CPU_RUNTIME_BYTES = int(0.65 * GiB)
 CUDA_CONTEXT_BYTES = int(0.5 * GiB)  # CUDA context + cuBLAS handle, outside torch's allocator
 CUDA_ALLOCATOR_MARGIN = 0.10  # reserved over allocated: block rounding, fragmentation, workspaces
-CPU_ALLOCATOR_MARGIN = 1.0  # glibc: resident growth of a step up to 2x its live growth (measured 1.3-3.1x)
+CPU_ALLOCATOR_MARGIN = 0.5  # glibc keeps freed tensors resident: + half a step's working memory
+CPU_ALLOCATOR_MARGIN_CHECKPOINTED = 1.0  # ... and, with checkpointing, the recomputed blocks
 AUTO_HEADROOM = 0.10  # `auto` settings keep this fraction of the free memory unused
 
 
@@ -64,7 +65,10 @@ class Plan:
         if self.facts.type == "cuda":
             return {"CUDA context": CUDA_CONTEXT_BYTES, "allocator margin": int(CUDA_ALLOCATOR_MARGIN * memory.total)}
         return {"runtime (python, torch, data)": CPU_RUNTIME_BYTES,
-                "allocator margin (glibc)": int(CPU_ALLOCATOR_MARGIN * dynamic_bytes(memory))}
+                "allocator margin (glibc)": int(self.cpu_margin() * dynamic_bytes(memory))}
+
+    def cpu_margin(self) -> float:
+        return CPU_ALLOCATOR_MARGIN_CHECKPOINTED if self.setup.gradient_checkpointing else CPU_ALLOCATOR_MARGIN
 
     def device_total(self, memory: Optional[Memory] = None) -> int:
         """What one rank occupies on its device, margins included."""
