@@ -209,10 +209,6 @@ def _auto_bool(value, key: str):
     raise TunekitError(f"{key}: must be true, false or auto, got {value!r}")
 
 
-def is_auto(value) -> bool:
-    return value == AUTO
-
-
 def validate(cfg: TrainConfig) -> None:
     """Checks beyond types. Raises TunekitError naming the key and the bad value.
 

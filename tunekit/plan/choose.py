@@ -23,13 +23,17 @@ from typing import Callable, Optional
 import torch
 
 from tunekit import TunekitError
-from tunekit.config import is_auto
 from tunekit.device import DeviceFacts, available_memory_bytes, probe, rank_device
 from tunekit.plan import AUTO_HEADROOM, GiB, Plan, predict
 from tunekit.plan.inputs import planner_inputs
 
 log = logging.getLogger(__name__)
 AUTO_MICRO_BATCHES = (64, 32, 16, 8, 4, 2, 1)
+
+
+def is_auto(value) -> bool:
+    """config.validate normalises the `auto` keys to an int/bool or the string "auto"."""
+    return value == "auto"
 
 
 def gib(n: float) -> str:
