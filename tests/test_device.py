@@ -109,3 +109,13 @@ def test_a_4bit_load_gets_a_device_index(given, expected):
     assert kwargs["device_map"] == {"": expected}
     assert kwargs["quantization_config"].bnb_4bit_use_double_quant
     assert "device_map" not in load_kwargs("none", torch.bfloat16, torch.device(given))
+
+
+def test_planning_facts_assume_a_modern_gpu_where_there_is_none():
+    facts = dev.planning_facts("cuda", 24 * 2**30, cuda_available=False)
+    assert facts.type == "cuda" and facts.total_memory == 24 * 2**30
+    assert dev.compute_dtype("auto", facts) == torch.bfloat16  # sm_80+: bf16 native
+    cpu = dev.planning_facts("cpu", 16 * 2**30, cuda_available=False)
+    assert cpu.type == "cpu" and cpu.total_memory == 16 * 2**30
+    with pytest.raises(ValueError):
+        dev.planning_facts("tpu")

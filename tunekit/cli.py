@@ -139,6 +139,11 @@ def parse_overrides(overrides: list[str], multirun: bool) -> list:
 
 def check_overrides(overrides: list[str]) -> None:
     """Compose every job of the command line (each point of a -m sweep) and validate it."""
+def compose_configs(overrides: list[str]) -> list:
+    """Compose every job of the command line (each point of a -m sweep) and validate it.
+
+    Returns the validated TrainConfig objects; `tunekit plan` plans them, `train` checks them.
+    """
     from hydra import compose, initialize_config_module
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from omegaconf import OmegaConf
@@ -156,6 +161,15 @@ def check_overrides(overrides: list[str]) -> None:
         raise TunekitError(_hydra_message(e)) from None
     for cfg in configs:  # outside the handler above: a TunekitError here already names its culprit
         validate(cfg)
+    return configs
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Compose and validate every job of a `train` command line, before Hydra runs it."""
+    from tunekit.config import check_trainable
+
+    for cfg in compose_configs(overrides):
+        check_trainable(cfg)
 
 
 class Terminated(KeyboardInterrupt):
@@ -171,7 +185,7 @@ def _train_job(cfg) -> None:
     from hydra.types import RunMode
     from omegaconf import OmegaConf
 
-    from tunekit.config import validate
+    from tunekit.config import check_trainable, validate
     from tunekit.recipe import TrainRecipe
 
     obj = OmegaConf.to_object(cfg)
@@ -184,6 +198,7 @@ def _train_job(cfg) -> None:
     previous = signal.signal(signal.SIGTERM, _raise_terminated)  # schedulers stop jobs with SIGTERM
     try:
         validate(obj)  # again: files may have changed since check_overrides (its costly parts are cached)
+        check_trainable(obj)
         recipe.setup()
         summary = recipe.train()
     except TunekitError as e:  # raised inside Hydra's job: report it ourselves, as one line
@@ -232,6 +247,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "adapter | merged HF model | GGUF, each checked against the trained model: tunekit export --help"),
     "doctor": ("tunekit.doctor:main",
                "check this build on this machine (kernels, fused vs peft training, resume, export): a report"),
+    "plan": ("tunekit.plan.report:main",
+             "will it fit? peak memory and FLOPs of a training step, nothing loaded: tunekit plan --help"),
 }
 
 
@@ -246,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  tunekit train recipe=qlora data.path=my.jsonl model.path=/models/llama\n"
             "  tunekit train -m recipe=qlora,lora               # a Hydra sweep\n"
             "  tunekit train recipe=qlora --cfg job             # print the resolved config\n"
+            "  tunekit plan recipe=qlora model.preset=llama-3-8b --device cuda --memory 24   # will it fit?\n"
             "  tunekit train --help                             # all config groups and keys"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -58,7 +58,10 @@ class ModelConfig:
     path: Optional[str] = None
     quantize: Quantize = Quantize.none
     dtype: DType = DType.auto
-    gradient_checkpointing: bool = False
+    # true | false | auto: off when the plan says the step fits without it (a third less compute)
+    gradient_checkpointing: Any = False
+    # `tunekit plan` only: the config.json of a common size (llama-3-8b, llama-3-70b, ...), no weights
+    preset: Optional[str] = None
 
 
 @dataclass
@@ -99,7 +102,8 @@ class MethodConfig:
 @dataclass
 class TrainerConfig:
     max_steps: int = 60
-    micro_batch_size: int = 8
+    # a positive int, or auto: the largest power of two up to 64 that the plan fits in free memory
+    micro_batch_size: Any = 8
     grad_accum: int = 2
     optimizer: Optimizer = Optimizer.adamw
     lr: float = 2e-4
@@ -110,6 +114,8 @@ class TrainerConfig:
     save_every: int = 20
     keep_checkpoints: int = 2
     resume: bool = False
+    # refuse, before loading, a run whose planned peak exceeds the device's free memory
+    memory_check: bool = True
 
 
 class Divergence(str, Enum):
@@ -180,6 +186,31 @@ def plain(value):
 
 
 SEED_MAX = 2**31 - 1  # numpy seeds must fit 32 bits; ranks add 1000 * rank on top
+AUTO = "auto"
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def _auto_int(value, key: str):
+    """A positive int (also given as a string of digits) or "auto"; one error otherwise."""
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise TunekitError(f"{key}: must be a positive integer or auto, got {value!r}")
+    return value
+
+
+def _auto_bool(value, key: str):
+    """true/false (as OmegaConf spells them: yes/no, on/off, 1/0) or "auto"; one error otherwise."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text == AUTO:
+        return AUTO
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise TunekitError(f"{key}: must be true, false or auto, got {value!r}")
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -194,7 +225,15 @@ def validate(cfg: TrainConfig) -> None:
     6. model folders: config.json, weights, tokenizer; the method's targets against the model
        built on the meta device (no weights)
     """
+    # The two keys that also take `auto` become an int / a bool, or "auto" for TrainRecipe.setup
+    # to resolve from the memory plan.
+    cfg.trainer.micro_batch_size = _auto_int(cfg.trainer.micro_batch_size, "trainer.micro_batch_size")
+    cfg.model.gradient_checkpointing = _auto_bool(cfg.model.gradient_checkpointing, "model.gradient_checkpointing")
     check_values(cfg)
+    if cfg.model.preset is not None:
+        from tunekit.plan.shape import preset_shape
+
+        preset_shape(cfg.model.preset)  # a known name
     check_output_dir(cfg.output_dir)
     _check_libraries(cfg)
     _check_data(cfg.data)
@@ -208,7 +247,8 @@ def check_values(cfg: TrainConfig) -> None:
     """Types, ranges and choices of every key except the method's (each method's check_config)."""
     t, d, m, dist = cfg.trainer, cfg.data, cfg.model, cfg.distill
     for key in ("max_steps", "micro_batch_size", "grad_accum", "eval_every", "save_every", "keep_checkpoints"):
-        number(f"trainer.{key}", getattr(t, key), ge=1, integer=True)
+        if getattr(t, key) != AUTO:
+            number(f"trainer.{key}", getattr(t, key), ge=1, integer=True)
     number("trainer.warmup_steps", t.warmup_steps, ge=0, integer=True)  # >= max_steps: warmup only, allowed
     number("trainer.lr", t.lr, gt=0)
     number("trainer.weight_decay", t.weight_decay, ge=0)
@@ -332,6 +372,8 @@ def _check_models(cfg: TrainConfig) -> None:
         resolved = Path(resolve_model_path(path, key=key))
         return resolved if resolved.is_dir() else None  # a hub id: checked by resolve, no local layout
 
+    if cfg.model.preset is not None:
+        return  # a size for `tunekit plan`: no folder to check (`train` refuses it in check_trainable)
     student_key, student = "model.path", local(cfg.model.path, "model.path")
     if cfg.objective == "distill":
         teacher = local(cfg.distill.teacher, "distill.teacher")
@@ -354,3 +396,10 @@ def _check_models(cfg: TrainConfig) -> None:
     skeleton = model_skeleton(str(student), student_key)
     check_weights_fit(student, skeleton, student_key)
     check_method_config(cfg.method, skeleton, plain(cfg.model.quantize))
+
+
+def check_trainable(cfg: TrainConfig) -> None:
+    """What `train` needs beyond `validate` (which `tunekit plan` shares): real weights."""
+    if cfg.model.preset is not None:
+        raise TunekitError(f"model.preset: {cfg.model.preset!r} is a size for `tunekit plan` only (no weights); "
+                           "train from model.path")

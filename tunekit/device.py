@@ -14,7 +14,7 @@ import logging
 import os
 import random
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -76,6 +76,26 @@ def probe(device: torch.device) -> DeviceFacts:
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
     return DeviceFacts("cuda", index, (props.major, props.minor), props.name, props.total_memory)
+
+
+def planning_facts(kind: str, memory_bytes: Optional[int] = None, cuda_available: Optional[bool] = None) -> DeviceFacts:
+    """Facts to plan a run for: this machine's device of that kind, or an assumed one.
+
+    `tunekit plan --device cuda --memory 24` on a machine without a GPU plans for an assumed
+    Ampere-or-newer card (bf16 native) of that memory; with a GPU, its real facts are used and
+    `memory_bytes`, when given, replaces its size.
+    """
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device kind {kind!r}")
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if kind == "cuda" and not cuda_available:
+        facts = DeviceFacts("cuda", 0, BF16_MIN_CAPABILITY, "GPU (assumed: sm_80+)", memory_bytes)
+    else:
+        facts = probe(torch.device(kind))
+    if memory_bytes is not None:
+        facts = replace(facts, total_memory=memory_bytes)
+    return facts
 
 
 # ------------------------------------------------------------------ which device

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from tunekit import TunekitError, __version__
+from tunekit.cliparse import Parser
 
 # Two runs of the same data differ only by the LoRA layers' arithmetic (fused tiles vs cuBLAS /
 # MKL); Adam turns tiny gradient differences into tiny weight differences. Relative loss
@@ -264,7 +265,7 @@ def _last_line(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tunekit doctor", description=__doc__.split("\n\n")[0],
+    p = Parser(prog="tunekit doctor", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="base model folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--data", help="training data file (default: the embedded default data)")
@@ -279,6 +280,9 @@ def main(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
     if args.steps < 2:
         raise TunekitError(f"--steps: need at least 2 (a checkpoint halfway, then a resume), got {args.steps}")
+    bad = [o for o in args.overrides if "=" not in o]
+    if bad:
+        raise TunekitError(f"doctor: {bad[0]!r} is not a KEY=VALUE config override")
     out = Path(args.out).expanduser().absolute()
     if out.exists() and not (out / "report.json").is_file():
         raise TunekitError(f"--out: {out} exists and is not a doctor report; choose another folder")
@@ -291,9 +295,6 @@ def main(argv: list[str]) -> None:
         os.environ["TRITON_INTERPRET"] = env["TRITON_INTERPRET"] = "1"  # the only way the fused path runs on a CPU: functional, not fast
         print("[doctor] no GPU: the fused kernel runs under Triton's interpreter (a functional check; "
               "speed figures mean nothing)", flush=True)
-    bad = [o for o in args.overrides if "=" not in o]
-    if bad:
-        raise TunekitError(f"doctor: {bad[0]!r} is not a KEY=VALUE config override")
     doctor = Doctor(args.model, args.data, args.steps, out, env, args.overrides)
     doctor.environment()
     doctor.kernels()

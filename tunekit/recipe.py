@@ -37,6 +37,7 @@ from tunekit.model.student import make_student
 from tunekit.model import (decoder_and_head, load_base_model, load_tokenizer, prepare_for_training,
                            quantized_bits_per_param, resolve_model_path)
 from tunekit.optim import build_optimizer, warmup_cosine
+from tunekit.plan.choose import resolve_memory_settings
 from tunekit.resume import check_output_dir, check_same_run, fingerprint
 from tunekit.tracking import NullTracker, Tracker
 
@@ -62,8 +63,6 @@ class TrainRecipe:
         if self.main:
             for line in cleanup_leftovers(self.output_dir):
                 self._info(f"leftover of an interrupted save: {line}")
-        self.fingerprint = fingerprint(cfg, self.acc.num_processes)
-        self.resume_from, self.resume_state = self._find_checkpoint() if cfg.trainer.resume else (None, None)
 
         # Same seed on every rank: identical adapter init, identical data schedule.
         set_seed(cfg.seed)
@@ -82,6 +81,14 @@ class TrainRecipe:
         self._info(f"data: {len(self.train_data)} train / {len(self.val_data)} held-out examples"
                    + (", packed" if cfg.data.packing else ""))
         self.collate = collate_packed if cfg.data.packing else collate
+
+        # Before the model loads: `auto` settings from the memory plan (every rank choosing from the
+        # least free memory of all; a run that cannot fit stops here), then what resume may use.
+        least = lambda n: int(self.acc.gather(torch.tensor([n], device=self.device)).min())  # noqa: E731
+        self._info(resolve_memory_settings(cfg, self.device, self.acc.num_processes, self.acc.local_process_index,
+                                           least, self.output_dir))
+        self.fingerprint = fingerprint(cfg, self.acc.num_processes)
+        self.resume_from, self.resume_state = self._find_checkpoint() if cfg.trainer.resume else (None, None)
 
         self.dtype = dev.compute_dtype(plain(cfg.model.dtype), self.facts)
         quantize = plain(cfg.model.quantize)

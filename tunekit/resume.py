@@ -23,6 +23,7 @@ MAY_CHANGE = (
     "output_dir", "recipe",                       # where the run lives; the recipe's name is a label
     "trainer.max_steps",                          # train longer or shorter (the cosine schedule follows)
     "trainer.eval_every", "trainer.save_every", "trainer.keep_checkpoints", "trainer.resume",
+    "trainer.memory_check",                       # a safety check, not part of the run
     "data.max_val_examples",                      # only what is evaluated
     "tracker.",                                   # where metrics go
     "kernels.",                                   # the fused kernel computes the same function

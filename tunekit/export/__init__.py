@@ -29,6 +29,7 @@ from typing import Optional
 
 from tunekit import TunekitError, __version__
 from tunekit.checkpoint import atomic_dir
+from tunekit.cliparse import Parser
 from tunekit.export import artifacts
 from tunekit.export.fidelity import KL_THRESHOLD_ADAPTER, KL_THRESHOLD_REQUANT_NF4, KL_THRESHOLDS, compare, summary
 from tunekit.export.run import heldout_batches, open_run, run_tokenizer
@@ -158,15 +159,8 @@ def _atomic_file(out: Path, build) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad argument as a TunekitError: one `tunekit: error:` line."""
-
-    def error(self, message: str):
-        raise TunekitError(f"export: {message} (see tunekit export --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="tunekit export", description=__doc__.split("\n\n")[1],
+    p = Parser(prog="tunekit export", description=__doc__.split("\n\n")[1],
                 formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog="examples:\n"
                        "  tunekit export runs/x --format adapter --out exports/x-adapter\n"

@@ -1,0 +1,342 @@
+#!/usr/bin/env python
+"""The memory planner against the measured peak of a real training step on the CPU.
+
+For each configuration, a child process (forked from a parent that has already imported torch,
+transformers, peft, bitsandbytes and loaded the tokenizer, so that runtime is the baseline) runs
+tunekit's own trainer:
+
+    baseline RSS -> TrainRecipe.setup() -> one tiny warm-up step (allocates the optimizer state,
+    first-call kernel buffers) -> reset the peak (VmHWM, as scripts/bench_train.py) -> one
+    optimizer step on the planner's worst micro-batch -> peak RSS
+
+measured = peak RSS - baseline RSS: everything the run added (weights, trainable parameters,
+gradients, optimizer state, activations, loss), the same quantity the planner's "peak of one
+step" predicts (`Plan.peak`, the runtime baseline excluded). The worst micro-batch is what the
+plan assumes: micro_batch_size text rows, one of max_seq_len tokens and the rest one token
+shorter (so the batch is padded and attention gets a mask, as on real data), every token trained.
+
+    python scripts/bench_plan.py                       # the default model, writes benchmarks/plan-cpu.md/.json
+    python scripts/bench_plan.py --configs suite --model DIR --out /tmp/x   # the test suite's configurations
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# (name, overrides). Each one differs in what dominates: weights, activations, loss, teacher.
+DEFAULT_CONFIGS = [
+    ("qlora ckpt, 4x512", "recipe=qlora trainer.micro_batch_size=4 data.max_seq_len=512"),
+    ("qlora no ckpt, 4x512", "recipe=qlora model.gradient_checkpointing=false trainer.micro_batch_size=4 data.max_seq_len=512"),
+    ("lora, 1x1024", "recipe=lora trainer.micro_batch_size=1 data.max_seq_len=1024"),
+    ("lora ckpt, 16x128", "recipe=lora model.gradient_checkpointing=true trainer.micro_batch_size=16 data.max_seq_len=128"),
+    ("lora packed, 8x128", "recipe=lora data.packing=true trainer.micro_batch_size=8 data.max_seq_len=128"),
+    ("adapter, 4x256", "recipe=adapter trainer.micro_batch_size=4 data.max_seq_len=256"),
+    ("prompt_tuning, 4x256", "recipe=prompt_tuning trainer.micro_batch_size=4 data.max_seq_len=256"),
+    ("distill qlora ckpt, 4x256", "recipe=distill trainer.micro_batch_size=4 data.max_seq_len=256"),
+    ("qlora adamw_8bit dropout, 2x512", "recipe=qlora model.gradient_checkpointing=false method.dropout=0.1 "
+     "trainer.optimizer=adamw_8bit trainer.micro_batch_size=2 data.max_seq_len=512"),
+]
+# The suite's configurations run on a smaller random Llama (tests/test_plan_measured.py).
+SUITE_CONFIGS = [
+    ("qlora ckpt, 4x256", "recipe=qlora trainer.micro_batch_size=4 data.max_seq_len=256"),
+    ("qlora no ckpt, 2x512", "recipe=qlora model.gradient_checkpointing=false trainer.micro_batch_size=2 data.max_seq_len=512"),
+    ("lora, 1x1024", "recipe=lora trainer.micro_batch_size=1 data.max_seq_len=1024"),
+    ("lora ckpt, 16x128", "recipe=lora model.gradient_checkpointing=true trainer.micro_batch_size=16 data.max_seq_len=128"),
+    ("lora packed, 8x128", "recipe=lora data.packing=true trainer.micro_batch_size=8 data.max_seq_len=128"),
+    ("adapter, 4x256", "recipe=adapter trainer.micro_batch_size=4 data.max_seq_len=256"),
+    ("prompt_tuning, 4x256", "recipe=prompt_tuning trainer.micro_batch_size=4 data.max_seq_len=256"),
+    ("distill qlora ckpt, 4x256", "recipe=distill trainer.micro_batch_size=4 data.max_seq_len=256"),
+]
+# A Llama of a middle size for the suite: big enough that a step's growth is hundreds of MiB
+# (far above allocator noise), small enough for seconds per step; a small vocabulary so the
+# loss does not drown the layers (the data uses only token ids below it).
+SUITE_LLAMA = dict(vocab_size=4096, hidden_size=384, intermediate_size=1024, num_hidden_layers=4,
+                   num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", choices=["default", "suite"], default="default")
+    p.add_argument("--only", help="comma-separated config names (substring match)")
+    p.add_argument("--model", help="model folder (default: the embedded default model; suite: built under --work)")
+    p.add_argument("--work", type=Path, help="folder for the suite model, data and runs (default: a temp folder)")
+    p.add_argument("--allocator", choices=["live", "glibc", "both"], default="both",
+                   help="measure with glibc's mmap threshold fixed (live memory), as it comes, or both")
+    p.add_argument("--steps", type=int, default=3, help="measured optimizer steps per configuration (max peak)")
+    p.add_argument("--out", type=Path, help="output path without suffix (default benchmarks/plan-cpu[-suite])")
+    return p.parse_args(argv)
+
+
+def rss_kib(field: str = "VmRSS") -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def build_suite_model(out: Path, tokenizer_dir: str) -> Path:
+    """The suite's random Llama (bf16 on disk) with the default model's tokenizer."""
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = LlamaConfig(**SUITE_LLAMA, max_position_embeddings=8192, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def worst_batch(seq: int, rows: int, vocab: int, eos: int) -> list[dict]:
+    """`rows` fully trained text rows: the first max_seq_len tokens long, the others one shorter."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(rows):
+        n = seq if i == 0 else seq - 1
+        ids = torch.randint(3, min(vocab, 4096), (n - 1,), generator=g).tolist() + [eos]
+        out.append({"input_ids": ids, "labels": list(ids)})
+    return out
+
+
+class FixedSchedule:
+    """Stands in for BatchSchedule: every step is grad_accum copies of one micro-batch."""
+
+    def __init__(self, rows: int, grad_accum: int):
+        self.rows, self.grad_accum = rows, grad_accum
+
+    def micro_batches(self, step: int) -> list[list[int]]:
+        return [list(range(self.rows))] * self.grad_accum
+
+    def epoch_of(self, step: int) -> float:
+        return 0.0
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+LIVE_MMAP_THRESHOLD = 128 * 1024  # glibc's initial threshold, kept fixed
+
+
+def measure(overrides: list[str], work: Path, steps: int) -> dict:
+    """One configuration, in this (fresh, forked) process."""
+    import torch
+
+    from tunekit.cli import compose_configs
+    from tunekit.device import probe
+    from tunekit.plan import dynamic_bytes, predict
+    from tunekit.plan.inputs import planner_inputs
+    from tunekit.recipe import TrainRecipe
+
+    out = Path(tempfile.mkdtemp(dir=work))
+    (cfg,) = compose_configs(overrides + [f"output_dir={out}/run", "trainer.eval_every=1000000",
+                                          "trainer.save_every=1000000", "trainer.max_steps=10", "trainer.grad_accum=1"])
+    facts = probe(torch.device("cpu"))
+    shape, setup = planner_inputs(cfg, facts)
+    plan = predict(shape, setup, facts)
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the parent freed is not this run's to reuse
+    base = rss_kib()
+    r = TrainRecipe(cfg, out / "run")
+    r.setup()
+    after_setup = rss_kib()
+    t = cfg.trainer
+    rows = worst_batch(cfg.data.max_seq_len, t.micro_batch_size, shape.vocab_size, r.tokenizer.eos_token_id)
+    r.train_data = [{"input_ids": rows[0]["input_ids"][:16], "labels": rows[0]["labels"][:16]}]
+    r.schedule = FixedSchedule(1, 1)
+    r.train_step(0)  # warm-up: optimizer state, first-call buffers
+    r.train_data, r.schedule = rows, FixedSchedule(len(rows), t.grad_accum)
+    before = rss_kib()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    peaks, seconds = [], []
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        row = r.train_step(step)
+        seconds.append(time.perf_counter() - t0)
+        peaks.append((rss_kib("VmHWM") - before) / 1024)
+    return {"measured_mib": max(peaks), "peaks_mib": peaks, "setup_mib": (after_setup - base) / 1024,
+            "after_warmup_mib": (before - base) / 1024, "predicted_mib": dynamic_bytes(plan.memory) / 2**20,
+            "cpu_margin_mib": plan.overhead()["allocator margin (glibc)"] / 2**20,
+            "predicted_peak_mib": plan.peak / 2**20, "phase": plan.memory.phase, "step_s": seconds,
+            "terms_mib": {k: v / 2**20 for k, v in plan.memory.terms.items()},
+            "loss": row["loss"], "input_tokens": row["input_tokens"],
+            "trained_tokens": row["trained_tokens"]}
+
+
+def run_forked(overrides: list[str], work: Path, steps: int, mmap_threshold: int = 0) -> dict:
+    """measure() in a forked child: it inherits the imported runtime, and its peak is its own.
+
+    mmap_threshold > 0 fixes glibc's mmap threshold in the child (mallopt M_MMAP_THRESHOLD):
+    larger blocks are then returned to the system when freed, so the peak RSS is the peak of
+    live memory; 0 keeps glibc's default (a threshold that rises with every large free, after
+    which freed tensors stay resident in the heap).
+    """
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(read)
+        try:
+            if mmap_threshold:
+                ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, mmap_threshold)
+            result = {"ok": True, **measure(overrides, work, steps)}
+        except BaseException as e:  # report, never fall back into the parent's code
+            import traceback
+
+            result = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+        with os.fdopen(write, "w") as f:
+            f.write(json.dumps(result))
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(data) if data else {"ok": False, "error": "child died without a result"}
+
+
+def warm_parent(model_dir: str) -> None:
+    """Import and touch everything a run imports, so the children's baseline holds it."""
+    import bitsandbytes  # noqa: F401
+    import torch
+
+    import tunekit.recipe  # noqa: F401
+    from tunekit.model import load_tokenizer
+
+    load_tokenizer(model_dir)
+    x = torch.randn(64, 64)
+    (x @ x).sum()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    for name in ("tunekit", "transformers", "peft", "accelerate", "bitsandbytes"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+
+    from tunekit.model import default_model_dir
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-plan-"))
+    work.mkdir(parents=True, exist_ok=True)
+    configs = DEFAULT_CONFIGS if args.configs == "default" else SUITE_CONFIGS
+    if args.only:
+        wanted = args.only.split(",")
+        configs = [c for c in configs if any(w in c[0] for w in wanted)]
+    model = args.model or (str(default_model_dir()) if args.configs == "default"
+                           else str(build_suite_model(work / "suite-llama", str(default_model_dir()))))
+    warm_parent(model)
+    modes = {"live": LIVE_MMAP_THRESHOLD, "glibc": 0}
+    wanted = list(modes) if args.allocator == "both" else [args.allocator]
+    rows = []
+    for name, over in configs:
+        extra = [f"model.path={model}"]
+        if "recipe=distill" in over:
+            extra.append(f"distill.teacher={model}")
+        row = {"name": name, "overrides": over}
+        for mode in wanted:
+            res = run_forked(over.split() + extra, work, args.steps, modes[mode])
+            if not res["ok"]:
+                sys.exit(f"{name} ({mode}): {res['error']}\n{res.get('trace', '')}")
+            row.update({k: v for k, v in res.items() if k not in ("ok", "measured_mib", "peaks_mib")})
+            row[f"measured_{mode}_mib"], row[f"peaks_{mode}_mib"] = res["measured_mib"], res["peaks_mib"]
+            row[f"error_{mode}_pct"] = 100 * (res["predicted_mib"] / res["measured_mib"] - 1)
+            if mode == "glibc":  # the device total's stated glibc margin, against glibc as it comes
+                row["error_glibc_margin_pct"] = 100 * ((res["predicted_mib"] + res["cpu_margin_mib"])
+                                                      / res["measured_mib"] - 1)
+            print(f"{name:34s} {mode:5s} measured {res['measured_mib']:8.1f} MiB  predicted {res['predicted_mib']:8.1f} "
+                  f"MiB  {row[f'error_{mode}_pct']:+6.1f}%  ({res['phase']}; peaks "
+                  f"{[round(x) for x in res['peaks_mib']]})", file=sys.stderr, flush=True)
+        rows.append(row)
+
+    out = args.out or REPO / "benchmarks" / ("plan-cpu" if args.configs == "default" else "plan-cpu-suite")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.machine())
+    import transformers
+
+    meta = {"device": f"{cpu}, {torch.get_num_threads()} threads", "torch": torch.__version__,
+            "transformers": transformers.__version__, "model": model, "configs": args.configs, "steps": args.steps,
+            "metric": "max over the steps of (VmHWM during the step - VmRSS after setup and a warm-up step)",
+            "predicted": "Plan.peak minus its static terms (base/teacher weights, trainable parameters, optimizer "
+                         "state): gradients, activations and the loss's working set",
+            "live_mmap_threshold": LIVE_MMAP_THRESHOLD}
+    out.with_suffix(".json").write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(meta, rows, wanted) + "\n")
+    print(f"wrote {out.with_suffix('.md')} and .json", file=sys.stderr)
+
+
+INTRO = """What is compared: the planner's *growth of one training step* (its peak minus the state that lives
+across steps: gradients, activations, the loss's working set) against the resident memory a real
+step adds, measured the way `scripts/bench_train.py` measures training memory (VmHWM after a reset,
+minus VmRSS before the step). Each row runs tunekit's own trainer (`TrainRecipe.setup` +
+`train_step`) in a fresh process forked from one that already holds the imported runtime, on the
+planner's worst micro-batch (rows of `data.max_seq_len` tokens, one a token shorter so the batch is
+padded, every token trained), one warm-up step first (optimizer state, first-call buffers), then
+the largest growth over the measured steps. The static terms (4-bit weights with their
+quantization state, trainable tensors, optimizer state) are not in this table: `tests/test_plan.py`
+checks them, and every tensor autograd saves, against the real objects byte for byte.
+
+Two measurements per row:
+
+- **live**: glibc's mmap threshold fixed at 128 KiB in the measured process, so that freed tensors
+  leave it; its peak is the peak of live memory, which is what the planner models.
+- **glibc default**: the allocator as a run uses it. glibc raises its mmap threshold after every
+  large free; big tensors then come from a heap that keeps freed memory resident, so the peak
+  grows beyond the live peak (most with gradient checkpointing: the blocks recomputed in backward
+  pile up). A fixed threshold removes that but made steps about 2x slower here (page faults on every
+  large allocation), so tunekit does not set it; the CPU device total carries a stated margin instead
+  (`allocator margin (glibc)` in `tunekit plan`)."""
+
+
+def markdown(meta: dict, rows: list[dict], modes: list[str]) -> str:
+    heads = {"live": "measured, live (MiB)", "glibc": "measured, glibc default (MiB)"}
+    from tunekit.plan import CPU_ALLOCATOR_MARGIN, CPU_ALLOCATOR_MARGIN_CHECKPOINTED
+
+    margin = "glibc" in modes
+    what = "the default model" if meta["configs"] == "default" else "the test suite's model"
+    lines = [f"# `tunekit plan` against measured memory on the CPU: {what}", "", INTRO, "",
+             f"{meta['device']}; torch {meta['torch']}, transformers {meta['transformers']}; model: {meta['model']}; "
+             f"{meta['steps']} measured steps per row. `python scripts/bench_plan.py --configs {meta['configs']}`.", "",
+             f"- measured: {meta['metric']}.",
+             f"- predicted: {meta['predicted']}.",
+             f"- predicted + glibc margin: the CPU device total's stated margin, +{CPU_ALLOCATOR_MARGIN:.0%} of the "
+             f"predicted growth (+{CPU_ALLOCATOR_MARGIN_CHECKPOINTED:.0%} with gradient checkpointing), against "
+             "glibc as it comes.", "",
+             "| configuration | predicted (MiB) | " + " | ".join(f"{heads[m]} | error" for m in modes)
+             + (" | predicted + glibc margin (MiB) | error vs glibc |" if margin else " |") + " peak phase |",
+             "|---|---:|" + "---:|---:|" * len(modes) + ("---:|---:|" if margin else "") + "---|"]
+    for r in rows:
+        cells = " | ".join(f"{r[f'measured_{m}_mib']:.0f} | {r[f'error_{m}_pct']:+.1f}%" for m in modes)
+        extra = (f" | {r['predicted_mib'] + r['cpu_margin_mib']:.0f} | {r['error_glibc_margin_pct']:+.1f}%"
+                 if margin else "")
+        lines.append(f"| {r['name']} | {r['predicted_mib']:.0f} | {cells}{extra} | {r['phase']} |")
+    live = [r["error_live_pct"] for r in rows if "error_live_pct" in r]
+    if live:
+        lines.append(f"\nPlanned vs live growth: {min(live):+.1f}% to {max(live):+.1f}%.")
+    if margin:
+        ratio = [r["measured_glibc_mib"] / r["measured_live_mib"] for r in rows if "measured_live_mib" in r]
+        err = [r["error_glibc_margin_pct"] for r in rows]
+        lines.append(f"With glibc's defaults the growth was {min(ratio):.2f}-{max(ratio):.2f}x the live growth; the "
+                     f"planned growth with the margin was {min(err):+.0f}% to {max(err):+.0f}% off it.")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

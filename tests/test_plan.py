@@ -1,0 +1,227 @@
+"""The memory planner's terms, counted against the real objects on the tiny random Llama.
+
+Activations: every tensor autograd saves during the forward pass and the SFT loss is recorded
+with `torch.autograd.graph.saved_tensors_hooks` (deduplicated by storage, model parameters and
+quantization state left out) and attributed to the decoder block that saved it. The planner's
+per-block walk must give the same bytes exactly: it counts the same tensors, so any difference
+is a tensor it misses or invents. Static terms (4-bit weights, trainable tensors, optimizer
+state) are compared with the bytes of the tensors themselves.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tunekit.config import MethodConfig
+from tunekit.data import collate, collate_packed
+from tunekit.device import DeviceFacts
+from tunekit.methods import get_method
+from tunekit.model import decoder_and_head, load_base_model, prepare_for_training
+from tunekit.objective import SFTObjective, model_inputs
+from tunekit.plan import GiB, predict
+from tunekit.plan.compute import step_flops
+from tunekit.plan.memory import (TrainSetup, activation_bytes, base_weight_bytes, optimizer_state_bytes,
+                                 sft_loss_bytes, step_memory, trainable_tensors)
+from tunekit.plan.shape import PROJECTIONS, model_shape, preset_shape
+
+CPU = DeviceFacts("cpu", cpu_bf16=True)
+
+
+def build(model_dir, st: TrainSetup, method_cfg: MethodConfig):
+    dtype = torch.bfloat16 if st.compute_bytes == 2 else torch.float32
+    model = load_base_model(str(model_dir), st.quantize, dtype, torch.device("cpu"))
+    prepare_for_training(model, st.quantize, st.gradient_checkpointing)
+    model = get_method(method_cfg.name).apply(model, method_cfg)
+    return model.train()
+
+
+def worst_batch(st: TrainSetup, vocab: int) -> dict:
+    """st.micro_batch_size fully trained rows: the first seq tokens long, the others one shorter
+    (so the batch is padded and attention gets a mask, as the planner assumes)."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(st.micro_batch_size):  # packed rows have no padding: all full length
+        n = st.seq_len if i == 0 or st.packing else st.seq_len - 1
+        ids = torch.randint(3, vocab, (n,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": list(ids)})
+    return (collate_packed if st.packing else collate)(rows, 0)
+
+
+def saved_bytes(model, batch) -> tuple[dict, int]:
+    """Bytes autograd saves per decoder block ('L0', 'L1', ...) and after the last ('post')."""
+    known = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    for module in model.modules():
+        known |= {b.untyped_storage().data_ptr() for b in module.buffers(recurse=False)}
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is not None:
+            known.add(state.absmax.untyped_storage().data_ptr())
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    where, counts = ["pre"], collections.Counter()
+    handles = []
+    for i, layer in enumerate(base.get_decoder().layers):
+        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: where.__setitem__(0, f"L{i}")))
+        handles.append(layer.register_forward_hook(lambda m, a, o: where.__setitem__(0, "post")))
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in known:
+            known.add(key)
+            counts[where[0]] += t.untyped_storage().nbytes()
+        return t
+
+    decoder, head = decoder_and_head(model)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        hidden = decoder(**model_inputs(batch), use_cache=False).last_hidden_state
+        _, n = SFTObjective().loss(hidden, head, batch)
+    for h in handles:
+        h.remove()
+    return counts, int(n)
+
+
+CASES = {
+    # name: (TrainSetup fields, MethodConfig fields)
+    "lora bf16 padded": (dict(micro_batch_size=3, seq_len=24), dict(name="lora", dropout=0.0)),
+    "lora bf16 one row": (dict(micro_batch_size=1, seq_len=32), dict(name="lora", dropout=0.0)),
+    "lora bf16 packed": (dict(micro_batch_size=3, seq_len=16, packing=True), dict(name="lora", dropout=0.0)),
+    "lora fp32": (dict(micro_batch_size=2, seq_len=24, compute_bytes=4), dict(name="lora", dropout=0.0)),
+    "lora bf16 dropout": (dict(micro_batch_size=2, seq_len=24, lora_dropout=0.1), dict(name="lora", dropout=0.1)),
+    "lora two targets": (dict(micro_batch_size=2, seq_len=24, lora_targets=("v_proj", "down_proj")),
+                         dict(name="lora", dropout=0.0, target_modules=["v_proj", "down_proj"])),
+    "qlora": (dict(micro_batch_size=2, seq_len=24, quantize="nf4"), dict(name="lora", dropout=0.0)),
+    "qlora dropout": (dict(micro_batch_size=3, seq_len=16, quantize="nf4", lora_dropout=0.1),
+                      dict(name="lora", dropout=0.1)),
+    "adapter": (dict(method="adapter", micro_batch_size=2, seq_len=24), dict(name="adapter")),
+    "adapter nf4 mlp only": (dict(method="adapter", quantize="nf4", adapter_sublayers=("mlp",), micro_batch_size=2,
+                                  seq_len=24), dict(name="adapter", sublayers=["mlp"])),
+    "bitfit": (dict(method="bitfit", micro_batch_size=2, seq_len=24), dict(name="bitfit")),
+    "bitfit nf4 down only": (dict(method="bitfit", quantize="nf4", bitfit_targets=("down_proj",), micro_batch_size=2,
+                                  seq_len=24), dict(name="bitfit", target_modules=["down_proj"])),
+    "prompt tuning": (dict(method="prompt_tuning", num_virtual_tokens=5, micro_batch_size=2, seq_len=24),
+                      dict(name="prompt_tuning", num_virtual_tokens=5)),
+    "full fp32": (dict(method="full", micro_batch_size=2, seq_len=24, compute_bytes=4), dict(name="full")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_saved_activations_are_counted_exactly(tiny_model_dir, case):
+    fields, method_fields = CASES[case]
+    st = TrainSetup(**fields)
+    shape = model_shape(str(tiny_model_dir), None)
+    torch.manual_seed(0)
+    model = build(tiny_model_dir, st, MethodConfig(**method_fields))
+    counts, n = saved_bytes(model, worst_batch(st, shape.vocab_size))
+    act = activation_bytes(shape, st)
+    blocks = sum(v for k, v in counts.items() if k.startswith("L")) + counts["pre"]
+    assert blocks == act["blocks"] + act["rope"] + act["embedding"], dict(counts)
+    # after the decoder: final norm + trained-position mask, then the loss keeps its fp32
+    # log-softmax and targets, linear in the trained positions (padding leaves a few untrained)
+    planned = st.micro_batch_size * (st.seq_len - 1)
+    assert planned - st.micro_batch_size < n <= planned
+    kept = sft_loss_bytes(shape, st)["kept"] * n // planned
+    assert counts["post"] == act["final_norm"] + kept + 4, dict(counts)  # + the scalar token count
+
+
+def test_checkpointing_keeps_block_inputs_only(tiny_model_dir):
+    st = TrainSetup(micro_batch_size=2, seq_len=24, gradient_checkpointing=True)
+    shape = model_shape(str(tiny_model_dir), None)
+    model = build(tiny_model_dir, st, MethodConfig(name="lora", dropout=0.0))
+    counts, _ = saved_bytes(model, worst_batch(st, shape.vocab_size))
+    # one (rows, seq, dim) bf16 input per block; what the block computes is recomputed in backward
+    assert sum(v for k, v in counts.items() if k.startswith("L")) == activation_bytes(shape, st)["blocks"]
+
+
+@pytest.mark.parametrize("quantize, method", [("nf4", "lora"), ("none", "lora"), ("nf4", "adapter")])
+def test_weights_and_trainable_tensors_match_the_loaded_model(tiny_model_dir, quantize, method):
+    st = TrainSetup(quantize=quantize, method=method)
+    shape = model_shape(str(tiny_model_dir), None)
+    model = build(tiny_model_dir, st, MethodConfig(name=method))
+    frozen, seen = 0, set()
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if not p.requires_grad and p.untyped_storage().data_ptr() not in seen:  # a tied head once
+                seen.add(p.untyped_storage().data_ptr())
+                frozen += p.untyped_storage().nbytes()
+        weight = getattr(module, "weight", None)  # peft's LoRA wrapper shows its base layer's weight too
+        state = getattr(weight, "quant_state", None)
+        if state is not None and id(state) not in seen:  # absmax (8-bit), its fp32 absmax, code tables, offset
+            seen.add(id(state))
+            frozen += sum(t.untyped_storage().nbytes() for t in
+                          (state.absmax, state.code, state.state2.absmax, state.state2.code, state.offset))
+    assert frozen == base_weight_bytes(shape, quantize, 2)
+    trainable = sorted(p.numel() for p in model.parameters() if p.requires_grad)
+    assert trainable == sorted(trainable_tensors(shape, st))
+    assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_8bit", "paged_adamw_32bit"])
+def test_optimizer_state_matches_the_optimizer(tiny_model_dir, optimizer):
+    from tunekit.optim import build_optimizer
+
+    st = TrainSetup(optimizer=optimizer)
+    shape = model_shape(str(tiny_model_dir), None)
+    model = build(tiny_model_dir, st, MethodConfig(name="lora"))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = build_optimizer(optimizer, params, 1e-3, 0.0, torch.device("cpu"))
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    seen, state = set(), 0
+    for p in params:
+        for k, v in opt.state[p].items():
+            if torch.is_tensor(v) and v.numel() > 1 and not k.startswith("qmap"):  # qmaps: 2 KiB, shared
+                if v.untyped_storage().data_ptr() not in seen:
+                    seen.add(v.untyped_storage().data_ptr())
+                    state += v.untyped_storage().nbytes()
+    assert state == optimizer_state_bytes(trainable_tensors(shape, st), optimizer)
+
+
+def test_presets_and_the_default_model_config():
+    default = model_shape(None, None)
+    assert default == preset_shape("smollm2-135m")
+    assert default.total_params == 134_515_008  # SmolLM2-135M, tied head
+    assert preset_shape("llama-3-8b").total_params == 8_030_261_248  # Meta's published count
+    assert preset_shape("llama-3-70b").total_params == 70_553_706_496
+    lora = TrainSetup(method="lora", lora_r=16, lora_targets=PROJECTIONS)
+    assert sum(trainable_tensors(default, lora)) == 4_884_480  # README's recipe table
+
+
+def test_fsdp_shards_the_state_and_ddp_does_not():
+    shape, st = preset_shape("llama-3-70b"), TrainSetup(quantize="nf4", micro_batch_size=1, seq_len=2048,
+                                                          gradient_checkpointing=True)
+    one = step_memory(shape, st)
+    ddp = step_memory(shape, st, ranks=2)
+    fsdp = step_memory(shape, st, ranks=2, sharded=True)
+    assert ddp.terms["base weights"] == one.terms["base weights"]
+    assert fsdp.terms["base weights"] == one.terms["base weights"] // 2
+    assert fsdp.terms["optimizer state"] == one.terms["optimizer state"] // 2
+    assert fsdp.terms["activations"] == one.terms["activations"]  # each rank runs its own micro-batch
+    assert 0 < fsdp.terms["gathered blocks (FSDP)"] < one.terms["base weights"] / 30
+    # 70B in 4 bits does not fit a 24 GB card, and does, sharded, on four
+    gpu = DeviceFacts("cuda", 0, (8, 0), "GPU", 24 * GiB)
+    plan = predict(shape, replace(st, seq_len=512), gpu, ranks=4)
+    assert plan.device_total() > 24 * GiB > plan.device_total(plan.fsdp)
+
+
+def test_checkpointing_costs_a_third_more_compute_on_a_frozen_base():
+    shape = model_shape(None, None)
+    off = step_flops(shape, TrainSetup(quantize="nf4", gradient_checkpointing=False))
+    on = step_flops(shape, TrainSetup(quantize="nf4", gradient_checkpointing=True))
+    assert on["recompute"] == off["forward"] and off["recompute"] == 0
+    # decoder alone: forward + input-grad pass (+ small LoRA weight grads) = ~4N per token without
+    # checkpointing, ~6N with: the run without it computes a third less
+    decoder_off = off["forward"] + off["backward"]
+    assert 0.3 < 1 - decoder_off / (decoder_off + on["recompute"]) < 1 / 3
+    full = step_flops(shape, TrainSetup(method="full", compute_bytes=4))
+    assert full["backward"] == pytest.approx(2 * full["forward"], rel=0.01)  # weight grads too
+
+
+def test_a_bigger_batch_or_sequence_never_needs_less():
+    shape = preset_shape("llama-3-8b")
+    base = TrainSetup(quantize="nf4", gradient_checkpointing=True)
+    peaks = [step_memory(shape, replace(base, micro_batch_size=b, seq_len=s)).total
+             for b, s in [(1, 512), (2, 512), (2, 1024), (4, 1024), (4, 4096)]]
+    assert peaks == sorted(peaks) and len(set(peaks)) == len(peaks)

@@ -1,0 +1,193 @@
+"""`tunekit plan`, the `auto` settings it feeds, and the refusal of runs that cannot fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from _helpers import tiny_args
+from tunekit import TunekitError
+from tunekit.cli import compose_configs, main
+from tunekit.device import DeviceFacts
+from tunekit.plan import GiB
+from tunekit.plan.choose import choose
+
+CPU = DeviceFacts("cpu", cpu_bf16=True)
+A100_80 = DeviceFacts("cuda", 0, (8, 0), "A100", 80 * GiB)
+
+
+def run_main(args, capsys) -> tuple[int, str, str]:
+    try:
+        main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip()
+
+
+def test_plan_prints_the_breakdown_for_the_default_model(capsys):
+    code, out, err = run_main(["plan", "recipe=qlora", "--memory", "16"], capsys)
+    assert code == 0, err
+    for row in ("base weights", "trainable parameters", "gradients", "optimizer state", "activations",
+                "loss and head", "peak of one step", "runtime", "device total"):
+        assert row in out, row
+    assert "fits: needs" in out and "gradient checkpointing off instead" in out and "TFLOP" in out
+
+
+def test_plan_json_has_per_rank_ddp_and_fsdp_figures(capsys):
+    code, out, err = run_main(["plan", "recipe=qlora", "model.preset=llama-3-70b", "trainer.micro_batch_size=1",
+                               "data.max_seq_len=512", "--device", "cuda", "--memory", "24", "--gpus", "4", "--json"],
+                              capsys)
+    assert code == 0, err
+    plan = json.loads(out)
+    ddp, fsdp = plan["per_rank"]["ddp"], plan["per_rank"]["fsdp"]
+    assert plan["ranks"] == 4 and plan["model"]["num_layers"] == 80
+    assert fsdp["terms"]["base weights"] * 4 == pytest.approx(ddp["terms"]["base weights"], abs=4)
+    assert fsdp["device_total_bytes"] < 24 * GiB < ddp["device_total_bytes"]
+    assert plan["fits"] is False  # as run (DDP: every rank holds the whole base)
+    assert plan["flops"]["total"] > 0 and plan["toggle_gradient_checkpointing"]["gradient_checkpointing"] is False
+
+
+def test_a_70b_base_does_not_fit_one_24gb_card(capsys):
+    code, out, _ = run_main(["plan", "recipe=qlora", "model.preset=llama-3-70b", "trainer.micro_batch_size=1",
+                             "data.max_seq_len=512", "--device", "cuda", "--memory", "24", "--gpus", "4"], capsys)
+    assert code == 0
+    assert "does NOT fit" in out and "FSDP over 4 ranks would need" in out
+
+
+@pytest.mark.parametrize("args, culprit", [
+    (["trainer.max_stpes=3"], "trainer.max_stpes: unknown config key"),
+    (["model.preset=llama-9"], "model.preset: unknown preset 'llama-9'"),
+    (["trainer.micro_batch_size=auto"], "trainer.micro_batch_size: auto is resolved by `tunekit train`"),
+    (["method.target_modules=[lm_head]"], "method.target_modules: the planner models the projections"),
+])
+def test_plan_errors_are_one_line(args, culprit, capsys):
+    code, _, err = run_main(["plan", "recipe=qlora", *args], capsys)
+    assert code == 2 and err.startswith("tunekit: error: ") and culprit in err
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("value, expected", [("8", 8), ("'8'", 8), ("auto", "auto"), ("AUTO", "auto")])
+def test_micro_batch_size_takes_ints_and_auto(value, expected):
+    (cfg,) = compose_configs(["recipe=qlora", f"trainer.micro_batch_size={value}"])
+    assert cfg.trainer.micro_batch_size == expected
+
+
+@pytest.mark.parametrize("value, expected", [("true", True), ("false", False), ("yes", True), ("off", False),
+                                             ("auto", "auto")])
+def test_gradient_checkpointing_takes_bools_and_auto(value, expected):
+    (cfg,) = compose_configs(["recipe=qlora", f"model.gradient_checkpointing={value}"])
+    assert cfg.model.gradient_checkpointing is expected if isinstance(expected, bool) else cfg.model.gradient_checkpointing == expected
+
+
+@pytest.mark.parametrize("args, culprit", [
+    (["trainer.micro_batch_size=abc"], "trainer.micro_batch_size: must be a positive integer or auto, got 'abc'"),
+    (["trainer.micro_batch_size=0"], "trainer.micro_batch_size: must be a positive integer or auto, got 0"),
+    (["trainer.micro_batch_size=true"], "trainer.micro_batch_size: must be a positive integer or auto, got True"),
+    (["trainer.micro_batch_size=2.5"], "trainer.micro_batch_size: must be a positive integer or auto, got 2.5"),
+    (["model.gradient_checkpointing=maybe"], "model.gradient_checkpointing: must be true, false or auto, got 'maybe'"),
+    (["model.preset=llama-3-8b"], "model.preset: 'llama-3-8b' is a size for `tunekit plan` only"),
+])
+def test_bad_auto_values_and_presets_stop_train_in_one_line(args, culprit, capsys):
+    code, _, err = run_main(["train", *args], capsys)
+    assert code == 2 and err.startswith("tunekit: error: ") and culprit in err
+    assert len(err.splitlines()) == 1
+
+
+def _cfg(*overrides):
+    (cfg,) = compose_configs(["recipe=qlora", *overrides])
+    return cfg
+
+
+@pytest.mark.parametrize("facts", [CPU, A100_80], ids=["cpu", "gpu"])
+def test_auto_checkpointing_is_off_when_the_step_fits_without_it(facts):
+    cfg = _cfg("model.gradient_checkpointing=auto")  # default model, 8 x 512
+    off = choose(_cfg("model.gradient_checkpointing=false"), facts, 10**15)[2].needed_beyond_runtime()
+    on = choose(_cfg("model.gradient_checkpointing=true"), facts, 10**15)[2].needed_beyond_runtime()
+    assert on < off
+    assert choose(cfg, facts, int(off / 0.89))[:2] == (8, False)  # fits: a third less compute
+    assert choose(cfg, facts, int(off / 0.91))[:2] == (8, True)  # only within auto's 10% headroom
+
+
+def test_auto_micro_batch_is_the_largest_power_of_two_that_fits():
+    cfg = _cfg("trainer.micro_batch_size=auto", "model.preset=llama-3-8b", "data.max_seq_len=2048")
+    sizes = [choose(cfg, A100_80, gib * GiB)[0] for gib in (24, 48, 80, 160)]
+    assert sizes == sorted(sizes) and sizes[0] >= 1 and sizes[-1] > sizes[0]
+    for gib, size in zip((24, 48, 80, 160), sizes):
+        _, _, plan = choose(cfg, A100_80, gib * GiB)
+        assert plan.fits(gib * GiB, 0.10)  # with the headroom auto keeps
+        if size < 64:
+            bigger = choose(_cfg("model.preset=llama-3-8b", "data.max_seq_len=2048",
+                                 f"trainer.micro_batch_size={2 * size}"), A100_80, 10**15)[2]
+            assert not bigger.fits(gib * GiB, 0.10)
+
+
+def test_a_run_that_cannot_fit_is_refused_with_the_breakdown():
+    cfg = _cfg("model.preset=llama-3-8b", "data.max_seq_len=4096", "trainer.micro_batch_size=8")
+    with pytest.raises(TunekitError) as e:
+        choose(cfg, A100_80, 24 * GiB)
+    msg = str(e.value)
+    assert msg.startswith("memory: the planned peak") and "24.00 GiB free" in msg
+    assert "loss and head" in msg and "base weights" in msg and "trainer.memory_check=false" in msg
+    assert "\n" not in msg
+    cfg.trainer.memory_check = False  # a warning instead; the given values are kept
+    assert choose(cfg, A100_80, 24 * GiB)[:2] == (8, True)
+
+
+def _recipe(tiny_model_dir, tiny_data, out, *overrides):
+    from tunekit.recipe import TrainRecipe
+
+    (cfg,) = compose_configs(["recipe=lora", *tiny_args(tiny_model_dir, tiny_data, out), *overrides])
+    return TrainRecipe(cfg, out)
+
+
+def test_train_resolves_auto_before_loading_and_logs_one_line(tiny_model_dir, tiny_data, tmp_path, caplog):
+    out = tmp_path / "run"
+    r = _recipe(tiny_model_dir, tiny_data, out, "trainer.micro_batch_size=auto", "model.gradient_checkpointing=auto")
+    with caplog.at_level("INFO", logger="tunekit"):
+        r.setup()
+    r.tracker.close()
+    (line,) = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("memory:")]
+    # the tiny model fits anything: the largest micro-batch, no checkpointing
+    assert "trainer.micro_batch_size=auto -> 64" in line and "model.gradient_checkpointing=auto -> off" in line
+    assert "planned peak" in line and "free on cpu" in line
+    assert r.schedule.micro_batch_size == 64 and not r.model.get_base_model().is_gradient_checkpointing
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["trainer"]["micro_batch_size"] == 64 and saved["model"]["gradient_checkpointing"] is False
+
+
+def test_train_refuses_what_cannot_fit_before_loading(tiny_model_dir, tiny_data, tmp_path, monkeypatch):
+    import tunekit.recipe
+
+    def never(*a, **k):
+        raise AssertionError("the model was loaded before the memory check")
+
+    monkeypatch.setattr(tunekit.recipe, "load_base_model", never)  # the tokenizer and data may load: cheap
+    out = tmp_path / "run"
+    r = _recipe(tiny_model_dir, tiny_data, out, "data.max_seq_len=512", "trainer.micro_batch_size=1048576")
+    with pytest.raises(TunekitError) as e:
+        r.setup()
+    assert str(e.value).startswith("memory: the planned peak") and "loss and head" in str(e.value)
+    assert not (out / "config.yaml").exists()
+
+
+def test_ranks_choose_from_the_least_free_memory_and_a_resumed_run_keeps_its_choice(tmp_path):
+    import torch
+
+    from tunekit.plan.choose import resolve_memory_settings
+
+    plenty = _cfg("trainer.micro_batch_size=auto")
+    resolve_memory_settings(plenty, torch.device("cpu"))
+    tight = _cfg("trainer.micro_batch_size=auto")  # another rank has only 3 GiB free: all must fit there
+    resolve_memory_settings(tight, torch.device("cpu"), least=lambda n: min(n, 3 * GiB))
+    assert tight.trainer.micro_batch_size < plenty.trainer.micro_batch_size
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"trainer": {"micro_batch_size": 2},
+                                                     "model": {"gradient_checkpointing": True}}))
+    resumed = _cfg("trainer.micro_batch_size=auto", "model.gradient_checkpointing=auto", "trainer.resume=true")
+    resolve_memory_settings(resumed, torch.device("cpu"), output_dir=run)
+    assert (resumed.trainer.micro_batch_size, resumed.model.gradient_checkpointing) == (2, True)

@@ -1,0 +1,19 @@
+"""argparse for the subcommands, with tunekit's error contract: one `tunekit: error:` line, exit 2.
+
+A bare ArgumentParser prints its whole usage block before the error; for a user that is several
+lines where one naming the argument says more.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tunekit import TunekitError
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are a TunekitError: `tunekit: error: <prog words>: <message>`."""
+
+    def error(self, message: str):
+        command = self.prog.removeprefix("tunekit ").strip()
+        raise TunekitError(f"{command}: {message} (see {self.prog} --help)")

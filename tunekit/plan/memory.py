@@ -1,0 +1,366 @@
+"""Peak memory of one tunekit training step, term by term, from the model's shape alone.
+
+Every term is a plain function of (ModelShape, TrainSetup, element sizes) and models what
+tunekit's trainer actually allocates, not a generic transformer:
+
+* weights: bf16/fp32 base, or NF4 + double quantization (bitsandbytes: 4-bit codes, one 8-bit
+  absmax per 64 weights, one fp32 absmax per 256 of those, small per-layer code tables); over a
+  4-bit base peft's `prepare_model_for_kbit_training` casts every other weight (embeddings,
+  head, norms) to fp32, and the head is never quantized.
+* trainable parameters, their gradients (fp32, kept across gradient accumulation) and the
+  optimizer state: AdamW 2 x fp32; bitsandbytes 8-bit: 2 x uint8 plus an fp32 absmax per 256
+  elements for tensors of >= 4096 elements, 32-bit state below that (paged variants allocate the
+  same bytes, which CUDA may evict to the host under pressure; on a CPU they are unpaged).
+* activations: what autograd keeps for backward, counted per saved tensor in `layer_saved`
+  (a walk through one Llama block with the dtypes the trainer produces; the test suite checks
+  it against `torch.autograd.graph.saved_tensors_hooks` on real models), or, with gradient
+  checkpointing, each block's input plus one block recomputed during backward.
+* loss and head: the head runs only on trained positions; cross-entropy keeps the fp32
+  log-softmax (n, vocab) and its backward briefly holds three such buffers. Distillation
+  computes both heads `chunk_size` rows at a time (about five (chunk, vocab) fp32 buffers,
+  measured in benchmarks/distill-memory-cpu.json) and keeps the teacher's last hidden states.
+
+The plan is for the worst micro-batch: `micro_batch_size` rows of `data.max_seq_len` tokens,
+every position trained, padding present (so attention gets an explicit mask, as it does for
+every batch with rows of unequal length). Shorter data uses less.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from tunekit.plan.shape import PROJECTIONS, ModelShape
+
+ATTN = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
+# bitsandbytes: NF4 blocks of 64 weights, their absmax 8-bit quantized in blocks of 256.
+NF4_BLOCK, NF4_ABSMAX_BLOCK = 64, 256
+# bitsandbytes 8-bit optimizers: tensors smaller than this keep 32-bit state; blockwise absmax per 256.
+BNB_MIN_8BIT_SIZE, BNB_STATE_BLOCK = 4096, 256
+# Terms that live across steps (the rest of a step's peak is allocated and freed within it).
+STATIC_TERMS = ("base weights", "trainable parameters", "optimizer state", "teacher weights", "gathered blocks (FSDP)")
+# The distillation chunk's working set in (chunk, vocab) fp32 buffers (5.1-5.2 measured).
+DISTILL_CHUNK_BUFFERS = 5.25
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    """What a training configuration decides about memory, as plain values (see plan.inputs)."""
+
+    method: str = "lora"  # lora | adapter | bitfit | prompt_tuning | full
+    lora_r: int = 16
+    lora_targets: tuple = PROJECTIONS
+    lora_dropout: float = 0.0
+    bitfit_targets: tuple = PROJECTIONS
+    adapter_bottleneck: int = 64
+    adapter_sublayers: tuple = ("self_attn", "mlp")
+    num_virtual_tokens: int = 20
+    quantize: str = "none"  # none | nf4
+    compute_bytes: int = 2  # 2 = bf16, 4 = fp32 (model.dtype resolved for the device)
+    gradient_checkpointing: bool = False
+    micro_batch_size: int = 8
+    grad_accum: int = 2
+    seq_len: int = 512
+    packing: bool = False
+    optimizer: str = "adamw"
+    # distillation (objective=distill): the frozen teacher and the chunked loss
+    teacher: Optional[ModelShape] = None
+    teacher_quantize: str = "none"
+    distill_chunk: int = 1024
+    dropout_mask_bytes: int = 4  # torch's dropout keeps a bool mask on CUDA, fp32 noise on a CPU
+
+
+@dataclass
+class Memory:
+    """The terms of one rank's peak, in bytes, and the phase of the step where the peak falls."""
+
+    terms: dict = field(default_factory=dict)
+    phase: str = ""
+
+    @property
+    def total(self) -> int:
+        return int(sum(self.terms.values()))
+
+
+# ------------------------------------------------------------------ parameters
+def nf4_bytes(numel: int) -> int:
+    """Storage of one NF4 + double-quant weight: packed codes, 8-bit absmax, their fp32 absmax,
+    plus the per-layer constants (16-entry NF4 table, 256-entry absmax code table, offset)."""
+    blocks = math.ceil(numel / NF4_BLOCK)
+    return numel // 2 + numel % 2 + blocks + 4 * math.ceil(blocks / NF4_ABSMAX_BLOCK) + 4 * (16 + 256 + 1)
+
+
+def base_weight_bytes(shape: ModelShape, quantize: str, compute_bytes: int, kbit_prepared: bool = True) -> int:
+    """The frozen base as loaded. NF4: the seven projections of every block in 4 bits; the rest
+    (embeddings, head, norms, biases) in fp32 after prepare_model_for_kbit_training, or in the
+    compute dtype for a teacher (loaded without that preparation)."""
+    if quantize != "nf4":
+        return shape.total_params * compute_bytes
+    rest = 4 if kbit_prepared else compute_bytes
+    linear = sum(nf4_bytes(i * o) + (o * rest if shape.projection_bias(n) else 0)
+                 for n in PROJECTIONS for i, o in [shape.projection(n)])
+    other = shape.embedding_params + shape.head_params + shape.hidden_size + shape.num_layers * shape.norm_params_per_layer
+    return shape.num_layers * linear + other * rest
+
+
+def trainable_tensors(shape: ModelShape, st: TrainSetup) -> list[int]:
+    """Element counts of the trainable tensors (what the optimizer sees, tensor by tensor)."""
+    L, d = shape.num_layers, shape.hidden_size
+    if st.method == "lora":
+        per_layer = [n for p in st.lora_targets for i, o in [shape.projection(p)] for n in (st.lora_r * i, o * st.lora_r)]
+    elif st.method == "adapter":
+        b = st.adapter_bottleneck
+        per_layer = [n for _ in st.adapter_sublayers for n in (d * b, b, b * d, d)]
+    elif st.method == "bitfit":
+        per_layer = [shape.projection(p)[1] for p in st.bitfit_targets]
+    elif st.method == "prompt_tuning":
+        return [st.num_virtual_tokens * d]
+    elif st.method == "full":
+        per_layer = [i * o for p in PROJECTIONS for i, o in [shape.projection(p)]] + [d, d]
+        head = [shape.head_params] if shape.head_params else []
+        return per_layer * L + [shape.embedding_params, d] + head
+    else:
+        raise ValueError(f"unknown method {st.method!r}")
+    return per_layer * L
+
+
+def optimizer_state_bytes(tensors: list[int], optimizer: str) -> int:
+    if "8bit" not in optimizer:
+        return sum(8 * n for n in tensors)  # exp_avg + exp_avg_sq in fp32
+    total = 0
+    for n in tensors:
+        if n >= BNB_MIN_8BIT_SIZE:
+            total += 2 * n + 2 * 4 * math.ceil(n / BNB_STATE_BLOCK)
+        else:
+            total += 8 * n
+    return total
+
+
+# ------------------------------------------------------------------ activations
+def _lora_saves(st: TrainSetup, names: tuple, in_dim: int, in_bytes: int, input_already_saved: bool,
+                input_grad: bool) -> int:
+    """Per-token bytes the LoRA branches of `names` (projections sharing one input) keep.
+
+    peft casts the input to the adapter's fp32, lora_A keeps that input and lora_B keeps
+    A's (r,) output. A bf16 input is cast anew in every branch; an fp32 input is the same tensor
+    for all branches (and costs nothing when another op already keeps it). With dropout each
+    branch keeps its own dropped fp32 copy, and, when the input needs a gradient, the dropout
+    mask (a bool per element on CUDA; on a CPU torch keeps the fp32 scaled noise).
+    """
+    hit = [n for n in names if n in st.lora_targets]
+    if not hit:
+        return 0
+    r_part = 4 * st.lora_r * len(hit)
+    if st.lora_dropout > 0:
+        return r_part + (4 + (st.dropout_mask_bytes if input_grad else 0)) * in_dim * len(hit)
+    if in_bytes == 4:
+        return r_part + (0 if input_already_saved else 4 * in_dim)
+    return r_part + 4 * in_dim * len(hit)
+
+
+def layer_saved(shape: ModelShape, st: TrainSetup, rows: int, seq: int, input_grad: bool = True) -> int:
+    """Bytes one decoder block keeps for backward for a micro-batch of (rows, seq) positions.
+
+    A walk through transformers' Llama block as tunekit trains it. `input_grad`: whether the
+    block's input requires grad (every block but the first, unless something upstream trains).
+    Residual stream and projection outputs are fp32 over a 4-bit base (fp32 embeddings and
+    norms, Linear4bit returns its input dtype) and in the compute dtype otherwise.
+    """
+    d, m, q, kv, h = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim, shape.num_heads
+    full = st.method == "full"
+    e = 4 if (st.quantize == "nf4" or full or st.compute_bytes == 4) else st.compute_bytes
+    lora, bitfit = st.method == "lora", st.method == "bitfit"
+    trains = (lambda p: (lora and p in st.lora_targets) or (bitfit and p in st.bitfit_targets) or full)
+    per_token = 0  # bytes per position
+    # input RMSNorm keeps its fp32 input and the (., 1) rsqrt; with trainable weights also its output
+    if input_grad:
+        per_token += 4 * d + 4 + (4 * d if full else 0)
+    qkv_grad = {p: input_grad or trains(p) for p in ATTN}
+    if lora:
+        per_token += _lora_saves(st, ATTN, d, e, input_already_saved=False, input_grad=input_grad)
+    if full:
+        per_token += 4 * d  # q/k/v weight grads need their (shared) input
+    attn_grad = any(qkv_grad.values())
+    mask = rows > 1 or st.packing  # padded rows or packed examples: sdpa gets an explicit mask
+    per_layer_extra = 0
+    if attn_grad:
+        # sdpa keeps q, k, v (k and v repeated to every head when a mask is given), the output and
+        # the fp32 log-sum-exp; the boolean mask is converted to a float mask per call and kept.
+        kv_saved = q if (mask and kv != q) else kv
+        per_token += e * (q + 2 * kv_saved) + e * q + 4 * h
+        if mask:
+            per_layer_extra += e * rows * seq * seq  # (rows, 1, seq, seq); packed: one row
+    o_grad = attn_grad or trains("o_proj")
+    if lora:  # o_proj's input is sdpa's output: shared if fp32 (already kept), else an fp32 copy
+        per_token += _lora_saves(st, ("o_proj",), q, e, input_already_saved=attn_grad, input_grad=attn_grad)
+    if "self_attn" in _adapter_sublayers(st):
+        per_token += 4 * d + 8 * st.adapter_bottleneck  # fp32 input, down output, activation output
+        o_grad = True
+    res_grad = input_grad or o_grad
+    if res_grad:  # post-attention RMSNorm
+        per_token += 4 * d + 4 + (4 * d if full else 0)
+    if lora:
+        per_token += _lora_saves(st, GATE_UP, d, e, input_already_saved=False, input_grad=res_grad)
+    if full:
+        per_token += 4 * d
+    gate_grad, up_grad = res_grad or trains("gate_proj"), res_grad or trains("up_proj")
+    # act(gate) * up: SiLU keeps its input, the product keeps whichever factor the other needs
+    per_token += e * m * (2 * gate_grad + up_grad)
+    if lora:  # down_proj's input is the product, kept by nobody else
+        per_token += _lora_saves(st, ("down_proj",), m, e, input_already_saved=False,
+                                 input_grad=gate_grad or up_grad)
+    if full:
+        per_token += 4 * m
+    if "mlp" in _adapter_sublayers(st):
+        per_token += 4 * d + 8 * st.adapter_bottleneck
+    return per_token * rows * seq + per_layer_extra
+
+
+def _adapter_sublayers(st: TrainSetup) -> tuple:
+    return tuple(st.adapter_sublayers) if st.method == "adapter" else ()
+
+
+def positions(st: TrainSetup) -> tuple[int, int]:
+    """(rows, positions per row) the decoder runs on: a packed micro-batch is one row; prompt
+    tuning prepends its virtual tokens to every example."""
+    extra = st.num_virtual_tokens if st.method == "prompt_tuning" else 0
+    if st.packing:
+        return 1, st.micro_batch_size * (st.seq_len + extra)
+    return st.micro_batch_size, st.seq_len + extra
+
+
+def trained_positions(st: TrainSetup) -> int:
+    """Positions that predict a trained token in the worst micro-batch (all but each row's last)."""
+    return st.micro_batch_size * (st.seq_len - 1)
+
+
+def first_block_input_grad(st: TrainSetup) -> bool:
+    """Whether the first block's input requires grad: with gradient checkpointing the trainer
+    makes the embeddings' output require grad; prompt tuning's soft prompt trains; a full
+    fine-tune trains the embeddings."""
+    return st.gradient_checkpointing or st.method in ("prompt_tuning", "full")
+
+
+def activation_bytes(shape: ModelShape, st: TrainSetup) -> dict:
+    """Saved activations of the student's decoder for one micro-batch, and the working sets
+    around them: {'saved', 'ckpt_layer', 'layer_backward'}."""
+    rows, seq = positions(st)
+    T = rows * seq
+    d, m = shape.hidden_size, shape.intermediate_size
+    e = 4 if (st.quantize == "nf4" or st.method == "full" or st.compute_bytes == 4) else st.compute_bytes
+    first = layer_saved(shape, st, rows, seq, input_grad=first_block_input_grad(st))
+    steady = layer_saved(shape, st, rows, seq, input_grad=True)
+    labels = st.micro_batch_size * st.seq_len  # label positions (prompt tuning's virtual tokens have none)
+    trained_mask = labels - 1 if st.packing else labels - st.micro_batch_size
+    # final RMSNorm (+ its output when its weight trains) + the bool mask of trained positions
+    final_norm = (4 * d + 4 + (4 * d if st.method == "full" else 0)) * T + trained_mask
+    # a full fine-tune's embedding keeps the token ids for its weight gradient
+    embedding = 8 * st.micro_batch_size * st.seq_len if st.method == "full" else 0
+    rope = 2 * seq * shape.head_dim * e  # cos and sin, (1, 1, seq, head_dim), shared by all blocks
+    # Gradients flowing back through one block: the hidden-state grad plus a few (T, m) grads of
+    # the MLP and, over a 4-bit base, one dequantized weight.
+    dequant = max(i * o for p in PROJECTIONS for i, o in [shape.projection(p)]) * st.compute_bytes \
+        if st.quantize == "nf4" else 0
+    layer_backward = T * (3 * m * e + 2 * d * 4) + dequant
+    if st.gradient_checkpointing:
+        # non-reentrant checkpointing keeps each block's input; backward recomputes one block
+        blocks = shape.num_layers * T * d * e
+        return {"saved": blocks + final_norm + rope + embedding, "blocks": blocks, "final_norm": final_norm,
+                "rope": rope, "embedding": embedding, "ckpt_layer": steady, "layer_backward": layer_backward}
+    blocks = first + (shape.num_layers - 1) * steady
+    return {"saved": blocks + final_norm + rope + embedding, "blocks": blocks, "final_norm": final_norm,
+            "rope": rope, "embedding": embedding, "ckpt_layer": 0, "layer_backward": layer_backward}
+
+
+def head_dtype_bytes(st: TrainSetup) -> int:
+    """The output head's dtype: fp32 over a 4-bit base (kbit preparation) or when fully trained."""
+    return 4 if (st.quantize == "nf4" or st.method == "full") else st.compute_bytes
+
+
+def sft_loss_bytes(shape: ModelShape, st: TrainSetup) -> dict:
+    """Cross-entropy on trained positions: bytes alive in the loss's forward and backward."""
+    n, V, d = trained_positions(st), shape.vocab_size, shape.hidden_size
+    eh = head_dtype_bytes(st)
+    # forward: selected rows, the head's logits, their fp32 copy (bf16 head), the fp32
+    # log-softmax (kept for backward) and the targets
+    forward = n * d * eh + eh * n * V + (4 * n * V if eh != 4 else 0) + 4 * n * V + 8 * n
+    # backward: kept log-softmax + nll grad + log-softmax grad, all (n, V) fp32
+    backward = 12 * n * V + 8 * n
+    kept = 4 * n * V + 8 * n
+    if st.method == "full":  # a trained head keeps its input rows for its weight gradient
+        kept, forward, backward = kept + n * d * eh, forward + n * d * eh, backward + n * d * eh
+    return {"kept": kept, "forward": forward, "backward": backward}
+
+
+def distill_loss_bytes(shape: ModelShape, st: TrainSetup) -> dict:
+    """Chunked distillation: saved student/teacher rows, teacher hidden states, chunk buffers."""
+    t = st.teacher
+    n, V = trained_positions(st), shape.vocab_size
+    rows, seq = positions(st)
+    et, eh = st.compute_bytes, head_dtype_bytes(st)  # the teacher is not kbit-prepared
+    chunk = min(st.distill_chunk, n)
+    teacher_hidden = rows * seq * t.hidden_size * et
+    kept = n * shape.hidden_size * eh + n * t.hidden_size * et + teacher_hidden + 8 * n
+    work = int(DISTILL_CHUNK_BUFFERS * 4 * chunk * V)
+    # the teacher's hidden states live until the loss's forward returns; backward has its rows only
+    return {"forward": kept + work, "backward": kept - teacher_hidden + work}
+
+
+def teacher_forward_bytes(st: TrainSetup) -> int:
+    """The frozen teacher's no-grad forward: one block's working set at a time, plus its output."""
+    t = st.teacher
+    rows, seq = positions(st)
+    T, e = rows * seq, st.compute_bytes
+    dequant = max(i * o for p in PROJECTIONS for i, o in [t.projection(p)]) * e if st.teacher_quantize == "nf4" else 0
+    return T * (3 * t.intermediate_size + 3 * t.hidden_size) * e + dequant
+
+
+# ------------------------------------------------------------------ the peak
+def step_memory(shape: ModelShape, st: TrainSetup, ranks: int = 1, sharded: bool = False) -> Memory:
+    """One rank's peak over a training step: static state plus the largest working phase.
+
+    ranks/sharded: under DDP every rank holds everything and all-reduces a flat copy of the
+    gradients (tunekit's `_all_reduce_grads`); under FSDP (sharded) base weights, trainable
+    parameters, gradients and optimizer state are split over the ranks, and each rank also
+    holds two gathered blocks (the one computing and the one prefetched).
+    """
+    tensors = trainable_tensors(shape, st)
+    P = sum(tensors)
+    split = ranks if sharded else 1
+    weights = base_weight_bytes(shape, st.quantize, 4 if st.method == "full" else st.compute_bytes)
+    if st.method == "full":
+        weights = 0  # the whole model is the trainable part (fp32)
+    mem = Memory()
+    mem.terms["base weights"] = weights // split
+    mem.terms["trainable parameters"] = 4 * P // split
+    mem.terms["gradients"] = 4 * P // split
+    mem.terms["optimizer state"] = optimizer_state_bytes(tensors, st.optimizer) // split
+    if sharded and ranks > 1:
+        block = base_weight_bytes(shape.with_layers(1), st.quantize, st.compute_bytes) - base_weight_bytes(
+            shape.with_layers(0), st.quantize, st.compute_bytes)
+        mem.terms["gathered blocks (FSDP)"] = 2 * block
+    if st.teacher is not None:
+        mem.terms["teacher weights"] = base_weight_bytes(st.teacher, st.teacher_quantize, st.compute_bytes,
+                                                          kbit_prepared=False) // split
+    act = activation_bytes(shape, st)
+    loss = distill_loss_bytes(shape, st) if st.teacher is not None else sft_loss_bytes(shape, st)
+    phases = {
+        "loss forward": (act["saved"], loss["forward"]),  # everything saved, the loss computing
+        "loss backward": (act["saved"], loss["backward"]),  # the loss's gradients on top
+        # backward through a block (recomputed first when checkpointing)
+        "block backward": (act["saved"] + act["ckpt_layer"], act["layer_backward"]),
+        # activations are gone; AdamW's per-step temporaries (about two per parameter)
+        "optimizer step": (0, 8 * P // split),
+    }
+    if st.teacher is not None:
+        phases["teacher forward"] = (act["saved"], teacher_forward_bytes(st))
+    if ranks > 1 and not sharded:
+        phases["gradient all-reduce"] = (0, 8 * P)  # flat copy of the grads + the reduced result
+    phase = max(phases, key=lambda k: sum(phases[k]))
+    mem.phase = phase
+    saved, work = phases[phase]
+    mem.terms["activations"] = saved
+    mem.terms["loss and head" if phase.startswith("loss") else f"working set ({phase})"] = work
+    return mem

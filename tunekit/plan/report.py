@@ -1,0 +1,181 @@
+"""`tunekit plan recipe=X [overrides] [--device cpu|cuda] [--memory GiB] [--gpus N] [--json]`.
+
+Composes the same config tree as `tunekit train` (recipes/ + overrides, validated the same way),
+reads the model's config.json (or model.preset=...), and prints the planned peak memory of one
+training step with its breakdown, the margins of the device, whether it fits, the peak with
+gradient checkpointing toggled, and the FLOPs of one optimizer step. Nothing is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, replace
+from typing import Optional
+
+from tunekit import TunekitError
+from tunekit.cliparse import Parser
+from tunekit.device import available_memory_bytes, planning_facts
+from tunekit.plan import GiB, Plan, predict
+from tunekit.plan.inputs import planner_inputs
+from tunekit.plan.shape import preset_names, preset_source
+
+EXAMPLES = """examples:
+  tunekit plan recipe=qlora                                   # the default model on this machine
+  tunekit plan recipe=qlora model.preset=llama-3-8b data.max_seq_len=4096 --device cuda --memory 24
+  tunekit plan recipe=qlora model.preset=llama-3-70b trainer.micro_batch_size=1 --device cuda --memory 24 --gpus 2
+  tunekit plan recipe=lora model.path=/models/llama trainer.micro_batch_size=4 --json
+presets: """
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = Parser(
+        prog="tunekit plan", description=__doc__.split("\n\n")[1].replace("\n", " "),
+        epilog=EXAMPLES + ", ".join(preset_names()), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="config overrides, as for tunekit train (recipe=qlora ...)")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="plan for this kind of device (default: this machine's)")
+    p.add_argument("--memory", type=float, metavar="GiB", help="the device's memory (default: what is free now)")
+    p.add_argument("--gpus", type=int, default=1, metavar="N", help="processes (ranks): DDP and FSDP figures per rank")
+    p.add_argument("--json", action="store_true", help="one JSON object (a list for a sweep) instead of tables")
+    args = p.parse_args(argv)
+    if args.gpus < 1:
+        p.error(f"--gpus: must be >= 1, got {args.gpus}")
+    if args.memory is not None and args.memory <= 0:
+        p.error(f"--memory: must be > 0 GiB, got {args.memory:g}")
+    return args
+
+
+def fmt(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def budget(plan: Plan, memory_gib: Optional[float]) -> tuple[Optional[int], int, str]:
+    """(bytes to compare with, bytes needed, what they are): the device's size with every margin,
+    or what is free now against what is still needed beyond the running process."""
+    if memory_gib is not None:
+        return int(memory_gib * GiB), plan.device_total(), f"a {memory_gib:g} GiB device"
+    if plan.facts.type == "cuda" and plan.facts.total_memory is None:  # assumed GPU, size unknown
+        return None, plan.device_total(), "an unknown amount (give --memory)"
+    import torch
+
+    free = available_memory_bytes(torch.device(plan.facts.type))
+    return free, plan.needed_beyond_runtime(), "free now"
+
+
+def as_dict(plan: Plan, memory_gib: Optional[float], cfg) -> dict:
+    limit, needed, what = budget(plan, memory_gib)
+    out = {
+        "recipe": cfg.recipe, "model": asdict(plan.shape), "total_params": plan.shape.total_params,
+        "setup": {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v) for k, v in vars(plan.setup).items()},
+        "device": {"type": plan.facts.type, "name": plan.facts.name, "describe": plan.facts.describe()},
+        "ranks": plan.ranks,
+        "per_rank": {"ddp" if plan.ranks > 1 else "single": _memory_dict(plan, plan.memory)},
+        "needed_bytes": needed, "limit_bytes": limit, "limit": what,
+        "fits": None if limit is None else needed <= limit,
+        "flops": plan.flops,
+    }
+    if plan.fsdp is not None:
+        out["per_rank"]["fsdp"] = _memory_dict(plan, plan.fsdp)
+    alt = predict(plan.shape, replace(plan.setup, gradient_checkpointing=not plan.setup.gradient_checkpointing),
+                  plan.facts, plan.ranks)
+    out["toggle_gradient_checkpointing"] = {"gradient_checkpointing": alt.setup.gradient_checkpointing,
+                                            "peak_bytes": alt.peak, "device_total_bytes": alt.device_total(),
+                                            "flops_total": alt.flops["total"]}
+    return out
+
+
+def _memory_dict(plan: Plan, memory) -> dict:
+    return {"terms": memory.terms, "peak_bytes": memory.total, "phase": memory.phase,
+            "overhead": plan.overhead(memory), "device_total_bytes": plan.device_total(memory)}
+
+
+def render(plan: Plan, memory_gib: Optional[float], cfg, source: str) -> str:
+    s, shape = plan.setup, plan.shape
+    cols = [("per process", plan.memory)] if plan.fsdp is None else [
+        (f"per rank, DDP x{plan.ranks}", plan.memory), (f"per rank, FSDP x{plan.ranks}", plan.fsdp)]
+    method = {"lora": f"LoRA r={s.lora_r} on {len(s.lora_targets)} projections", "adapter":
+              f"adapters (bottleneck {s.adapter_bottleneck})", "bitfit": "BitFit biases",
+              "prompt_tuning": f"prompt tuning ({s.num_virtual_tokens} virtual tokens)", "full": "full fine-tune"}[s.method]
+    base = "NF4 + double quant" if s.quantize == "nf4" else ("bf16" if s.compute_bytes == 2 else "fp32")
+    lines = [
+        f"tunekit plan: recipe={cfg.recipe}, {shape.name} ({shape.total_params / 1e9:.3f}B params; {source})",
+        f"  {method} over a {base} base, {'bf16' if s.compute_bytes == 2 else 'fp32'} compute, optimizer {s.optimizer}",
+        f"  worst micro-batch: {s.micro_batch_size} x {s.seq_len} tokens{' (packed)' if s.packing else ''}, "
+        f"grad_accum {s.grad_accum}, gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}"
+        + (f"; teacher {s.teacher.name} ({s.teacher_quantize}), chunk {s.distill_chunk}" if s.teacher else ""),
+        f"  device: {plan.facts.describe()}" + (f" x {plan.ranks}" if plan.ranks > 1 else ""),
+        "",
+    ]
+    names = []
+    for _, mem in cols:
+        names += [k for k in mem.terms if k not in names]
+    width = max(len(n) for n in names + ["+ " + k for k in plan.overhead()] + ["device total (with margins)"]) + 2
+    header = f"  {'':{width}}" + "".join(f"{title:>24}" for title, _ in cols)
+    lines += [header]
+    for n in names:
+        lines.append(f"  {n:{width}}" + "".join(f"{fmt(mem.terms[n]) if n in mem.terms else '-':>24}" for _, mem in cols))
+    lines.append(f"  {'peak of one step':{width}}" + "".join(f"{fmt(mem.total):>24}" for _, mem in cols))
+    for n in plan.overhead():
+        lines.append(f"  {'+ ' + n:{width}}" + "".join(f"{fmt(plan.overhead(mem)[n]):>24}" for _, mem in cols))
+    lines.append(f"  {'device total (with margins)':{width}}" + "".join(f"{fmt(plan.device_total(mem)):>24}"
+                                                                       for _, mem in cols))
+    lines.append(f"  (the peak falls in: {plan.memory.phase})")
+    limit, needed, what = budget(plan, memory_gib)
+    sharing = f", {plan.ranks} processes sharing it" if plan.facts.type == "cpu" and plan.ranks > 1 else ""
+    if limit is None:
+        verdict = f"needs {fmt(needed)} per device; {what}"
+    else:
+        verdict = (f"{'fits' if needed <= limit else 'does NOT fit'}: needs {fmt(needed)} of {what}"
+                   + ("" if memory_gib is not None else f" ({fmt(limit)}{sharing})"))
+        if plan.fsdp is not None and needed > limit:
+            fsdp_needed = plan.device_total(plan.fsdp) if memory_gib is not None else plan.device_total(plan.fsdp) - (
+                plan.device_total() - plan.needed_beyond_runtime())
+            verdict += f"; FSDP over {plan.ranks} ranks would need {fmt(fsdp_needed)} per rank"
+    lines += ["", f"  {verdict}"]
+    alt = predict(shape, replace(s, gradient_checkpointing=not s.gradient_checkpointing), plan.facts, plan.ranks)
+    change = alt.flops["total"] / plan.flops["total"] - 1
+    lines.append(f"  gradient checkpointing {'on' if alt.setup.gradient_checkpointing else 'off'} instead: peak "
+                 f"{fmt(alt.peak)} ({fmt(alt.device_total())} with margins), {change:+.0%} compute")
+    f = plan.flops
+    lines.append(f"  compute: {f['total'] / 1e12:.2f} TFLOP per optimizer step per rank ({f['tokens']:,} positions; "
+                 f"forward {f['forward'] / 1e12:.2f}, backward {f['backward'] / 1e12:.2f}, recompute "
+                 f"{f['recompute'] / 1e12:.2f}, head and loss {f['head and loss'] / 1e12:.2f})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    from tunekit.cli import compose_configs
+
+    configs = compose_configs(args.overrides)
+    facts = planning_facts(args.device or ("cuda" if _cuda() else "cpu"),
+                           None if args.memory is None else int(args.memory * GiB))
+    results, texts = [], []
+    for cfg in configs:
+        for key in ("micro_batch_size",):
+            if getattr(cfg.trainer, key) == "auto":
+                raise TunekitError(f"trainer.{key}: auto is resolved by `tunekit train` on its device; "
+                                   "plan explicit values (the plan shows what fits)")
+        if cfg.model.gradient_checkpointing == "auto":
+            raise TunekitError("model.gradient_checkpointing: auto is resolved by `tunekit train`; plan true or "
+                               "false (the plan shows both)")
+        shape, setup = planner_inputs(cfg, facts)
+        plan = predict(shape, setup, facts, args.gpus)
+        if cfg.model.preset:
+            source = f"preset {cfg.model.preset}: {preset_source(cfg.model.preset)}"
+        else:
+            source = "config.json of " + (cfg.model.path or "the embedded default model")
+        results.append(as_dict(plan, args.memory, cfg))
+        texts.append(render(plan, args.memory, cfg, source))
+    if args.json:
+        print(json.dumps(results[0] if len(results) == 1 else results, indent=2, default=str))
+    else:
+        print("\n\n".join(texts))
+    sys.stdout.flush()
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
