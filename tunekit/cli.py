@@ -158,8 +158,12 @@ def run_train(argv: list[str]) -> None:
 # Subcommands other than train: name -> ("module:function", help). Each function takes argv
 # (the words after the subcommand) and parses them itself; the module is imported on use.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("tunekit.generate:main",
-                 "greedy generation, each prompt with its own prompt-tuning adapter: tunekit generate --help"),
+    "generate": ("tunekit.generate_cli:main",
+                 "greedy answers from a run, adapter or model folder (rows may mix soft prompts or LoRA "
+                 "adapters): tunekit generate --help"),
+    "chat": ("tunekit.chat:main", "talk to what you trained (chat template, streaming, history): tunekit chat RUN"),
+    "eval": ("tunekit.taskeval.cli:main",
+             "score a run on held-out rows (loss, exact match, accuracy; --base side by side): tunekit eval RUN"),
     "export": ("tunekit.export:main",
                "adapter | merged HF model | GGUF, each checked against the trained model: tunekit export --help"),
 }

@@ -107,6 +107,20 @@ class TrainerConfig:
     save_every: int = 20
     keep_checkpoints: int = 2
     resume: bool = False
+    # At every evaluation (rank 0; tunekit.taskeval.training): eval_samples held-out prompts answered
+    # greedily beside their reference, printed and logged (metrics.jsonl, W&B table); 0: off.
+    eval_samples: int = 3
+    # Also measure the task metric on the first eval_task_rows held-out rows: exact match of greedy
+    # answers, and accuracy by likelihood when the answers form a small closed set (classification).
+    eval_task: bool = False
+    eval_task_rows: int = 64
+    # Greedy budget of those answers (never more than the longest reference + 4 tokens).
+    eval_max_new_tokens: int = 48
+    # Keep the adapter of the best evaluation in output_dir/best/ and export it as adapter/ at the
+    # end (the last state stays in checkpoints/). best_metric: val_loss | val_accuracy |
+    # val_exact_match | auto (the task metric when eval_task measures one, else val_loss).
+    keep_best: bool = False
+    best_metric: str = "auto"
 
 
 class Divergence(str, Enum):
@@ -169,6 +183,7 @@ def register_schema() -> None:
 
 TRACKERS = ("none", "wandb")
 OBJECTIVES = ("sft", "distill")
+BEST_METRICS = ("auto", "val_loss", "val_accuracy", "val_exact_match")
 
 
 def plain(value):
@@ -189,6 +204,13 @@ def validate(cfg: TrainConfig) -> None:
     need(t.lr > 0, "trainer.lr", f"must be > 0, got {t.lr}")
     need(t.warmup_steps >= 0, "trainer.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
     need(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", "must be >= 1")
+    need(t.eval_samples >= 0, "trainer.eval_samples", f"must be >= 0, got {t.eval_samples}")
+    need(t.eval_task_rows > 0, "trainer.eval_task_rows", f"must be > 0, got {t.eval_task_rows}")
+    need(t.eval_max_new_tokens > 0, "trainer.eval_max_new_tokens", f"must be > 0, got {t.eval_max_new_tokens}")
+    need(t.best_metric in BEST_METRICS, "trainer.best_metric",
+         f"unknown {t.best_metric!r}; choose one of {', '.join(BEST_METRICS)}")
+    need(t.eval_task or t.best_metric not in ("val_accuracy", "val_exact_match"), "trainer.best_metric",
+         f"{t.best_metric} is measured only with trainer.eval_task=true")
     need(cfg.data.max_seq_len >= 8, "data.max_seq_len", f"must be >= 8, got {cfg.data.max_seq_len}")
     need(0 < cfg.data.val_fraction < 1, "data.val_fraction", f"must be in (0, 1), got {cfg.data.val_fraction}")
     need(cfg.objective in OBJECTIVES, "objective", f"unknown objective {cfg.objective!r}; choose one of {OBJECTIVES}")

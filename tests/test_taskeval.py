@@ -1,0 +1,320 @@
+"""Task evaluation (`tunekit eval`), training-time samples / task metric, keep_best.
+
+The figures are checked against independent oracles on a tiny fp32 model whose weights are scaled
+up so that every context gives a different greedy answer (see tests/test_generate.py):
+  - response loss == the trainer's own held-out loss on the same rows (right-padded full forward),
+  - class scores == log p(answer | prompt) from a plain forward of prompt + answer, row by row,
+  - exact match == a no-cache greedy loop over the full sequence, row by row, normalised.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from _helpers import read_jsonl
+
+CPU = torch.device("cpu")
+COLOURS = ["red", "green", "blue"]
+
+
+def colour_rows(n: int = 45) -> list[dict]:
+    """A 3-class chat task; every 4th row is two-turn (an earlier trained reply inside the prompt)."""
+    rows = []
+    for i in range(n):
+        c = COLOURS[i % 3]
+        msgs = [{"role": "user", "content": f"Item {i} is {c}. Which colour is item {i}?"},
+                {"role": "assistant", "content": c.capitalize() + "." if i % 5 == 0 else c}]
+        if i % 4 == 0:
+            msgs = [{"role": "user", "content": f"Hello number {i}"}, {"role": "assistant", "content": "Hello!"}] + msgs
+        rows.append({"messages": msgs})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def task_data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("task") / "colours.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in colour_rows()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def scaled_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model with std-0.25 projections and unit embeddings, fp32: diverse greedy answers."""
+    from tunekit.model import load_base_model
+
+    out = tmp_path_factory.mktemp("scaled-tiny-eval")
+    model = load_base_model(str(tiny_model_dir), "none", torch.float32, CPU)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * (1.0 if "embed" in name else 0.25))
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    return out
+
+
+def train_run(recipe: str, model_dir: Path, data: Path, out: Path, *extra: str) -> Path:
+    """A short fp32 run in this process (the CLI path is covered elsewhere; this keeps the file fast)."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from tunekit.config import register_schema, validate
+    from tunekit.recipe import TrainRecipe
+
+    register_schema()
+    over = [f"recipe={recipe}", f"model.path={model_dir}", f"data.path={data}", f"output_dir={out}",
+            "model.dtype=fp32", "trainer.max_steps=2", "trainer.micro_batch_size=4", "trainer.grad_accum=2",
+            "trainer.eval_every=2", "trainer.save_every=2", "trainer.warmup_steps=1", "trainer.lr=1e-3",
+            "data.val_fraction=0.2", "data.max_seq_len=128", *extra]
+    with initialize_config_module(config_module="tunekit_recipes", version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="train", overrides=over))
+    validate(cfg)
+    r = TrainRecipe(cfg, out)
+    r.setup()
+    r.train()
+    r.cleanup()
+    return out
+
+
+RECIPES = ["lora", "qlora", "adapter", "bitfit", "prompt_tuning", "full"]
+
+
+@pytest.fixture(scope="module")
+def runs(scaled_model_dir, task_data, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("eval-runs")
+    out = {}
+    for recipe in RECIPES:
+        out[recipe] = train_run(recipe, scaled_model_dir, task_data, root / recipe, "trainer.eval_samples=2")
+    return out
+
+
+def oracle_greedy(model, ids: list[int], n: int, stop: list[int]) -> list[int]:
+    """Greedy decoding by re-running the whole sequence each step (no cache, no padding)."""
+    new = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([ids + new])).logits[0, -1]
+            new.append(int(logits.argmax()))
+            if new[-1] in stop:
+                break
+    return new
+
+
+def oracle_logp(model, prompt: list[int], answer: list[int]) -> float:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + answer])).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    return float(logp.gather(1, torch.tensor(answer)[:, None]).sum())
+
+
+# ------------------------------------------------------------------ units
+def test_normalize_ignores_case_surrounding_space_and_punctuation():
+    from tunekit.taskeval.rows import normalize
+
+    assert normalize("  Positive. ") == normalize("positive") == "positive"
+    assert normalize("«Hello, world!»") == "hello, world"
+    assert normalize("New   York") == "new york"
+    assert normalize("positive") != normalize("negative")
+    assert normalize("...") == ""
+
+
+def test_task_rows_and_closed_set(tiny_model_dir):
+    from tunekit.data import tokenize_rows
+    from tunekit.taskeval.rows import closed_set, task_rows, user_text
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    examples = tokenize_rows(colour_rows(12), "chat", "x", tok, 64)
+    rows, skipped = task_rows(examples, tok)
+    assert skipped == 0 and len(rows) == 12
+    assert rows[0].reference == "Red." and rows[1].reference == "green"
+    assert rows[0].answer[-1] == tok.eos_token_id
+    assert any(lab != -100 for lab in rows[0].prompt_labels)  # row 0 is two-turn: "Hello!" is trained
+    assert user_text(tok, rows[1].prompt) == "Item 1 is green. Which colour is item 1?"
+    classes = closed_set(rows)
+    assert classes.names == ["blue", "green", "red"] and classes.labels == ["blue", "green", "red"]
+    # free-form answers are not a closed set; nor are too few rows per class
+    free = tokenize_rows([{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+                          for i in range(10)], "chat", "x", tok, 64)
+    assert closed_set(task_rows(free, tok)[0]) is None
+    assert closed_set(rows[:5]) is None
+    # a reply cut by max_seq_len has no end-of-turn token: nothing to ask for
+    full = tokenize_rows(colour_rows(3)[1:2], "chat", "x", tok, 64)[0]["input_ids"]
+    cut = tokenize_rows(colour_rows(3)[1:2], "chat", "x", tok, len(full) - 2)  # the tail "\n" and the EOS go
+    assert task_rows(cut, tok) == ([], 1)
+    text = tokenize_rows([{"text": "plain text"}], "text", "x", tok, 64)
+    assert task_rows(text, tok) == ([], 1)
+
+
+def test_smooth_and_two_panel_plot(tmp_path):
+    from PIL import Image
+
+    from tunekit.tracking import plot_losses, smooth
+
+    assert smooth([2.0] * 5) == pytest.approx([2.0] * 5)
+    assert smooth([4.0, 0.0])[0] == 4.0 and 0 < smooth([4.0, 0.0])[1] < 4.0
+    rows = [{"step": s, "loss": 3 - s / 10} for s in range(1, 11)] + [{"step": 10, "val_loss": 2.0}]
+    plot_losses(rows, tmp_path / "one.png")
+    plot_losses(rows + [{"step": 10, "val_loss": 2.0, "val_accuracy": 0.5}], tmp_path / "two.png")
+    assert Image.open(tmp_path / "one.png").size == (700, 400)
+    assert Image.open(tmp_path / "two.png").size == (1200, 400)  # the task metric's own panel
+
+
+def test_best_keeper_keeps_the_best_and_survives_resume(tmp_path):
+    from tunekit import TunekitError
+    from tunekit.taskeval.training import BestKeeper, resolve_best_metric
+
+    def saver(tag):
+        return lambda d: (d / "w.txt").write_text(tag)
+
+    keeper = BestKeeper(tmp_path, "val_loss", start_step=0)
+    assert keeper.update(0, {"val_loss": 3.0}, saver("s0"))
+    assert keeper.update(10, {"val_loss": 2.0}, saver("s10"))
+    assert not keeper.update(20, {"val_loss": 2.5}, saver("s20"))
+    assert not keeper.update(30, {"val_loss": 2.0}, saver("s30"))  # a tie keeps the earlier
+    assert (keeper.adapter_dir / "w.txt").read_text() == "s10"
+    assert keeper.summary() == {"best_step": 10, "best_metric": "val_loss", "best_value": 2.0}
+    # resumed from step 20: the best of step 10 stands; from step 5: it is redone, so forgotten
+    assert BestKeeper(tmp_path, "val_loss", start_step=20).step == 10
+    assert BestKeeper(tmp_path, "val_loss", start_step=5).step is None and not (tmp_path / "best").exists()
+    acc = BestKeeper(tmp_path, "val_accuracy", 0)
+    assert acc.update(0, {"val_accuracy": 0.2}, saver("a")) and acc.update(1, {"val_accuracy": 0.4}, saver("b"))
+    with pytest.raises(TunekitError, match="trainer.best_metric: val_accuracy is not measured"):
+        acc.update(2, {"val_loss": 1.0}, saver("c"))
+    assert resolve_best_metric("auto", None) == "val_loss"
+
+
+# ------------------------------------------------------------------ scoring vs oracles
+@pytest.fixture(scope="module")
+def lora_model(runs):
+    from tunekit.export.run import open_run, run_tokenizer, trained_model
+
+    run = open_run(runs["lora"])
+    return trained_model(run), run_tokenizer(run)
+
+
+def test_scores_match_row_by_row_oracles(lora_model, task_data):
+    from tunekit.data import tokenize_rows
+    from tunekit.generate import stop_token_ids
+    from tunekit.taskeval.rows import TaskRow, closed_set, normalize, task_rows
+    from tunekit.taskeval.score import score_rows
+
+    model, tok = lora_model
+    rows, _ = task_rows(tokenize_rows(colour_rows(), "chat", "x", tok, 64), tok)
+    rows = rows[:10]
+    classes = closed_set(rows)
+    stop = stop_token_ids(model, tok)
+    answers = [oracle_greedy(model, r.prompt, 6, stop) for r in rows]
+    texts = [tok.decode(a, skip_special_tokens=True).strip() for a in answers]
+    assert len(set(texts)) > 3  # the scaled model answers differently per row
+    # Make the references of even rows the model's own answer (re-cased, punctuated): exact match must
+    # be 1 there and 0 elsewhere; classes stay those of the original references.
+    probe = [TaskRow(r.prompt, r.prompt_labels, r.answer, f" {t.upper()}!" if i % 2 == 0 else r.reference)
+             for i, (r, t) in enumerate(zip(rows, texts))]
+    result = score_rows(model, tok, probe, None, batch_size=3, max_new_tokens=6)
+    assert [r.answer for r in result.rows] == texts
+    assert [r.exact for r in result.rows] == [i % 2 == 0 or normalize(t) == normalize(r.reference)
+                                              for i, (r, t) in enumerate(zip(rows, texts))]
+
+    result = score_rows(model, tok, rows, classes, batch_size=4)
+    for r, res in zip(rows, result.rows):
+        scores = [oracle_logp(model, r.prompt, a) for a in classes.answers]
+        # fp32, sums of <= 3 log-probs: batched/cached vs plain differ by ~1e-6 per logit
+        assert res.predicted == max(range(3), key=scores.__getitem__)
+        assert res.truth == classes.index(r.reference)
+    m = result.metrics
+    assert m["accuracy"] == sum(r.predicted == r.truth for r in result.rows) / len(rows)
+    assert sum(v["rows"] for v in m["per_class"].values()) == len(rows)
+    assert sum(v["predicted"] for v in m["per_class"].values()) == len(rows)
+
+
+def test_eval_cli_loss_equals_training_val_loss(runs, capsys):
+    """The response loss of `tunekit eval` is the trainer's held-out loss on the same rows (two-turn
+    rows included): base == step 0, trained == the last evaluation."""
+    from tunekit.taskeval.cli import main
+
+    run = runs["lora"]
+    main([str(run), "--base", "--batch-size", "3"])
+    printed = capsys.readouterr().out
+    report = json.loads((run / "eval.json").read_text())
+    summary = json.loads((run / "summary.json").read_text())
+    # fp32: per-token losses agree to ~1e-6 between the padded and the cached computations
+    assert report["trained"]["loss"] == pytest.approx(summary["last_val_loss"], abs=1e-4)
+    assert report["base"]["loss"] == pytest.approx(summary["first_val_loss"], abs=1e-4)
+    assert report["trained"]["ppl"] == pytest.approx(math.exp(report["trained"]["loss"]))
+    assert report["difference"]["loss"] == pytest.approx(report["trained"]["loss"] - report["base"]["loss"])
+    assert report["classes"] == ["blue", "green", "red"] and report["rows"] == 9
+    assert len(report["answers"]) == 9 and {"prompt", "reference", "answer", "exact", "predicted",
+                                            "base_answer", "base_predicted"} <= set(report["answers"][0])
+    for line in ("response loss", "exact match", "accuracy (likelihood)", "per class", "wrote"):
+        assert line in printed
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_evaluates_and_generates(recipe, runs, capsys):
+    """eval and generate work on the output of every recipe, and generate's answer is the model's
+    own greedy answer (a no-cache loop over the trained model as export rebuilds it)."""
+    from tunekit.generate import encode_prompts, stop_token_ids
+    from tunekit.generate_cli import main as generate_main
+    from tunekit.trained import load_tokenizer_for, load_trained, open_source
+    from tunekit.taskeval.cli import main as eval_main
+
+    run = runs[recipe]
+    eval_main([str(run), "--base", "--json", "--out", str(run / "e.json")])
+    report = json.loads(capsys.readouterr().out)
+    summary = json.loads((run / "summary.json").read_text())
+    assert report["trained"]["loss"] == pytest.approx(summary["last_val_loss"], abs=1e-4)
+    if recipe != "prompt_tuning":  # every other method is the identity at step 0; a soft prompt is not
+        assert report["base"]["loss"] == pytest.approx(summary["first_val_loss"], abs=1e-4)
+
+    prompt = "Item 7 is green. Which colour is item 7?"
+    generate_main(["--adapter", str(run / "adapter"), "--prompt", prompt, "--max-new-tokens", "5", "--json"])
+    got = json.loads(capsys.readouterr().out.strip())["completion"]
+    src = open_source(run)
+    model, tok = load_trained(src), load_tokenizer_for(src)
+    ids = encode_prompts(tok, [prompt])[0]
+    assert got == tok.decode(oracle_greedy(model, ids, 5, stop_token_ids(model, tok)), skip_special_tokens=True)
+
+
+def test_merged_folder_evaluates_with_its_base(runs, scaled_model_dir, tmp_path, capsys):
+    from tunekit import TunekitError
+    from tunekit.export.run import open_run, run_tokenizer, trained_model
+    from tunekit.methods import get_method
+    from tunekit.taskeval.cli import main
+
+    r = open_run(runs["lora"])
+    merged = get_method("lora").merge(trained_model(r))
+    merged.save_pretrained(tmp_path / "merged")
+    run_tokenizer(r).save_pretrained(tmp_path / "merged")
+    with pytest.raises(TunekitError, match="--base: the base of the model folder .* --base-model DIR"):
+        main([str(tmp_path / "merged"), "--base"])
+    main([str(tmp_path / "merged"), "--base", "--base-model", str(scaled_model_dir), "--dtype", "fp32",
+          "--data", str(_val_file(runs["lora"], tmp_path)), "--json"])
+    merged_report = json.loads(capsys.readouterr().out)
+    main([str(runs["lora"]), "--json", "--out", str(tmp_path / "run.json")])
+    run_report = json.loads(capsys.readouterr().out)
+    # the same 9 rows: a merged LoRA (fp32) scores as the adapter does, to fp32 rounding
+    assert merged_report["trained"]["loss"] == pytest.approx(run_report["trained"]["loss"], abs=1e-4)
+    assert [a["answer"] for a in merged_report["answers"]] == [a["answer"] for a in run_report["answers"]]
+
+
+def _val_file(run: Path, tmp_path: Path) -> Path:
+    """The run's held-out rows as a file (the split tunekit computed), for --data."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(run / "config.yaml")
+    rows = read_jsonl(Path(cfg.data.path))
+    import random
+
+    order = list(range(len(rows)))
+    random.Random(cfg.seed).shuffle(order)
+    n_val = max(1, int(len(rows) * cfg.data.val_fraction))
+    out = tmp_path / "val.jsonl"
+    out.write_text("".join(json.dumps(rows[i]) + "\n" for i in sorted(order[:n_val])))
+    return out
