@@ -318,3 +318,134 @@ def _val_file(run: Path, tmp_path: Path) -> Path:
     out = tmp_path / "val.jsonl"
     out.write_text("".join(json.dumps(rows[i]) + "\n" for i in sorted(order[:n_val])))
     return out
+
+
+# ------------------------------------------------------------------ generate: mixing, chat
+@pytest.fixture(scope="module")
+def lora_b(scaled_model_dir, task_data, tmp_path_factory) -> Path:
+    """A second LoRA run over the same base (another seed and rate)."""
+    return train_run("lora", scaled_model_dir, task_data, tmp_path_factory.mktemp("lora-b") / "run", "seed=3",
+                     "trainer.lr=3e-2", "trainer.eval_samples=0")
+
+
+def test_mixed_lora_batch_equals_each_row_alone(runs, lora_b, capsys):
+    """Rows of one batch use LoRA adapter A, adapter B, or none, over one base (peft adapter_names):
+    each row's answer is the one that model gives alone."""
+    from tunekit.generate import encode_prompts, stop_token_ids
+    from tunekit.generate_cli import main
+    from tunekit.trained import load_base, load_tokenizer_for, load_trained, open_source
+
+    a, b = runs["lora"], lora_b
+    prompts = ["Item 4 is green. Which colour is item 4?"] * 2 + ["Hi"]
+    main(["--adapter", str(a), "--prompt", prompts[0], "--adapter", str(b / "adapter"), "--prompt", prompts[1],
+          "--adapter", "none", "--prompt", prompts[2], "--max-new-tokens", "6", "--json"])
+    got = [json.loads(line)["completion"] for line in capsys.readouterr().out.splitlines()]
+    src_a, src_b = open_source(a), open_source(b)
+    tok = load_tokenizer_for(src_a)
+    models = [load_trained(src_a), load_trained(src_b), load_base(src_a)]
+    want = []
+    for model, prompt in zip(models, prompts):
+        ids = encode_prompts(tok, [prompt])[0]
+        want.append(tok.decode(oracle_greedy(model, ids, 6, stop_token_ids(model, tok)), skip_special_tokens=True))
+    assert got == want
+    assert want[0] != want[1]  # A and B answer the same prompt differently: each row ran its own adapter
+
+
+@pytest.mark.parametrize("mix, message", [
+    (("adapter", "lora"), "--adapter: one batch cannot mix .*bottleneck|--adapter: one batch cannot mix .*adapter"),
+    (("qlora", "lora"), "--adapter: rows use adapters trained over different bases"),
+    (("bitfit", None), "--adapter: one batch cannot mix .*bitfit"),
+])
+def test_unmixable_batches_are_refused_in_one_line(mix, message, runs):
+    from tunekit import TunekitError
+    from tunekit.generate_cli import main
+
+    args = []
+    for recipe in mix:
+        args += ["--adapter", str(runs[recipe]) if recipe else "none", "--prompt", "Hi"]
+    with pytest.raises(TunekitError, match=message) as err:
+        main(args)
+    assert "\n" not in str(err.value)
+
+
+def test_chat_through_the_cli_streams_with_history(runs, tmp_path):
+    """`tunekit chat RUN` with piped input: each reply is the model's greedy answer to the whole
+    conversation so far (prompt tuning: the soft prompt first); /reset starts over."""
+    import subprocess
+    import sys
+
+    from tunekit.generate import encode_messages, stop_token_ids
+    from tunekit.trained import load_tokenizer_for, load_trained, open_source
+
+    run = runs["prompt_tuning"]
+    exe = Path(sys.executable).with_name("tunekit")
+    r = subprocess.run([str(exe), "chat", str(run), "--max-new-tokens", "5"], input="Hi\nWhat colour?\n/reset\nHi\n",
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "chatting with" in r.stderr and "history cleared" in r.stderr
+    src = open_source(run)
+    model, tok = load_trained(src), load_tokenizer_for(src)
+    stop = stop_token_ids(model.base, tok)
+
+    def reply(messages):
+        ids = oracle_greedy(model, encode_messages(tok, messages), 5, stop)
+        return tok.decode(ids, skip_special_tokens=True).lstrip()
+
+    first = reply([{"role": "user", "content": "Hi"}])
+    second = reply([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first.strip()},
+                    {"role": "user", "content": "What colour?"}])
+    assert r.stdout == first + "\n" + second + "\n" + first + "\n"
+
+
+# ------------------------------------------------------------------ during training
+def test_training_shows_samples_and_the_task_metric(tiny_model_dir, task_data, tmp_path):
+    """Through the real CLI: sample answers and the task metric at every evaluation, printed,
+    in metrics.jsonl and in a second panel of the loss plot."""
+    from PIL import Image
+
+    from _helpers import run_cli, tiny_args
+
+    out = tmp_path / "run"
+    r = run_cli(["train", "recipe=lora", *tiny_args(tiny_model_dir, task_data, out, "trainer.max_steps=2",
+                 "trainer.eval_every=1", "trainer.eval_task=true", "trainer.eval_samples=2", "data.max_seq_len=128")],
+                tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    printed = r.stdout  # the progress bar's writes (evaluations, samples) go to stdout
+    assert "accuracy" in printed and "exact" in printed and "on 9 rows" in printed
+    assert "'Item 1 is green. Which colour is item 1?' -> " in printed and "(ref 'green')" in printed
+    rows = read_jsonl(out / "metrics.jsonl")
+    evals = [x for x in rows if "val_loss" in x]
+    assert [x["step"] for x in evals] == [0, 1, 2]
+    assert all({"val_accuracy", "val_exact_match", "val_task_rows"} <= set(x) for x in evals)
+    samples = [x for x in rows if "samples" in x]
+    assert [x["step"] for x in samples] == [0, 1, 2] and all(len(x["samples"]) == 2 for x in samples)
+    assert [s["reference"] for s in samples[0]["samples"]] == ["Red.", "green"]
+    assert samples[0]["samples"][0]["prompt"] == "Item 0 is red. Which colour is item 0?"  # the last user turn
+    assert Image.open(out / "loss_curve.png").size == (1200, 400)
+
+
+def test_keep_best_exports_the_best_evaluation(tiny_model_dir, tmp_path):
+    """Trained to answer "red", evaluated on rows answering "green green green green": the held-out
+    loss rises from step 0, so keep_best must export the untrained LoRA (B = 0) as adapter/ while
+    the last checkpoint keeps the trained one."""
+    from safetensors.torch import load_file
+
+    def rows(answer, ids):
+        return "".join(json.dumps({"messages": [{"role": "user", "content": f"Which colour is item {i}?"},
+                                                {"role": "assistant", "content": answer}]}) + "\n" for i in ids)
+
+    (tmp_path / "red.jsonl").write_text(rows("red", range(32)))
+    (tmp_path / "green.jsonl").write_text(rows("green green green green", range(32, 40)))
+    out = train_run("lora", tiny_model_dir, tmp_path / "red.jsonl", tmp_path / "run", f"data.val_path={tmp_path / 'green.jsonl'}",
+                    "trainer.eval_every=1", "trainer.save_every=1", "trainer.lr=1e-2", "trainer.warmup_steps=0",
+                    "trainer.keep_best=true", "trainer.eval_samples=0")
+    losses = [x["val_loss"] for x in read_jsonl(out / "metrics.jsonl") if "val_loss" in x]
+    assert losses[0] < min(losses[1:])
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["best_step"], summary["best_metric"]) == (0, "val_loss")
+    final = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    last = load_file(str(out / "checkpoints" / "step-000002" / "adapter" / "adapter_model.safetensors"))
+    b_keys = [k for k in final if "lora_B" in k]
+    assert b_keys and all(final[k].abs().max() == 0 for k in b_keys)
+    assert any(last[k].abs().max() > 0 for k in b_keys)
+    assert (out / "adapter" / "tokenizer.json").is_file()

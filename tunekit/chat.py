@@ -43,12 +43,13 @@ class Streamer:
         self.shown = text
 
     def finish(self) -> str:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True).strip()
+        """Print what is left and end the line; returns the reply (stripped) for the history."""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True).lstrip()
         if text.startswith(self.shown):
             self.out.write(text[len(self.shown):])
         self.out.write("\n")
         self.out.flush()
-        return text
+        return text.strip()
 
 
 def sampler(temperature: float, top_p: float, seed: int) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -107,10 +107,12 @@ def user_text(tokenizer, prompt: list[int]) -> str:
         probe = ""
     if marker in probe:
         before, after = probe.split(marker)
-        # the longest end of the template's text before a user message that occurs in this prompt:
-        # the whole system + user header when the row has the template's default system prompt,
-        # at least the user turn's header otherwise; the last occurrence is the last user turn
-        head = next((before[k:] for k in range(len(before)) if before[k:] in full), "")
+        # the user turn's header: the shortest end of the template's text before a user message that
+        # names the role ("user\n" in ChatML), else the longest end of it found in this prompt; its
+        # last occurrence opens the last user turn
+        head = next((before[k:] for k in range(len(before) - 1, -1, -1) if "user" in before[k:]), "")
+        if not head or head not in full:
+            head = next((before[k:] for k in range(len(before)) if before[k:] in full), "")
         if head and after and full.endswith(after):
             start = full.rindex(head) + len(head)
             if start <= len(full) - len(after):
