@@ -398,19 +398,14 @@ def test_chat_through_the_cli_streams_with_history(runs, tmp_path):
 
 
 # ------------------------------------------------------------------ during training
-def test_training_shows_samples_and_the_task_metric(tiny_model_dir, task_data, tmp_path):
-    """Through the real CLI: sample answers and the task metric at every evaluation, printed,
-    in metrics.jsonl and in a second panel of the loss plot."""
+def test_training_shows_samples_and_the_task_metric(tiny_model_dir, task_data, tmp_path, capsys):
+    """Sample answers and the task metric at every evaluation: printed, in metrics.jsonl and in a
+    second panel of the loss plot."""
     from PIL import Image
 
-    from _helpers import run_cli, tiny_args
-
-    out = tmp_path / "run"
-    r = run_cli(["train", "recipe=lora", *tiny_args(tiny_model_dir, task_data, out, "trainer.max_steps=2",
-                 "trainer.eval_every=1", "trainer.eval_task=true", "trainer.eval_samples=2", "data.max_seq_len=128")],
-                tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    printed = r.stdout  # the progress bar's writes (evaluations, samples) go to stdout
+    out = train_run("lora", tiny_model_dir, task_data, tmp_path / "run", "trainer.eval_every=1",
+                    "trainer.eval_task=true", "trainer.eval_samples=2")
+    printed = capsys.readouterr().out  # the progress bar's writes (evaluations, samples) go to stdout
     assert "accuracy" in printed and "exact" in printed and "on 9 rows" in printed
     assert "'Item 1 is green. Which colour is item 1?' -> " in printed and "(ref 'green')" in printed
     rows = read_jsonl(out / "metrics.jsonl")
