@@ -114,7 +114,7 @@ def train_recipe(args, recipe: str, data: dict, lrs: list[float]) -> list[dict]:
     rc, wall = run_logged(cmd, args.work / "logs" / f"train-{recipe}.log")
     if rc != 0:
         fail(f"tunekit train -m recipe={recipe}", args.work / "logs" / f"train-{recipe}.log")
-    print(f"{recipe}: {len(lrs)} runs in {wall:.0f} s", flush=True)
+    print(f"{recipe}: {len(lrs)} run(s) in {wall:.0f} s", flush=True)
     return jobs
 
 

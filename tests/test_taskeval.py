@@ -125,6 +125,15 @@ def test_normalize_ignores_case_surrounding_space_and_punctuation():
     assert normalize("...") == ""
 
 
+def test_sample_display_drops_the_shared_instruction():
+    from tunekit.tracking import distinct_parts
+
+    shared = "Classify the sentiment of this tweet. Tweet: "
+    assert distinct_parts([shared + "I love it", shared + "meh"]) == ["…I love it", "…meh"]
+    assert distinct_parts(["What is 2+2?", "What is 3+3?"]) == ["What is 2+2?", "What is 3+3?"]  # short: kept
+    assert distinct_parts([shared + "x"]) == [shared + "x"]
+
+
 def test_task_rows_and_closed_set(tiny_model_dir):
     from tunekit.data import tokenize_rows
     from tunekit.taskeval.rows import closed_set, task_rows, user_text

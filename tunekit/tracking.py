@@ -96,6 +96,22 @@ def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
+def distinct_parts(texts: list[str], min_shared: int = 16) -> list[str]:
+    """Texts with the start they all share (an instruction repeated in every prompt) replaced by
+    "…", cut at a word boundary, so a one-line display shows what differs."""
+    texts = [" ".join(t.split()) for t in texts]
+    if len(texts) < 2:
+        return texts
+    shared = texts[0]
+    for t in texts[1:]:
+        while not t.startswith(shared):
+            shared = shared[:-1]
+    shared = shared[:shared.rfind(" ") + 1] if " " in shared else ""
+    if len(shared) < min_shared:
+        return texts
+    return ["…" + t[len(shared):] for t in texts]
+
+
 class Tracker:
     def __init__(self, output_dir: Path, total_steps: int, start_step: int, tracker: str, project: str,
                  run_name: Optional[str], config: dict):
@@ -152,9 +168,9 @@ class Tracker:
         metrics.jsonl row {"step", "samples": [...]}, and a W&B table."""
         if not samples:
             return
-        for s in samples:
+        for s, prompt in zip(samples, distinct_parts([s["prompt"] for s in samples])):
             mark = "ok" if s["exact"] else " x"
-            self.bar.write(f"  [{mark}] {_clip(s['prompt'], 50)!r} -> {_clip(s['answer'], 40)!r} "
+            self.bar.write(f"  [{mark}] {_clip(prompt, 50)!r} -> {_clip(s['answer'], 40)!r} "
                            f"(ref {_clip(s['reference'], 30)!r})")
         self.metrics.write(json.dumps({"step": step, "samples": samples}) + "\n")
         self.metrics.flush()

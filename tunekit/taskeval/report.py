@@ -74,11 +74,14 @@ def clip(text: str, width: int) -> str:
 
 def sample_lines(tokenizer, rows: list[TaskRow], result: TaskResult, n: int, width: int = 60) -> list[str]:
     """One line per row: [ok]/[x] prompt -> answer (ref reference)."""
+    from tunekit.tracking import distinct_parts
+
+    pairs = list(zip(rows, result.rows))[:n]
+    prompts = distinct_parts([user_text(tokenizer, r.prompt) for r, _ in pairs])
     out = []
-    for r, res in list(zip(rows, result.rows))[:n]:
+    for (r, res), prompt in zip(pairs, prompts):
         mark = "ok" if res.exact else " x"
-        out.append(f"  [{mark}] {clip(user_text(tokenizer, r.prompt), width)!r} -> {clip(res.answer, 40)!r}"
-                   f" (ref {clip(r.reference, 30)!r})")
+        out.append(f"  [{mark}] {clip(prompt, width)!r} -> {clip(res.answer, 40)!r} (ref {clip(r.reference, 30)!r})")
     return out
 
 
