@@ -453,3 +453,31 @@ def test_keep_best_exports_the_best_evaluation(tiny_model_dir, tmp_path):
     assert b_keys and all(final[k].abs().max() == 0 for k in b_keys)
     assert any(last[k].abs().max() > 0 for k in b_keys)
     assert (out / "adapter" / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("recipe", ["lora", "adapter", "bitfit", "prompt_tuning"])
+def test_adapter_folder_outside_its_run(recipe, runs, scaled_model_dir, tmp_path, capsys):
+    """An adapter folder copied out of its run loads over --model from its own config (peft's
+    loader for LoRA, the method's for the others): the same logits as the run's model, not the base's."""
+    import shutil
+
+    from tunekit.generate import encode_prompts, generation_view
+    from tunekit.generate_cli import main
+    from tunekit.trained import load_base, load_tokenizer_for, load_trained, open_source
+
+    folder = shutil.copytree(runs[recipe] / "adapter", tmp_path / "moved")
+    moved, in_run = open_source(folder, model=str(scaled_model_dir), dtype="fp32"), open_source(runs[recipe])
+    assert moved.kind == "adapter" and moved.method == recipe and in_run.kind == "run"
+    tok = load_tokenizer_for(moved)
+    ids = torch.tensor([encode_prompts(tok, ["Item 2 is blue. Which colour is item 2?"])[0]])
+
+    def logits(model):
+        with torch.no_grad():
+            return model(input_ids=ids).logits.float()
+
+    got, want, base = logits(load_trained(moved)), logits(load_trained(in_run)), logits(load_base(in_run))
+    assert torch.allclose(got, want, atol=1e-5)  # fp32, identical weights and computation order
+    assert (got - base).abs().max() > 1e-4  # the trained part is there
+    main(["--adapter", str(folder), "--model", str(scaled_model_dir), "--dtype", "fp32", "--prompt", "Hi",
+          "--max-new-tokens", "3", "--json"])
+    assert "completion" in json.loads(capsys.readouterr().out)
