@@ -481,3 +481,25 @@ def test_adapter_folder_outside_its_run(recipe, runs, scaled_model_dir, tmp_path
     main(["--adapter", str(folder), "--model", str(scaled_model_dir), "--dtype", "fp32", "--prompt", "Hi",
           "--max-new-tokens", "3", "--json"])
     assert "completion" in json.loads(capsys.readouterr().out)
+
+
+def test_shared_prefix_pass_equals_the_plain_batch(lora_model):
+    """Rows that share a templated start run it once (batch 1, cache repeated): same logits, same
+    hidden states at every token, same greedy answers as the plain left-padded batch (fp32)."""
+    from tunekit.generate import encode_prompts, greedy, pad_token_id, prefill, shared_prefix_len, stop_token_ids
+
+    model, tok = lora_model
+    rows = encode_prompts(tok, ["Item 3 is red. Which colour?", "Hi", "Item 12 is blue. Which colour is item 12?"])
+    shared = shared_prefix_len(rows, [None] * 3)
+    assert shared >= 16  # SmolLM's template puts a default system prompt first
+    a = prefill(model, rows, keep_hidden=True, share_prefix=True)
+    b = prefill(model, rows, keep_hidden=True, share_prefix=False)
+    assert a.shared == shared and b.shared == 0
+    # fp32: the two passes add the same terms in another blocking (attention over a cache vs in one
+    # pass): relative error ~1e-6 on logits up to ~1e2 in this scaled model
+    assert torch.allclose(a.last_logits, b.last_logits, atol=1e-4, rtol=1e-5)
+    for i, r in enumerate(rows):
+        ha, hb = a.hidden[i, a.token_slots(i, len(r))], b.hidden[i, b.token_slots(i, len(r))]
+        assert torch.allclose(ha, hb, atol=1e-4, rtol=1e-5)
+    stop, pad = stop_token_ids(model, tok), pad_token_id(tok)
+    assert greedy(model, a, 6, stop, pad) == greedy(model, b, 6, stop, pad)

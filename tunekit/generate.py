@@ -80,6 +80,17 @@ class Prefix:
     last_logits: torch.Tensor  # (batch, vocab) fp32 logits at each row's last position
     hidden: Optional[torch.Tensor] = None  # (batch, width, dim) last hidden states (keep_hidden=True)
     adapter_names: Optional[list[str]] = None  # per-row peft LoRA adapter names, or None
+    shared: int = 0  # tokens of a prefix every row shares, run once (see prefill)
+    shared_width: int = 0  # positions of that shared block (soft prompt included)
+
+    def token_slots(self, row: int, n: int) -> list[int]:
+        """Where the n prompt tokens of `row` sit along `width` (rows are right-aligned; a shared
+        prefix sits at the start, before the rows' own padded tokens)."""
+        width = self.mask.shape[1]
+        if not self.shared:
+            return [width - n + j for j in range(n)]
+        return [self.shared_width - self.shared + j for j in range(self.shared)] + \
+            [width - (n - j) for j in range(self.shared, n)]
 
 
 def _left_pad(model: nn.Module, rows: Sequence[Sequence[int]], soft_prompts: Sequence[Optional[torch.Tensor]]):
@@ -115,34 +126,75 @@ def _peft_kwargs(adapter_names: Optional[list[str]]) -> dict:
     return {"adapter_names": list(adapter_names)} if adapter_names else {}
 
 
+MIN_SHARED = 16  # a shared prefix shorter than this is not worth a pass of its own
+
+
+def shared_prefix_len(rows: Sequence[Sequence[int]], soft_prompts: Sequence[Optional[torch.Tensor]]) -> int:
+    """Tokens every row starts with (the system prompt and instruction of templated prompts), when
+    every row has the same soft prompt; each row keeps at least one token of its own."""
+    if len(rows) < 2 or any(s is not soft_prompts[0] for s in soft_prompts):
+        return 0
+    n = min(len(r) for r in rows) - 1
+    first = rows[0]
+    for j in range(max(n, 0)):
+        if any(r[j] != first[j] for r in rows):
+            return j
+    return max(n, 0)
+
+
+def _run(model, keep_hidden: bool, adapter_names, **inputs):
+    """(last hidden states (batch, seq, dim) or None, fp32 logits at the last position, cache)."""
+    from tunekit.model import decoder_and_head
+
+    if keep_hidden:
+        decoder, head = decoder_and_head(model)
+        out = decoder(use_cache=True, **inputs)
+        hidden = out.last_hidden_state
+        return hidden, head(hidden[:, -1].to(head.weight.dtype)).float(), out.past_key_values
+    out = model(use_cache=True, logits_to_keep=1, **inputs, **_peft_kwargs(adapter_names))
+    return None, out.logits[:, -1].float(), out.past_key_values
+
+
 @torch.no_grad()
 def prefill(model: nn.Module, rows: Sequence[Sequence[int]], soft_prompts: Optional[Sequence[Optional[torch.Tensor]]] = None,
-            adapter_names: Optional[list[str]] = None, keep_hidden: bool = False) -> Prefix:
+            adapter_names: Optional[list[str]] = None, keep_hidden: bool = False, share_prefix: bool = True) -> Prefix:
     """Run the prompts once. rows: token ids per row; soft_prompts: per row None or (N_i, dim).
 
     keep_hidden runs the decoder and the output head apart (as training does) and keeps the last
     hidden states of every prompt position for scoring; otherwise the model's own forward runs,
     which is what carries peft's per-row adapter_names.
-    """
-    from tunekit.model import decoder_and_head
 
+    A prefix all rows share (>= MIN_SHARED tokens, same soft prompt, no per-row adapters) runs
+    once at batch 1; its cache is repeated over the batch and only the rows' own tokens run,
+    left-padded after it (the padding is masked, positions continue from the prefix):
+
+        row i:  shared prefix (positions 0..W0-1) | pad ... | own tokens (positions W0, W0+1, ...)
+    """
     soft_prompts = list(soft_prompts) if soft_prompts is not None else [None] * len(rows)
-    inputs, mask, positions = _left_pad(model, rows, soft_prompts)
     if adapter_names is not None and len(adapter_names) != len(rows):
         raise TunekitError(f"generate: {len(rows)} prompts but {len(adapter_names)} adapter names")
-    hidden = None
+    if keep_hidden and adapter_names:
+        raise TunekitError("generate: scoring runs one adapter per batch, not per-row adapters")
+    shared = shared_prefix_len(rows, soft_prompts) if share_prefix and not adapter_names else 0
+    if shared < MIN_SHARED:
+        inputs, mask, positions = _left_pad(model, rows, soft_prompts)
+        hidden, last, cache = _run(model, keep_hidden, adapter_names, inputs_embeds=inputs, attention_mask=mask,
+                                   position_ids=positions)
+        return Prefix(cache, mask, positions[:, -1:] + 1, last, hidden, adapter_names)
+    batch = len(rows)
+    pre_in, pre_mask, pre_pos = _left_pad(model, [rows[0][:shared]], soft_prompts[:1])  # (1, W0, dim)
+    pre_hidden, _, cache = _run(model, keep_hidden, None, inputs_embeds=pre_in, attention_mask=pre_mask,
+                                position_ids=pre_pos)
+    cache.batch_repeat_interleave(batch)
+    width0 = pre_in.shape[1]
+    own_in, own_mask, _ = _left_pad(model, [r[shared:] for r in rows], [None] * batch)
+    mask = torch.cat([pre_mask.expand(batch, -1), own_mask], dim=1)
+    positions = width0 + (own_mask.cumsum(-1) - 1).clamp(min=0)
+    hidden, last, cache = _run(model, keep_hidden, None, inputs_embeds=own_in, attention_mask=mask,
+                               position_ids=positions, past_key_values=cache)
     if keep_hidden:
-        if adapter_names:
-            raise TunekitError("generate: scoring runs one adapter per batch, not per-row adapters")
-        decoder, head = decoder_and_head(model)
-        out = decoder(inputs_embeds=inputs, attention_mask=mask, position_ids=positions, use_cache=True)
-        hidden = out.last_hidden_state  # (batch, width, dim)
-        last = head(hidden[:, -1].to(head.weight.dtype)).float()
-    else:
-        out = model(inputs_embeds=inputs, attention_mask=mask, position_ids=positions, use_cache=True,
-                    logits_to_keep=1, **_peft_kwargs(adapter_names))
-        last = out.logits[:, -1].float()
-    return Prefix(out.past_key_values, mask, positions[:, -1:] + 1, last, hidden, adapter_names)
+        hidden = torch.cat([pre_hidden.expand(batch, -1, -1), hidden], dim=1)  # (batch, W0 + own width, dim)
+    return Prefix(cache, mask, positions[:, -1:] + 1, last, hidden, adapter_names, shared, width0)
 
 
 def argmax_token(logits: torch.Tensor) -> torch.Tensor:

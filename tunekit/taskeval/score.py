@@ -68,15 +68,16 @@ class TaskResult:
         return m
 
 
-def _prompt_loss(prefix_hidden: torch.Tensor, head: nn.Module, batch: list[TaskRow]) -> list[tuple[float, int]]:
+def _prompt_loss(prefix, head: nn.Module, batch: list[TaskRow]) -> list[tuple[float, int]]:
     """(-log p, tokens) of the trained tokens inside each prompt (earlier replies of multi-turn rows).
 
-    prefix_hidden: (batch, width, dim), rows right-aligned (left padding); position t predicts t + 1."""
-    width = prefix_hidden.shape[1]
+    prefix.hidden: (batch, width, dim); the hidden state at token j's slot predicts token j + 1."""
+    prefix_hidden = prefix.hidden
     out = []
     for i, r in enumerate(batch):
         n = len(r.prompt)
-        targets = [(width - n + j, r.prompt_labels[j + 1]) for j in range(n - 1) if r.prompt_labels[j + 1] != IGNORE]
+        slots = prefix.token_slots(i, n)
+        targets = [(slots[j], r.prompt_labels[j + 1]) for j in range(n - 1) if r.prompt_labels[j + 1] != IGNORE]
         if not targets:
             out.append((0.0, 0))
             continue
@@ -112,7 +113,7 @@ def score_rows(model: nn.Module, tokenizer, rows: list[TaskRow], classes: Option
             prefix = prefill(lm, [r.prompt for r in batch], [soft] * len(batch), keep_hidden=True)
             conts = [[r.answer] + (classes.answers if classes is not None else []) for r in batch]
             scores = score_continuations(lm, prefix, conts, pad)  # (batch, 1 + K)
-            inner = _prompt_loss(prefix.hidden, head, batch)
+            inner = _prompt_loss(prefix, head, batch)
             prefix.hidden = None  # free it before decoding
             answers = greedy(lm, prefix, budget, stop, pad) if generate else [[] for _ in batch]
             for j, (i, r) in enumerate(zip(idx, batch)):
