@@ -52,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--val-per-class", type=int, default=50)
     p.add_argument("--baseline", choices=["trl", "none"], default="trl")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override for every tunekit run")
-    p.add_argument("--eval-batch-size", type=int, default=16)
+    p.add_argument("--eval-batch-size", type=int, default=32)
     p.add_argument("--work", type=Path, default=REPO / "runs" / "bench-task")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "task-tweet-sentiment")
     args = p.parse_args(argv)

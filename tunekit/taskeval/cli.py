@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="compute dtype for a folder outside a run (a run keeps its own)")
     p.add_argument("--max-rows", type=int, help="score only the first N rows")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=32, help="rows per batch (default 32)")
     p.add_argument("--max-new-tokens", type=int, help="greedy budget (default: longest reference + 4 tokens)")
     p.add_argument("--no-generate", action="store_true", help="skip greedy answers and exact match (loss and "
                                                              "accuracy only)")
