@@ -413,7 +413,7 @@ def test_training_shows_samples_and_the_task_metric(tiny_model_dir, task_data, t
     from PIL import Image
 
     out = train_run("lora", tiny_model_dir, task_data, tmp_path / "run", "trainer.eval_every=1",
-                    "trainer.eval_task=true", "trainer.eval_samples=2")
+                    "trainer.eval_task=true", "trainer.eval_samples=2", "tracker=wandb")  # offline (conftest)
     printed = capsys.readouterr().out  # the progress bar's writes (evaluations, samples) go to stdout
     assert "accuracy" in printed and "exact" in printed and "on 9 rows" in printed
     assert "'Item 1 is green. Which colour is item 1?' -> " in printed and "(ref 'green')" in printed
@@ -426,6 +426,10 @@ def test_training_shows_samples_and_the_task_metric(tiny_model_dir, task_data, t
     assert [s["reference"] for s in samples[0]["samples"]] == ["Red.", "green"]
     assert samples[0]["samples"][0]["prompt"] == "Item 0 is red. Which colour is item 0?"  # the last user turn
     assert Image.open(out / "loss_curve.png").size == (1200, 400)
+    tables = sorted((out / "wandb").glob("offline-run-*/files/media/table/samples_*.table.json"))
+    assert len(tables) == 3  # one W&B table per evaluation
+    table = json.loads(tables[0].read_text())
+    assert table["columns"] == ["step", "prompt", "answer", "reference", "exact"] and len(table["data"]) == 2
 
 
 def test_keep_best_exports_the_best_evaluation(tiny_model_dir, tmp_path):
