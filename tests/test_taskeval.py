@@ -465,7 +465,7 @@ def test_adapter_folder_outside_its_run(recipe, runs, scaled_model_dir, tmp_path
     loader for LoRA, the method's for the others): the same logits as the run's model, not the base's."""
     import shutil
 
-    from tunekit.generate import encode_prompts, generation_view
+    from tunekit.generate import encode_prompts
     from tunekit.generate_cli import main
     from tunekit.trained import load_base, load_tokenizer_for, load_trained, open_source
 
@@ -507,3 +507,22 @@ def test_shared_prefix_pass_equals_the_plain_batch(lora_model):
         assert torch.allclose(ha, hb, atol=1e-4, rtol=1e-5)
     stop, pad = stop_token_ids(model, tok), pad_token_id(tok)
     assert greedy(model, a, 6, stop, pad) == greedy(model, b, 6, stop, pad)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["{tmp}/missing"], "RUN: no such folder: {tmp}/missing"),
+    (["{tmp}/empty"], "RUN: {tmp}/empty is neither a tunekit run (config.yaml), an adapter folder"),
+    (["{run}", "--data", "{tmp}/nope.jsonl"], "--data: file not found: {tmp}/nope.jsonl"),
+    (["{run}", "--batch-size", "0"], "--batch-size: must be > 0, got 0"),
+    (["{run}", "--data", "{tmp}/text.jsonl"], "no held-out row has a prompt and a reply to score"),
+])
+def test_eval_bad_input_is_one_clear_error(args, message, runs, tmp_path):
+    from tunekit import TunekitError
+    from tunekit.taskeval.cli import main
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "text.jsonl").write_text(json.dumps({"text": "plain text only"}) + "\n")
+    fill = {"tmp": tmp_path, "run": runs["lora"]}
+    with pytest.raises(TunekitError) as err:
+        main([a.format(**fill) for a in args])
+    assert message.format(**fill) in str(err.value) and "\n" not in str(err.value)

@@ -67,10 +67,8 @@ def heldout_examples(src, tokenizer, data: str | None) -> tuple[list[dict], str]
         from tunekit.data.tokenize import ensure_chat_template
 
         ensure_chat_template(tokenizer)
-        rows = read_rows(data)
-        fmt = plain(cfg.data.format) if cfg is not None else "auto"
-        fmt = detect_format(rows, data) if fmt == "auto" else fmt
-        return tokenize_rows(rows, fmt, data, tokenizer, max_len), data
+        rows = read_rows(data)  # its own format, whatever the run trained on
+        return tokenize_rows(rows, detect_format(rows, data), data, tokenizer, max_len), data
     if cfg is not None:
         d = cfg.data
         _, val = load_splits(d.path, d.val_path, plain(d.format), tokenizer, d.max_seq_len, d.val_fraction,
