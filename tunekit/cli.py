@@ -138,6 +138,11 @@ def _train_job(cfg) -> None:
             first, last = summary.get(f"first_val_{name}"), summary.get(f"last_val_{name}")
             if last is not None:
                 changes.append(f"val {name} {'n/a (resumed)' if first is None else f'{first:.4f}'} -> {last:.4f}")
+        for name in ("accuracy", "exact_match"):  # trainer.eval_task
+            first, last = summary.get(f"first_val_{name}"), summary.get(f"last_val_{name}")
+            if last is not None:
+                was = "n/a (resumed)" if first is None else f"{100 * first:.1f}%"
+                changes.append(f"{name.replace('_', ' ')} {was} -> {100 * last:.1f}%")
         log.info("done in %.0f s: %s; outputs in %s", summary["wall_s"], ", ".join(changes), output_dir)
     recipe.cleanup()
 
