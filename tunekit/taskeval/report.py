@@ -1,13 +1,11 @@
 """The eval report: a short table for a person, eval.json for a script.
 
-    held-out: runs/x: val split of data.path (150 rows), 3 classes: negative, neutral, positive
-                              base   trained    change
-    response loss           2.0931    0.5204   -1.5727
-    perplexity                8.09      1.68
-    exact match              12.0%     84.7%    +72.7
-    accuracy (likelihood)    41.3%     86.0%    +44.7   (majority class 33.3%)
+    held-out: <where the rows come from>: N rows, K classes: <labels>
+                                  base   trained    change
+    response loss / perplexity    per token of the reference replies
+    exact match                   greedy answer == reference, normalised
+    accuracy (likelihood)         closed answer sets only, with the majority-class share
     per class: rows, predicted, correct (base -> trained)
-      negative     50   81 -> 52   40 -> 45
 """
 
 from __future__ import annotations
