@@ -273,6 +273,9 @@ def run_trl(spec: dict, cfg, out_dir: str, liger: bool) -> dict:
         for p in params:
             p.data = p.data.float()
     trainer.train()
+    if spec.get("save_adapter"):  # scripts/bench_task.py scores the trained adapter with `tunekit eval`
+        trainer.model.save_pretrained(spec["save_adapter"], safe_serialization=True)
+        tok.save_pretrained(spec["save_adapter"])
     return {"step_times_s": record["times"], "losses": record["losses"],
             "tokens": [token_counts(s) for s in steps], "lengths": [lengths(s) for s in steps],
             "trainable_params": sum(p.numel() for p in params), "adapter_dtype": str(params[0].dtype),

@@ -272,6 +272,12 @@ CASES = [
     generate("generate-model-bad-config", f"--model {M}/badjson --prompt hi", "--model: {w}/models/badjson/config.json is not valid JSON"),
     generate("generate-hub-offline", "--model someorg/somemodel --prompt hi", "--model: 'someorg/somemodel' is not a local folder",
              env=OFFLINE),
+    raw("eval-no-run", "eval", "eval: the following arguments are required: RUN"),
+    raw("eval-run-missing", "eval {w}/nope", "RUN: no such folder: {w}/nope"),
+    raw("eval-batch", "eval {w}/nope --batch-size 0", "--batch-size: must be > 0"),
+    raw("chat-run-missing", "chat {w}/nope", "RUN: no such folder: {w}/nope"),
+    generate("generate-tokens-text", "--prompt hi --max-new-tokens abc", "generate: argument --max-new-tokens: invalid int"),
+    generate("generate-tokens-0", "--prompt hi --max-new-tokens 0", "--max-new-tokens: must be > 0"),
     raw("plan-device", "plan --device tpu", "plan: argument --device: invalid choice: 'tpu'"),
     raw("plan-memory", "plan --memory -1", "plan: --memory: must be > 0 GiB"),
     raw("plan-gpus", "plan --gpus 0", "plan: --gpus: must be >= 1"),
@@ -280,7 +286,7 @@ CASES = [
     raw("doctor-flag", "doctor --bogus", "doctor: unrecognized arguments: --bogus"),
     raw("doctor-steps", "doctor --steps 1", "--steps: need at least 2"),
     raw("doctor-override", "doctor --out {out} nonsense", "doctor: 'nonsense' is not a KEY=VALUE config override"),
-    raw("unknown-command", "fly", "fly: unknown command (choose from: train, generate, export"),
+    raw("unknown-command", "fly", "fly: unknown command (choose from: train, generate"),
 ]
 
 

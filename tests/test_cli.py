@@ -17,7 +17,7 @@ def run_main(args, capsys) -> tuple[int, str]:
 @pytest.mark.parametrize(
     "args, culprit",
     [
-        (["recipe=nope"], "Could not find 'recipe/nope'; available: adapter, bitfit, distill, lora, prompt_tuning, qlora"),
+        (["recipe=nope"], "Could not find 'recipe/nope'; available: adapter, bitfit, distill, full, lora, prompt_tuning, qlora"),
         (["trainer.max_steps=abc"], "trainer.max_steps: Value 'abc'"),
         (["trainer.nope=1"], "trainer.nope: unknown config key"),
         (["trainer.optimizer=sgd"], "trainer.optimizer: Invalid value 'sgd'"),

@@ -11,7 +11,8 @@ from transformers import AutoTokenizer
 from _helpers import run_cli
 from tunekit import TunekitError
 from tunekit.config import MethodConfig
-from tunekit.generate import encode_prompts, generate, generate_ids, main
+from tunekit.generate import encode_prompts, generate, generate_ids
+from tunekit.generate_cli import main
 from tunekit.methods import get_method
 from tunekit.model import load_base_model
 
@@ -137,8 +138,8 @@ def test_cli_mixes_adapters_in_one_batch(model_dir, adapters, fp32_model, tokeni
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--adapter", "{root}/missing", "--prompt", "Hi"], "adapter {root}/missing: no such folder"),
-    (["--adapter", "{root}/wide", "--prompt", "Hi"], "adapter {root}/wide: soft prompt has hidden size 32, the model has 64"),
+    (["--adapter", "{root}/missing", "--prompt", "Hi"], "--adapter: no such folder: {root}/missing"),
+    (["--adapter", "{root}/wide", "--prompt", "Hi"], "{root}/wide: prompt_embeddings has shape (3, 32), this model has (3, 64)"),
     (["--adapter", "{root}/a", "--adapter", "{root}/b", "--prompt", "Hi"], "--adapter: 2 adapters for 1 prompts"),
     (["--adapter", "{root}/a"], "--prompt: give at least one"),
 ])

@@ -220,6 +220,11 @@ def _train_job(cfg) -> None:
             first, last = summary.get(f"first_val_{name}"), summary.get(f"last_val_{name}")
             if last is not None:
                 changes.append(f"val {name} {'n/a (resumed)' if first is None else f'{first:.4f}'} -> {last:.4f}")
+        for name in ("accuracy", "exact_match"):  # trainer.eval_task
+            first, last = summary.get(f"first_val_{name}"), summary.get(f"last_val_{name}")
+            if last is not None:
+                was = "n/a (resumed)" if first is None else f"{100 * first:.1f}%"
+                changes.append(f"{name.replace('_', ' ')} {was} -> {100 * last:.1f}%")
         log.info("done in %.0f s: %s; outputs in %s", summary["wall_s"], ", ".join(changes), output_dir)
     recipe.cleanup()
 
@@ -241,8 +246,12 @@ def run_train(argv: list[str]) -> None:
 # Subcommands other than train: name -> ("module:function", help). Each function takes argv
 # (the words after the subcommand) and parses them itself; the module is imported on use.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("tunekit.generate:main",
-                 "greedy generation, each prompt with its own prompt-tuning adapter: tunekit generate --help"),
+    "generate": ("tunekit.generate_cli:main",
+                 "greedy answers from a run, adapter or model folder (rows may mix soft prompts or LoRA "
+                 "adapters): tunekit generate --help"),
+    "chat": ("tunekit.chat:main", "talk to what you trained (chat template, streaming, history): tunekit chat RUN"),
+    "eval": ("tunekit.taskeval.cli:main",
+             "score a run on held-out rows (loss, exact match, accuracy; --base side by side): tunekit eval RUN"),
     "export": ("tunekit.export:main",
                "adapter | merged HF model | GGUF, each checked against the trained model: tunekit export --help"),
     "doctor": ("tunekit.doctor:main",

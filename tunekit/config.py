@@ -116,6 +116,20 @@ class TrainerConfig:
     resume: bool = False
     # refuse, before loading, a run whose planned peak exceeds the device's free memory
     memory_check: bool = True
+    # At every evaluation (rank 0; tunekit.taskeval.training): eval_samples held-out prompts answered
+    # greedily beside their reference, printed and logged (metrics.jsonl, W&B table); 0: off.
+    eval_samples: int = 3
+    # Also measure the task metric on the first eval_task_rows held-out rows: exact match of greedy
+    # answers, and accuracy by likelihood when the answers form a small closed set (classification).
+    eval_task: bool = False
+    eval_task_rows: int = 64
+    # Greedy budget of those answers (never more than the longest reference + 4 tokens).
+    eval_max_new_tokens: int = 48
+    # Keep the adapter of the best evaluation in output_dir/best/ and export it as adapter/ at the
+    # end (the last state stays in checkpoints/). best_metric: val_loss | val_accuracy |
+    # val_exact_match | auto (the task metric when eval_task measures one, else val_loss).
+    keep_best: bool = False
+    best_metric: str = "auto"
 
 
 class Divergence(str, Enum):
@@ -178,6 +192,7 @@ def register_schema() -> None:
 
 TRACKERS = ("none", "wandb")
 OBJECTIVES = ("sft", "distill")
+BEST_METRICS = ("auto", "val_loss", "val_accuracy", "val_exact_match")
 
 
 def plain(value):
@@ -256,6 +271,12 @@ def check_values(cfg: TrainConfig) -> None:
         raise TunekitError(f"trainer.weight_decay: lr * weight_decay = {t.lr * t.weight_decay:g} >= 1 would flip "
                            "or zero every weight at each step; lower it")
     number("trainer.max_grad_norm", t.max_grad_norm, gt=0, allow_inf=True)  # inf: no clipping
+    number("trainer.eval_samples", t.eval_samples, ge=0, integer=True)
+    number("trainer.eval_task_rows", t.eval_task_rows, ge=1, integer=True)
+    number("trainer.eval_max_new_tokens", t.eval_max_new_tokens, ge=1, integer=True)
+    one_of("trainer.best_metric", t.best_metric, BEST_METRICS)
+    if not t.eval_task and t.best_metric in ("val_accuracy", "val_exact_match"):
+        raise TunekitError(f"trainer.best_metric: {t.best_metric} is measured only with trainer.eval_task=true")
     one_of("trainer.optimizer", plain(t.optimizer), [o.value for o in Optimizer])
     number("seed", cfg.seed, ge=0, le=SEED_MAX, integer=True)
     _optional_text("output_dir", cfg.output_dir, "a folder for the run", allow_none=False)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -141,6 +142,22 @@ class TrainRecipe:
         self.tracker = (Tracker(self.output_dir, t.max_steps, self.start_step, cfg.tracker.name, cfg.tracker.project,
                                 cfg.tracker.run_name, json.loads(json.dumps(asdict(cfg), default=str)))
                         if self.main else NullTracker())
+        self._setup_task_eval()
+
+    def _setup_task_eval(self) -> None:
+        """Rank 0: sample answers / task metric at every evaluation, and keep_best (tunekit.taskeval.training)."""
+        from tunekit.taskeval.training import BestKeeper, TrainingProbe, resolve_best_metric
+
+        t = self.cfg.trainer
+        self.probe = self.best = None
+        if not self.main:
+            return
+        probe = TrainingProbe(self.tokenizer, self.val_data, t.eval_samples, t.eval_task, t.eval_task_rows,
+                              t.eval_max_new_tokens, t.micro_batch_size)
+        self.probe = probe if probe.active else None
+        if t.keep_best:
+            self.best = BestKeeper(self.output_dir, resolve_best_metric(t.best_metric, self.probe), self.start_step)
+            self._info(f"keep_best: following {self.best.metric}")
 
     def _build_objective(self, student):
         if self.cfg.objective == "sft":
@@ -206,7 +223,8 @@ class TrainRecipe:
                    "wall_s": time.perf_counter() - start, "trainable_params": self.trainable_params,
                    "bits_per_param": self.bits_per_param, "world_size": self.acc.num_processes,
                    "device": self.facts.describe(), "compute_dtype": str(self.dtype).removeprefix("torch."),
-                   "kernels": self.lora_path.as_dict(), "ranks_in_sync": self._ranks_in_sync()}
+                   "kernels": self.lora_path.as_dict(), "ranks_in_sync": self._ranks_in_sync(),
+                   **(self.best.summary() if self.best else {})}
         if self.main:
             atomic_write_text(self.output_dir / "summary.json", json.dumps(summary, indent=2))
         self.tracker.close()
@@ -316,7 +334,14 @@ class TrainRecipe:
         reduced = self.acc.reduce(torch.stack([sums[k] for k in names] + [tokens]), reduction="sum").tolist()
         metrics = {f"val_{k}": v / max(reduced[-1], 1) for k, v in zip(names, reduced[:-1])}
         metrics["val_ppl"] = math.exp(min(metrics.get("val_ce", metrics["val_loss"]), 50))
+        samples = []
+        if self.probe is not None:
+            task_metrics, samples = self.probe(self.model)
+            metrics.update(task_metrics)
         self.tracker.eval({"step": step, **metrics})
+        self.tracker.samples(step, samples)
+        if self.best is not None and self.best.update(step, metrics, lambda d: self.method.save(self.model, d)):
+            self._info(f"keep_best: new best {self.best.metric} {self.best.value:.4f} at step {step}")
         return metrics
 
     # ------------------------------------------------------------------ save
@@ -333,12 +358,18 @@ class TrainRecipe:
     def save_final(self) -> None:
         """output_dir/adapter/: PEFT adapter + tokenizer, loadable by PeftModel.from_pretrained."""
         if self.main:
+            best = self.best.adapter_dir if self.best is not None else None
+
             def write(d: Path) -> None:
-                self.method.save(self.model, d)
+                if best is not None:  # keep_best: the best evaluation's adapter; the last is in checkpoints/
+                    shutil.copytree(best, d, dirs_exist_ok=True)
+                else:
+                    self.method.save(self.model, d)
                 self.tokenizer.save_pretrained(d)
 
             atomic_dir(self.output_dir / "adapter", write)
-            self._info(f"adapter saved to {self.output_dir / 'adapter'}")
+            self._info(f"adapter saved to {self.output_dir / 'adapter'}"
+                       + (f" (keep_best: step {self.best.step}, {self.best.metric} {self.best.value:.4f})" if best else ""))
         self.acc.wait_for_everyone()
 
     def cleanup(self) -> None:

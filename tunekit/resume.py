@@ -25,6 +25,8 @@ MAY_CHANGE = (
     "trainer.eval_every", "trainer.save_every", "trainer.keep_checkpoints", "trainer.resume",
     "trainer.memory_check",                       # a safety check, not part of the run
     "data.max_val_examples",                      # only what is evaluated
+    "trainer.eval_samples", "trainer.eval_task", "trainer.eval_task_rows", "trainer.eval_max_new_tokens",
+    "trainer.keep_best", "trainer.best_metric",   # what is reported, and which adapter/ is exported
     "tracker.",                                   # where metrics go
     "kernels.",                                   # the fused kernel computes the same function
     "model.gradient_checkpointing",               # recomputation, not a different result

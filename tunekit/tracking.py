@@ -28,7 +28,22 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
+def smooth(values: list[float], weight: float = 0.9) -> list[float]:
+    """Exponential moving average with bias correction (TensorBoard's smoothing): the first points
+    are not pulled toward 0, and a flat series stays flat."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values, start=1):
+        avg = weight * avg + (1 - weight) * v
+        out.append(avg / (1 - weight**i))
+    return out
+
+
+TASK_METRICS = {"val_accuracy": "accuracy (likelihood)", "val_exact_match": "exact match"}
+
+
 def plot_losses(rows: list[dict], out: Path) -> None:
+    """Training loss (raw, faint, and smoothed) with validation loss; a second panel for the task
+    metric when the run measures one (trainer.eval_task)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -36,21 +51,56 @@ def plot_losses(rows: list[dict], out: Path) -> None:
 
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    task = {k: [(r["step"], r[k]) for r in rows if k in r] for k in TASK_METRICS}
+    task = {k: v for k, v in task.items() if v}
+    fig, axes = plt.subplots(1, 2 if task else 1, figsize=(12 if task else 7, 4), dpi=100, squeeze=False)
+    ax = axes[0][0]
     if train:
-        ax.plot(*zip(*train), label="train loss", alpha=0.8)
+        steps, losses = zip(*train)
+        ax.plot(steps, losses, color="tab:blue", alpha=0.25, linewidth=1, label="train loss (raw)")
+        ax.plot(steps, smooth(list(losses)), color="tab:blue", linewidth=2, label="train loss (smoothed)")
     if val:
-        ax.plot(*zip(*val), "o-", label="validation loss")
+        ax.plot(*zip(*val), "o-", color="tab:orange", label="validation loss")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats / token)")
     ax.grid(alpha=0.3)
     if train or val:
         ax.legend()
+    if task:
+        ax2 = axes[0][1]
+        for key, points in task.items():
+            ax2.plot(*zip(*points), "o-", label=TASK_METRICS[key])
+        ax2.set_xlabel("optimizer step")
+        ax2.set_ylabel("held-out task metric")
+        ax2.set_ylim(-0.02, 1.02)
+        ax2.grid(alpha=0.3)
+        ax2.legend()
     fig.tight_layout()
     tmp = Path(out).with_name(f".{Path(out).name}.tmp.png")
     fig.savefig(tmp)
     plt.close(fig)
     os.replace(tmp, out)
+
+
+def _clip(text: str, width: int) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def distinct_parts(texts: list[str], min_shared: int = 16) -> list[str]:
+    """Texts with the start they all share (an instruction repeated in every prompt) replaced by
+    "…", cut at a word boundary, so a one-line display shows what differs."""
+    texts = [" ".join(t.split()) for t in texts]
+    if len(texts) < 2:
+        return texts
+    shared = texts[0]
+    for t in texts[1:]:
+        while not t.startswith(shared):
+            shared = shared[:-1]
+    shared = shared[:shared.rfind(" ") + 1] if " " in shared else ""
+    if len(shared) < min_shared:
+        return texts
+    return ["…" + t[len(shared):] for t in texts]
 
 
 class Tracker:
@@ -99,8 +149,28 @@ class Tracker:
     def eval(self, row: dict) -> None:
         self.log(row)
         extra = "".join(f", {k} {row[k]:.4f}" for k in ("val_kl", "val_ce") if k in row)
-        self.bar.write(f"step {row['step']}: val_loss {row['val_loss']:.4f} (ppl {row['val_ppl']:.2f}{extra})")
+        task = "".join(f", {name.split(' ')[0]} {100 * row[k]:.1f}%" for k, name in TASK_METRICS.items() if k in row)
+        task += f" on {row['val_task_rows']} rows" if task else ""
+        self.bar.write(f"step {row['step']}: val_loss {row['val_loss']:.4f} (ppl {row['val_ppl']:.2f}{extra}){task}")
         self.plot()
+
+    def samples(self, step: int, samples: list[dict]) -> None:
+        """Held-out prompts with the model's greedy answer and the reference: one line each, a
+        metrics.jsonl row {"step", "samples": [...]}, and a W&B table."""
+        if not samples:
+            return
+        for s, prompt in zip(samples, distinct_parts([s["prompt"] for s in samples])):
+            mark = "ok" if s["exact"] else " x"
+            self.bar.write(f"  [{mark}] {_clip(prompt, 50)!r} -> {_clip(s['answer'], 40)!r} "
+                           f"(ref {_clip(s['reference'], 30)!r})")
+        self.metrics.write(json.dumps({"step": step, "samples": samples}) + "\n")
+        self.metrics.flush()
+        if self.wandb is not None:
+            import wandb
+
+            table = wandb.Table(columns=["step", "prompt", "answer", "reference", "exact"],
+                                data=[[step, s["prompt"], s["answer"], s["reference"], s["exact"]] for s in samples])
+            self.wandb.log({"samples": table}, step=step)
 
     def plot(self) -> None:
         plot_losses(read_metrics(self.metrics_path), self.output_dir / "loss_curve.png")
@@ -122,6 +192,7 @@ class NullTracker:
     def log(self, row): ...
     def step(self, row): ...
     def eval(self, row): ...
+    def samples(self, step, samples): ...
     def plot(self): ...
     def close(self): ...
     def abort(self): ...

@@ -93,6 +93,11 @@ class SoftPromptLM(nn.Module):
         """Used by tunekit.model.decoder_and_head instead of the base's own decoder."""
         return self.decode, self.base.get_output_embeddings()
 
+    def tunekit_generation_view(self):
+        """Used by tunekit.generate: (the plain base, the soft prompt (N, dim)). Generation prepends
+        the prompt per row itself (left padding, per-row positions), so one base serves many prompts."""
+        return self.base, self.prompt_embeddings.detach()
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> CausalLMOutput:
         """logits: (batch, seq, vocab) on the real positions."""
         hidden = self.decode(input_ids, attention_mask, **kwargs).last_hidden_state

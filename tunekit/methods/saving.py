@@ -74,7 +74,7 @@ def check_loadable(folder: Path, expected: dict[str, torch.Tensor]) -> None:
     for key, p in expected.items():
         if shapes[key] != tuple(p.shape):
             raise TunekitError(f"{folder}: {key} has shape {shapes[key]}, this model has {tuple(p.shape)} "
-                               "(saved with another method.r / size, or for another base model?)")
+                               "(saved with another size setting, e.g. method.r, or for another base model?)")
 
 
 def verify_saved(folder: Path, expected: dict[str, torch.Tensor]) -> None:

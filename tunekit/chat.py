@@ -1,0 +1,172 @@
+"""`tunekit chat [RUN]`: talk to what you trained, through its chat template, with history, streamed.
+
+RUN is a run folder, an adapter folder or a model folder (tunekit.trained); none: the base
+(--model or the default model). Every turn renders the whole conversation with the chat template
+the run trained with (a prompt-tuning run's soft prompt goes first, as in training), decodes
+greedily (or samples with --temperature) and prints the reply token by token. The oldest
+exchanges are dropped when the conversation outgrows the model's context.
+
+Lines read from stdin are user messages; `/reset` clears the history, `/exit` (or end of input)
+ends. Piped input works the same way, so `printf 'Hi\\nAnd you?\\n' | tunekit chat runs/x` is a
+two-turn conversation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Optional, TextIO
+
+import torch
+
+from tunekit import TunekitError
+from tunekit.cliparse import Parser
+
+
+class Streamer:
+    """Prints new text as tokens arrive (batch of one). Decoding the whole reply each time keeps
+    multi-token characters and tokenizer spacing right; a trailing partial character waits."""
+
+    def __init__(self, tokenizer, stop_ids, out: TextIO):
+        self.tokenizer, self.stop, self.out = tokenizer, set(stop_ids), out
+        self.ids: list[int] = []
+        self.shown = ""
+
+    def __call__(self, tokens: list[int]) -> None:
+        if tokens[0] in self.stop:
+            return
+        self.ids.append(tokens[0])
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True).lstrip()
+        if text.endswith("\ufffd") or not text.startswith(self.shown):
+            return
+        self.out.write(text[len(self.shown):])
+        self.out.flush()
+        self.shown = text
+
+    def finish(self) -> str:
+        """Print what is left and end the line; returns the reply (stripped) for the history."""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True).lstrip()
+        if text.startswith(self.shown):
+            self.out.write(text[len(self.shown):])
+        self.out.write("\n")
+        self.out.flush()
+        return text.strip()
+
+
+def sampler(temperature: float, top_p: float, seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Greedy for temperature 0; else nucleus sampling (Holtzman et al. 2020) at that temperature."""
+    if temperature == 0:
+        return lambda logits: logits.argmax(-1)
+    gen = torch.Generator().manual_seed(seed)
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:  # (batch, vocab) -> (batch,)
+        probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p  # the smallest prefix whose mass reaches top_p
+        sorted_p = sorted_p * keep
+        choice = torch.multinomial(sorted_p / sorted_p.sum(-1, keepdim=True), 1, generator=gen)
+        return order.gather(-1, choice).squeeze(-1).to(logits.device)
+
+    return pick
+
+
+class Conversation:
+    def __init__(self, model, tokenizer, system: Optional[str], max_new_tokens: int, pick, out: TextIO):
+        from tunekit.generate import generation_view, pad_token_id, stop_token_ids
+
+        self.lm, self.soft = generation_view(model)
+        self.lm.eval()
+        self.tokenizer, self.max_new_tokens, self.pick, self.out = tokenizer, max_new_tokens, pick, out
+        self.stop, self.pad = stop_token_ids(self.lm, tokenizer), pad_token_id(tokenizer)
+        self.system = [{"role": "system", "content": system}] if system else []
+        self.history: list[dict] = []
+        self.limit = getattr(self.lm.config, "max_position_embeddings", None) or 2048
+
+    def reset(self) -> None:
+        self.history = []
+
+    def _prompt(self) -> list[int]:
+        from tunekit.generate import encode_messages
+
+        n_soft = 0 if self.soft is None else self.soft.shape[0]
+        while True:
+            ids = encode_messages(self.tokenizer, self.system + self.history)
+            if len(ids) + n_soft + self.max_new_tokens <= self.limit:
+                return ids
+            if len(self.history) <= 1:
+                self.history = []
+                raise TunekitError(f"chat: the message is too long for the model's context ({self.limit} tokens "
+                                   f"including --max-new-tokens {self.max_new_tokens})")
+            self.history = self.history[2:]  # drop the oldest exchange
+
+    def say(self, text: str) -> str:
+        from tunekit.generate import greedy, prefill
+
+        self.history.append({"role": "user", "content": text})
+        ids = self._prompt()
+        stream = Streamer(self.tokenizer, self.stop, self.out)
+        prefix = prefill(self.lm, [ids], [self.soft])
+        greedy(self.lm, prefix, self.max_new_tokens, self.stop, self.pad, on_token=stream, pick=self.pick)
+        reply = stream.finish()
+        self.history.append({"role": "assistant", "content": reply})
+        return reply
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(
+        prog="tunekit chat",
+        description="Talk to what you trained: chat template, streaming, history. /reset clears the history, "
+                    "/exit or end of input ends.",
+        epilog="example: tunekit chat runs/x   |   printf 'Hi\\n' | tunekit chat runs/x",
+    )
+    p.add_argument("source", nargs="?", metavar="RUN", help="a run, adapter or model folder (default: the base)")
+    p.add_argument("--model", metavar="DIR", help="base model for an adapter folder outside a run, or to chat with")
+    p.add_argument("--quantize", choices=["none", "nf4"], help="load an adapter folder's base in 4-bit NF4")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
+    p.add_argument("--system", metavar="TEXT", help="a system message at the start of the conversation")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
+    p.add_argument("--top-p", type=float, default=0.9, help="nucleus mass when sampling")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str], stdin: TextIO | None = None, stdout: TextIO | None = None) -> None:
+    from tunekit.trained import base_source, load_tokenizer_for, load_trained, open_source
+
+    args = build_parser().parse_args(argv)
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    if args.max_new_tokens <= 0:
+        raise TunekitError(f"--max-new-tokens: must be > 0, got {args.max_new_tokens}")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise TunekitError("--temperature must be >= 0 and --top-p in (0, 1]")
+    src = (open_source(args.source, args.model, args.quantize, args.dtype) if args.source
+           else base_source(args.model, args.quantize, args.dtype))
+    chat = Conversation(load_trained(src), load_tokenizer_for(src), args.system, args.max_new_tokens,
+                        sampler(args.temperature, args.top_p, args.seed), stdout)
+    interactive = stdin.isatty()
+    print(f"[tunekit] chatting with {src.describe()}; /reset clears the history, /exit ends", file=sys.stderr)
+    while True:
+        if interactive:
+            stdout.write("you> ")
+            stdout.flush()
+        line = stdin.readline()
+        if not line:
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            break
+        if text == "/reset":
+            chat.reset()
+            print("[tunekit] history cleared", file=sys.stderr)
+            continue
+        if interactive:
+            stdout.write("model> ")
+        try:
+            chat.say(text)
+        except TunekitError as e:  # a too-long message ends that turn, not the session
+            print(f"tunekit: error: {e}", file=sys.stderr)
+    if interactive:
+        stdout.write("\n")

@@ -1,0 +1,159 @@
+"""`tunekit eval RUN [--data FILE] [--base]`: score what a run learned on held-out rows.
+
+RUN is a run folder, an adapter folder or a model folder (tunekit.trained). The rows are the
+run's own held-out split unless --data names a file (any format `tunekit train` reads; chat and
+alpaca rows are scored on their final reply). Figures: response loss and perplexity, exact match
+of greedy answers (normalised: case, surrounding whitespace and punctuation), and, when the
+references form a small closed set, accuracy by log-likelihood of each class's answer with
+per-class counts. --base scores the untuned base the same way, side by side. The table goes to
+stdout, eval.json into the evaluated folder (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from tunekit import TunekitError
+from tunekit.cliparse import Parser
+
+log = logging.getLogger("tunekit")
+DEFAULT_MAX_LEN = 2048
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(
+        prog="tunekit eval",
+        description="Score a run (or an adapter / merged folder) on held-out rows: response loss, exact match "
+                    "of greedy answers and, for a closed answer set, accuracy by likelihood; --base adds the "
+                    "untuned base side by side.",
+        epilog="example: tunekit eval runs/x --base   |   tunekit eval runs/x --data test.jsonl --max-rows 200",
+    )
+    p.add_argument("source", metavar="RUN", help="a run folder, an adapter folder or a model folder")
+    p.add_argument("--data", metavar="FILE", help="held-out rows (.jsonl/.json/.csv/.parquet; default: the run's "
+                                                  "held-out split, or the default data's for a folder)")
+    p.add_argument("--base", action="store_true", help="also score the untuned base, side by side")
+    p.add_argument("--base-model", metavar="DIR", help="the untuned base of a model folder (for --base)")
+    p.add_argument("--model", metavar="DIR", help="base model for an adapter folder outside a run")
+    p.add_argument("--quantize", choices=["none", "nf4"], help="load an adapter folder's base in 4-bit NF4")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="compute dtype for a folder outside a run (a run keeps its own)")
+    p.add_argument("--max-rows", type=int, help="score only the first N rows")
+    p.add_argument("--batch-size", type=int, default=32, help="rows per batch (default 32)")
+    p.add_argument("--max-new-tokens", type=int, help="greedy budget (default: longest reference + 4 tokens)")
+    p.add_argument("--no-generate", action="store_true", help="skip greedy answers and exact match (loss and "
+                                                             "accuracy only)")
+    p.add_argument("--samples", type=int, default=5, help="answers to print (default 5)")
+    p.add_argument("--out", metavar="FILE", help="where eval.json goes (default: RUN/eval.json)")
+    p.add_argument("--json", action="store_true", help="print eval.json instead of the table")
+    return p
+
+
+def heldout_examples(src, tokenizer, data: str | None) -> tuple[list[dict], str]:
+    """Tokenized held-out examples and a line saying where they come from."""
+    from tunekit.config import plain
+    from tunekit.data import load_splits, tokenize_rows
+    from tunekit.data.formats import detect_format, read_rows
+
+    cfg = src.run.cfg if src.kind == "run" else None
+    max_len = cfg.data.max_seq_len if cfg is not None else DEFAULT_MAX_LEN
+    if data is not None:
+        if not Path(data).is_file():
+            raise TunekitError(f"--data: file not found: {data}")
+        from tunekit.data.tokenize import ensure_chat_template
+
+        ensure_chat_template(tokenizer)
+        rows = read_rows(data)  # its own format, whatever the run trained on
+        return tokenize_rows(rows, detect_format(rows, data), data, tokenizer, max_len), data
+    if cfg is not None:
+        d = cfg.data
+        _, val = load_splits(d.path, d.val_path, plain(d.format), tokenizer, d.max_seq_len, d.val_fraction,
+                             d.max_val_examples, cfg.seed)
+        where = d.val_path or (f"{d.val_fraction:g} of {d.path} (the run's split)" if d.path else "the default data's val split")
+        return val, where
+    _, val = load_splits(None, None, "auto", tokenizer, max_len, 0.05, None, 0)
+    return val, "the default data's val split"
+
+
+def evaluate(args) -> dict:
+    from tunekit.taskeval.report import answers_json, difference, sample_lines, table
+    from tunekit.taskeval.rows import closed_set, task_rows
+    from tunekit.taskeval.score import score_rows
+    from tunekit.trained import load_base, load_tokenizer_for, load_trained, open_source
+
+    for key in ("batch_size", "max_rows", "max_new_tokens"):
+        value = getattr(args, key)
+        if value is not None and value <= 0:
+            raise TunekitError(f"--{key.replace('_', '-')}: must be > 0, got {value}")
+    start = time.perf_counter()
+    src = open_source(args.source, args.model, args.quantize, args.dtype, args.base_model)
+    if args.base and src.kind == "model" and args.base_model is None:
+        raise TunekitError(f"--base: the base of the model folder {src.path} is unknown; name it with --base-model DIR")
+    tokenizer = load_tokenizer_for(src)
+    examples, where = heldout_examples(src, tokenizer, args.data)
+    rows, skipped = task_rows(examples, tokenizer)
+    if args.max_rows is not None:
+        rows = rows[:args.max_rows]
+    if not rows:
+        raise TunekitError(f"{args.data or src.path}: no held-out row has a prompt and a reply to score "
+                           "(plain-text rows, or replies cut by data.max_seq_len)")
+    classes = closed_set(rows)
+    kw = dict(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, generate=not args.no_generate)
+
+    timings = {}
+    t0 = time.perf_counter()
+    model = load_trained(src)
+    timings["load_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    trained = score_rows(model, tokenizer, rows, classes, **kw)
+    timings["score_s"] = time.perf_counter() - t0
+    del model
+    gc.collect()
+    base = None
+    if args.base:
+        t0 = time.perf_counter()
+        base_model = load_base(src)
+        base = score_rows(base_model, tokenizer, rows, classes, **kw)
+        timings["base_s"] = time.perf_counter() - t0
+        del base_model
+        gc.collect()
+    timings["wall_s"] = time.perf_counter() - start
+
+    head = (f"held-out: {where}: {len(rows)} rows" + (f" ({skipped} without a reply to score skipped)" if skipped else "")
+            + (f", {len(classes.names)} classes: {', '.join(classes.labels)}" if classes else ", free-form answers"))
+    report = {
+        "source": src.describe(), "data": where, "rows": len(rows), "skipped": skipped,
+        "classes": classes.labels if classes else None,
+        "settings": {"batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "generate": not args.no_generate},
+        "trained": trained.metrics, **({"base": base.metrics, "difference": difference(base.metrics, trained.metrics)}
+                                       if base else {}),
+        "timings": timings, "answers": answers_json(tokenizer, rows, trained, base),
+        "table": table(trained.metrics, base.metrics if base else None, head),
+        "samples": sample_lines(tokenizer, rows, trained, args.samples) if not args.no_generate else [],
+    }
+    return report
+
+
+def main(argv: list[str]) -> None:
+    args = build_parser().parse_args(argv)
+    report = evaluate(args)
+    out = Path(args.out) if args.out else Path(args.source).expanduser() / "eval.json"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({k: v for k, v in report.items() if k not in ("table", "samples")}, indent=2) + "\n")
+    except OSError as e:
+        raise TunekitError(f"--out: cannot write {out} ({e.strerror})") from None
+    if args.json:
+        print(out.read_text(), end="")
+    else:
+        print(report["table"])
+        if report["samples"]:
+            print("answers (trained):")
+            print("\n".join(report["samples"]))
+        print(f"wrote {out} ({report['timings']['wall_s']:.1f} s)")
+    sys.stdout.flush()
