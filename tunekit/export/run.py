@@ -83,13 +83,29 @@ def load_base(run: Run) -> nn.Module:
     return model.eval()
 
 
-def trained_model(run: Run, adapter_dir: Path | None = None) -> nn.Module:
-    """Base + method.apply + method.load(adapter): the model the run ended with, in eval mode."""
+def apply_and_load(run: Run, base: nn.Module, adapter_dir: Path | None = None) -> nn.Module:
+    """method.apply + method.load(adapter) on `base` (its storage is reused): the trained model, eval mode."""
     method = run.method
-    model = method.apply(load_base(run), run.cfg.method)
+    model = method.apply(base, run.cfg.method)
     method.load(model, Path(adapter_dir or run.adapter_dir))
     model.requires_grad_(False)
     return model.eval()
+
+
+def trained_model(run: Run, adapter_dir: Path | None = None) -> nn.Module:
+    """Base + method.apply + method.load(adapter): the model the run ended with, in eval mode."""
+    return apply_and_load(run, load_base(run), adapter_dir)
+
+
+def load_original_base(run: Run) -> nn.Module:
+    """The base's own high-precision weights from model.path (never 4-bit), in fp32, eval mode.
+
+    The weights a merge into the original model adds the fine-tune to; fp32 so that the sum
+    W + delta is exact before the export's dtype rounds it once.
+    """
+    from tunekit.model import load_base_model
+
+    return load_base_model(run.model_path, "none", torch.float32, torch.device("cpu")).eval()
 
 
 def run_tokenizer(run: Run):
