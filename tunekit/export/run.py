@@ -117,13 +117,27 @@ def run_tokenizer(run: Run):
 
 
 def heldout_batches(run: Run, tokenizer, n_batches: int) -> list[dict[str, torch.Tensor]]:
-    """The first n_batches of the run's validation split, padded: each {input_ids, attention_mask,
-    labels}: (batch, seq). Padded rather than packed even for packed runs: every consumer of an
-    export (peft, transformers, llama.cpp) runs padded/single sequences."""
+    """The examples of the first n_batches micro-batches of the run's validation split, padded:
+    each {input_ids, attention_mask, labels}: (batch, seq).
+
+    Regrouped by length (same examples, at most micro_batch_size per batch, a new batch when a
+    sequence is 1.5x longer than the batch's first): with right padding and a causal mask the
+    real positions never see the padding, so grouping changes no figure, but it cuts the padded
+    positions every forward pays for (default run: 3184 -> 1968 positions for 1792 real tokens).
+    Padded rather than packed even for packed runs: every consumer of an export (peft,
+    transformers, llama.cpp) runs padded/single sequences."""
     from tunekit.data import collate, eval_batches, load_splits
 
     d = run.cfg.data
     _, val = load_splits(d.path, d.val_path, plain(d.format), tokenizer, d.max_seq_len, d.val_fraction,
                          d.max_val_examples, run.cfg.seed)
-    groups = eval_batches(len(val), run.cfg.trainer.micro_batch_size, 1, 0)[:n_batches]
+    size = run.cfg.trainer.micro_batch_size
+    chosen = [i for idx in eval_batches(len(val), size, 1, 0)[:n_batches] for i in idx]
+    chosen.sort(key=lambda i: len(val[i]["input_ids"]))
+    groups: list[list[int]] = []
+    for i in chosen:
+        n = len(val[i]["input_ids"])
+        if not groups or len(groups[-1]) == size or n > 1.5 * len(val[groups[-1][0]]["input_ids"]):
+            groups.append([])
+        groups[-1].append(i)
     return [collate([val[i] for i in idx], tokenizer.pad_token_id) for idx in groups]
