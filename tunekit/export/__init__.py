@@ -31,7 +31,7 @@ from typing import Optional
 from tunekit import TunekitError, __version__
 from tunekit.checkpoint import atomic_dir
 from tunekit.export import artifacts, llamacpp
-from tunekit.export.fidelity import compare, mean_loss, measure_reference
+from tunekit.export.fidelity import compare, measure_reference, token_nll
 from tunekit.export.gate import KL_ADAPTER, MIN_GAIN_KEPT, MIN_GAIN_KEPT_LOSSY, decide, table
 from tunekit.export.run import apply_and_load, heldout_batches, load_base, load_original_base, open_run, run_tokenizer
 from tunekit.export.writing import atomic_file, check_out, report_path
@@ -131,7 +131,7 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
     # One load of the base: its loss, then (same storage) the trained model's logits and loss.
     ref, trained = measure_reference(load_base(run), lambda base: apply_and_load(run, base), batches)
     lap("load_and_measure_trained")
-    merged, loss_merge_base = None, None
+    merged, nll_merge_base = None, None
     if fmt != "adapter":
         if run.quantize == "nf4" and target == "dequantized":
             merged = run.method.merge(trained)  # fp32: dequantized NF4 codes + delta, exact
@@ -139,7 +139,7 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
             artifacts.free(trained)
             base = load_original_base(run)
             if run.quantize == "nf4":
-                loss_merge_base = mean_loss(base, batches)
+                nll_merge_base = token_nll(base, batches)
             merged = run.method.merge(apply_and_load(run, base))
         trained = None
         lap("merge")
@@ -176,7 +176,7 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
                 exported = artifacts.reload_gguf_transformers(tmp / out.name)
                 exported_tok = artifacts.reload_tokenizer(tmp, gguf_file=out.name)
         lap("reload")
-        fid = compare(ref, exported, loss_merge_base)
+        fid = compare(ref, exported, nll_merge_base)
         fid["tokenizer_agreement"] = artifacts.tokenizer_agreement(tokenizer, exported_tok, batches)
         if fmt == "gguf" and checked_by.startswith("llama.cpp"):
             exported_tok.model.close()

@@ -52,17 +52,16 @@ def as_logits(model_or_fn) -> Logits:
     return model_or_fn if not isinstance(model_or_fn, nn.Module) else (lambda b: logits_of(model_or_fn, b))
 
 
-def response_nll(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[float, int]:
-    """(sum of NLL over response tokens, their count); position t predicts labels[t + 1]."""
+def response_nll(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(response tokens,) NLL of each response token, in row-major order; position t predicts labels[t + 1]."""
     labels = batch["labels"][:, 1:]
     resp = labels != IGNORE
-    nll = F.cross_entropy(logits[:, :-1][resp].float(), labels[resp], reduction="sum")
-    return nll.item(), int(resp.sum())
+    return F.cross_entropy(logits[:, :-1][resp].float(), labels[resp], reduction="none")
 
 
 @torch.no_grad()
-def mean_loss(model: nn.Module, batches: list[dict]) -> float:
-    """Mean response NLL (nats/token) of a causal LM over the batches.
+def token_nll(model: nn.Module, batches: list[dict]) -> torch.Tensor:
+    """(response tokens,) NLL of every response token of the batches, in the order of response_nll.
 
     Only the loss is needed here, so the output head (vocab x dim: a fifth of SmolLM2's forward)
     runs on the response positions alone, as in training's own loss.
@@ -70,29 +69,37 @@ def mean_loss(model: nn.Module, batches: list[dict]) -> float:
     from tunekit.model import decoder_and_head
 
     decoder, head = decoder_and_head(model)
-    total = count = 0
+    out = []
     for batch in batches:
         hidden = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                          use_cache=False).last_hidden_state  # (batch, seq, dim)
         labels = batch["labels"][:, 1:]
         resp = labels != IGNORE
         logits = head(hidden[:, :-1][resp]).float()  # (response tokens, vocab)
-        total += F.cross_entropy(logits, labels[resp], reduction="sum").item()
-        count += int(resp.sum())
-    return total / max(count, 1)
+        out.append(F.cross_entropy(logits, labels[resp], reduction="none"))
+    return torch.cat(out)
 
 
 @dataclass
 class Reference:
     """The trained model's side of every comparison, measured once.
 
-    logits[i]: (positions_i, vocab) fp32 trained logits at the non-padding positions of batch i.
+    logits[i]: (positions_i, vocab) fp32 trained logits at the non-padding positions of batch i;
+    nll_base, nll_trained: (response tokens,) per-token losses of the base and the trained model.
     """
 
     batches: list[dict]
-    loss_base: float
-    loss_trained: float
+    nll_base: torch.Tensor
+    nll_trained: torch.Tensor
     logits: list[torch.Tensor] = field(repr=False)
+
+    @property
+    def loss_base(self) -> float:
+        return self.nll_base.mean().item()
+
+    @property
+    def loss_trained(self) -> float:
+        return self.nll_trained.mean().item()
 
     @property
     def gain(self) -> float:
@@ -105,33 +112,47 @@ def measure_reference(base: nn.Module, make_trained: Callable[[nn.Module], nn.Mo
                       batches: list[dict]) -> tuple[Reference, nn.Module]:
     """Base loss from `base`, then `make_trained(base)` (method.apply + load: same storage) gives
     the trained model, whose logits and loss are recorded. Returns the reference and the trained model."""
-    loss_base = mean_loss(base, batches)
+    nll_base = token_nll(base, batches)
     trained = make_trained(base)
-    logits, total, count = [], 0.0, 0
+    logits, nll = [], []
     for batch in batches:
         z = logits_of(trained, batch)  # (batch, seq, vocab)
-        s, n = response_nll(z, batch)
-        total, count = total + s, count + n
+        nll.append(response_nll(z, batch))
         logits.append(z[batch["attention_mask"].bool()].contiguous())  # (positions, vocab)
         del z
-    return Reference(batches, loss_base, total / max(count, 1), logits), trained
+    return Reference(batches, nll_base, torch.cat(nll), logits), trained
 
 
-def gain_kept(ref: Reference, loss_exported: float, loss_merge_base: Optional[float] = None) -> float:
-    """Fraction of the fine-tune's held-out gain that the export keeps (1.0 = all of it).
+def gain_kept(ref: Reference, nll_exported: torch.Tensor, nll_merge_base: Optional[torch.Tensor] = None
+              ) -> tuple[Optional[float], Optional[float]]:
+    """(fraction of the fine-tune's held-out gain that the export keeps, its standard error).
 
-    loss_merge_base: loss of the base the export merged into, when that is not the base the run
-    trained over (merge into the original high-precision weights)."""
-    start = ref.loss_base if loss_merge_base is None else loss_merge_base
-    return (start - loss_exported) / ref.gain
+    fraction = mean(start - exported) / mean(base - trained), per response token, where start is
+    the base the run trained over, or the base the export merged into (nll_merge_base: the
+    original high-precision weights). Both means are over the same tokens, so the noise that
+    matters is that of the paired differences; the standard error is the delta method's for a
+    ratio of means, treating tokens as independent (they are not quite: it is a lower bound).
+    (None, None) when the run gained nothing.
+    """
+    g = ref.nll_base.double() - ref.nll_trained.double()  # (tokens,)
+    a = (ref.nll_base if nll_merge_base is None else nll_merge_base).double() - nll_exported.double()
+    n, G = g.numel(), g.mean().item()
+    if n == 0 or G == 0:
+        return None, None
+    f = a.mean().item() / G
+    if n < 2:
+        return f, None
+    cov = torch.cov(torch.stack([a, g]))  # (2, 2), sample covariance over tokens
+    var = (cov[0, 0] + f * f * cov[1, 1] - 2 * f * cov[0, 1]).clamp_min(0).item() / (n * G * G)
+    return f, var ** 0.5
 
 
 @torch.no_grad()
-def compare(ref: Reference, exported, loss_merge_base: Optional[float] = None) -> dict:
+def compare(ref: Reference, exported, nll_merge_base: Optional[torch.Tensor] = None) -> dict:
     """Fidelity numbers of `exported` (model, or callable batch -> logits) against the reference."""
     f_exp = as_logits(exported)
     max_abs, kl_sum, agree, n_pos, n_seq = 0.0, 0.0, 0, 0, 0
-    nll, n_resp = 0.0, 0
+    nll = []
     for batch, p in zip(ref.batches, ref.logits):
         z_q = f_exp(batch)  # (batch, seq, vocab)
         mask = batch["attention_mask"].bool()  # (batch, seq)
@@ -148,19 +169,21 @@ def compare(ref: Reference, exported, loss_merge_base: Optional[float] = None) -
             agree += (pi.argmax(-1) == qi.argmax(-1)).sum().item()
         n_pos += p.shape[0]
         n_seq += mask.shape[0]
-        s, n = response_nll(z_q, batch)
-        nll, n_resp = nll + s, n_resp + n
+        nll.append(response_nll(z_q, batch))
         del z_q, q
-    loss_exp = nll / max(n_resp, 1)
+    nll_exp = torch.cat(nll)
+    loss_exp = nll_exp.mean().item() if nll_exp.numel() else float("nan")
+    kept, kept_se = gain_kept(ref, nll_exp, nll_merge_base)
     out = {
-        "batches": len(ref.batches), "sequences": n_seq, "positions": n_pos, "response_tokens": n_resp,
+        "batches": len(ref.batches), "sequences": n_seq, "positions": n_pos, "response_tokens": nll_exp.numel(),
         "loss_base": ref.loss_base, "loss_trained": ref.loss_trained, "loss_exported": loss_exp,
         "ppl_base": _ppl(ref.loss_base), "ppl_trained": _ppl(ref.loss_trained), "ppl_exported": _ppl(loss_exp),
-        "gain": ref.gain, "gain_kept": gain_kept(ref, loss_exp, loss_merge_base) if ref.gain != 0 else None,
+        "gain": ref.gain, "gain_kept": kept, "gain_kept_se": kept_se,
         "kl_mean": kl_sum / max(n_pos, 1), "max_abs_logit_diff": max_abs, "top1_agreement": agree / max(n_pos, 1),
     }
-    if loss_merge_base is not None:
-        out.update(loss_merge_base=loss_merge_base, ppl_merge_base=_ppl(loss_merge_base))
+    if nll_merge_base is not None:
+        loss_mb = nll_merge_base.mean().item()
+        out.update(loss_merge_base=loss_mb, ppl_merge_base=_ppl(loss_mb))
     return out
 
 
