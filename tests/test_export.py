@@ -82,9 +82,11 @@ torch.save({"ids": ids, "logits": logits}, sys.argv[2])
 
 
 def test_merged_export_via_cli_loads_without_tunekit(runs, tmp_path):
-    """qlora -> merged bf16 through the real CLI; a python that never imports tunekit loads it."""
+    """qlora -> merged bf16 (into the dequantized NF4 weights: the trained model itself) through
+    the real CLI; a python that never imports tunekit loads it."""
     out = tmp_path / "merged"
-    r = run_cli(["export", str(runs["qlora"]), "--format", "merged", "--out", str(out), "--eval-batches", "2"], tmp_path)
+    r = run_cli(["export", str(runs["qlora"]), "--format", "merged", "--merge-into", "dequantized", "--out", str(out),
+                 "--eval-batches", "2"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "fidelity of merged bf16 (into the dequantized NF4 weights)" in r.stdout, r.stdout
     assert "gain kept" in r.stdout and "KL(trained||exported)" in r.stdout and "-> OK" in r.stdout
@@ -114,7 +116,7 @@ def test_merged_nf4_weights_are_fresh_dequantized_base_plus_delta(runs, tiny_mod
     from tunekit.model import load_base_model
 
     out = tmp_path / "merged"
-    export(runs["qlora"], "merged", out, dtype="fp32", eval_batches=1)
+    export(runs["qlora"], "merged", out, dtype="fp32", merge_into="dequantized", eval_batches=1)
     merged = load_file(str(out / "model.safetensors"))
     base = load_base_model(str(tiny_model_dir), "nf4", torch.bfloat16, torch.device("cpu"))
     adapter = load_file(str(runs["qlora"] / "adapter" / "adapter_model.safetensors"))
@@ -149,9 +151,9 @@ def test_requantized_nf4_that_erases_a_young_adapter_is_refused(runs, tmp_path):
     --force). (Over a bf16 base the same re-quantization keeps ~98%: there is no grid to snap to.)"""
     nf4 = tmp_path / "nf4"
     with pytest.raises(TunekitError, match=r"export refused: merged nf4 .* keeps -?\d+\.\d% of the fine-tune's held-out gain"):
-        export(runs["qlora"], "merged", nf4, requantize="nf4", eval_batches=1)
+        export(runs["qlora"], "merged", nf4, requantize="nf4", merge_into="dequantized", eval_batches=1)
     assert not nf4.exists() and not leftovers(tmp_path)
-    report = export(runs["qlora"], "merged", nf4, requantize="nf4", eval_batches=1, force=True)
+    report = export(runs["qlora"], "merged", nf4, requantize="nf4", merge_into="dequantized", eval_batches=1, force=True)
     assert report["forced"] and report["gate"]["bound"] == MIN_GAIN_KEPT_LOSSY
     assert report["fidelity"]["gain_kept"] < MIN_GAIN_KEPT_LOSSY
     q = json.loads((nf4 / "config.json").read_text())["quantization_config"]
@@ -197,6 +199,7 @@ def test_auto_dtype_widens_when_the_narrow_one_loses_the_gain(runs, tmp_path, mo
     out = tmp_path / "auto"
     report = export(runs["qlora"], "merged", out, eval_batches=1)
     assert written == ["bf16", "fp16"] and report["dtype"] == "fp16" and report["dtype_asked"] == "auto"
+    assert report["merge_into"] == "original"  # the default over a 4-bit base (README: measured)
     assert [t["accepted"] for t in report["dtype_tried"]] == [False, True]
     assert "fp16: the narrowest of bf16, fp16, fp32" in report["dtype_why"]
     assert json.loads((out / "config.json").read_text())["dtype"] == "float16"
@@ -225,7 +228,8 @@ def test_gguf_export_checked_by_llama_cpp(runs, recipe, tmp_path):
 
     need_llama_cpp()
     out = tmp_path / "model.gguf"
-    report = export(runs[recipe], "gguf", out, eval_batches=1)
+    # into the dequantized NF4 weights: the GGUF is then the trained model itself, up to f16
+    report = export(runs[recipe], "gguf", out, merge_into="dequantized", eval_batches=1)
     assert report["accepted"] and report["checked_by"].startswith("llama.cpp") and report["dtype"] == "f16"
     f = report["fidelity"]
     # llama.cpp's own tokenizer (vocabulary, merges, pre-split read from the GGUF) encodes the held-out texts alike
@@ -343,6 +347,10 @@ def _fid(gain: float, kept: float, kl: float = 1e-2, tok: float = 1.0, se: float
     (_fid(-0.02, None, kl=1e-3), False, True, "kl (gain not measurable)"),  # the run got worse: no fraction
     (_fid(0.04, 0.70, kl=5e-3, se=0.15), False, False, "kl (gain not measurable)"),  # 2 steps, 57 tokens: too noisy
     (_fid(0.04, 0.70, kl=1e-3, se=0.15), False, True, "kl (gain not measurable)"),
+    (_fid(0.04, -0.26, kl=1e-3, se=0.51), False, False, "gain_kept"),  # noisy, yet clearly below 90%
+    (_fid(0.74, 1.17, kl=0.55, se=0.05), False, True, "gain_kept"),    # merged into original: better than trained
+    (dict(_fid(0.74, 0.95, kl=0.3), adapter_effect=0.1, adapter_effect_se=0.02), False, False, "adapter_effect"),
+    (dict(_fid(0.74, 1.17, kl=0.55), adapter_effect=0.78, adapter_effect_se=0.05), False, True, "gain_kept"),
     (_fid(0.82, 1.0, kl=0.0, tok=0.97), False, False, "tokenizer"),
 ])
 def test_gate_decides_on_the_fraction_of_gain_kept(fid, lossy, accepted, rule):
@@ -469,7 +477,7 @@ def test_default_model_qlora_merged_and_gguf(default_model_dir, tmp_path):
                  "trainer.grad_accum=1", "trainer.eval_every=2", "trainer.save_every=2", "data.max_val_examples=4",
                  "data.max_seq_len=128"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    report = export(run, "merged", tmp_path / "auto", eval_batches=2)
+    report = export(run, "merged", tmp_path / "auto", merge_into="dequantized", eval_batches=2)
     f = report["fidelity"]
     assert report["accepted"] and report["dtype"] in ("fp16", "fp32") and report["dtype_tried"][0]["dtype"] == "bf16"
     assert not report["dtype_tried"][0]["accepted"] and f["kl_mean"] <= KL_FALLBACK
@@ -477,11 +485,11 @@ def test_default_model_qlora_merged_and_gguf(default_model_dir, tmp_path):
     assert abs(f["ppl_trained"] / val_ppl - 1) < 1e-3  # the rebuilt model is the model training evaluated
     assert f["ppl_trained"] < f["ppl_base"]
     with pytest.raises(TunekitError, match="export refused: merged bf16"):
-        export(run, "merged", tmp_path / "bf16", dtype="bf16", eval_batches=2)
+        export(run, "merged", tmp_path / "bf16", dtype="bf16", merge_into="dequantized", eval_batches=2)
     assert not (tmp_path / "bf16").exists()
 
     need_llama_cpp()
-    report = export(run, "gguf", tmp_path / "model.gguf", eval_batches=2)
+    report = export(run, "gguf", tmp_path / "model.gguf", merge_into="dequantized", eval_batches=2)
     f = report["fidelity"]
     assert report["accepted"] and report["checked_by"].startswith("llama.cpp") and report["dtype"] == "f16"
     # llama.cpp's logits of the real model against the trained one: within the compute noise an

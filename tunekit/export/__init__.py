@@ -46,8 +46,13 @@ ALIASES = {"f16": "fp16", "f32": "fp32", "float16": "fp16", "bfloat16": "bf16", 
 AUTO_ORDER = {"merged": ("bf16", "fp16", "fp32"), "gguf": ("fp16", "fp32")}
 LOSSY = ("q4_k_m", "q5_k_m")
 MERGE_TARGETS = ("dequantized", "original")
-# Measured on the default run (README, benchmarks/export-cpu.md): see `merge_target`.
-DEFAULT_MERGE_INTO = "dequantized"
+# Measured on the default run (benchmarks/export-cpu.md): the same adapter merged into the
+# original bf16 weights gives held-out ppl 8.37 (f32) / 9.04 (Q4_K_M), against 9.51 for the
+# trained model and 9.51 / 10.41 merged into the dequantized NF4 weights: SmolLM2-135M loses much
+# to NF4 (base ppl 19.8 vs 14.8), and the fine-tune still does 78% of its work on the original
+# weights. So over a 4-bit base the default is the original weights; `dequantized` reproduces
+# the trained model itself (KL 7e-4 in f16).
+DEFAULT_MERGE_INTO = "original"
 
 
 def gguf_name(dtype: str) -> str:
@@ -178,13 +183,27 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
         lap("reload")
         fid = compare(ref, exported, nll_merge_base)
         fid["tokenizer_agreement"] = artifacts.tokenizer_agreement(tokenizer, exported_tok, batches)
+        lossy = bool(requantize) or d in LOSSY
+        gate = decide(fid, adapter=fmt == "adapter", lossy=lossy, min_gain=min_gain, kl_threshold=kl_threshold)
+        if gate["rule"] == "kl (gain not measurable)" and nll_merge_base is not None and kl_threshold is None:
+            # Merged into the original weights, the export is not meant to match the trained
+            # model (NF4 rounding apart): where KL decides, it is KL against the exact fp32 merge.
+            fid["kl_vs_exact_merge"] = compare(exact_merge_reference(), exported)["kl_mean"]
+            gate = decide(dict(fid, kl_mean=fid["kl_vs_exact_merge"]), adapter=False, lossy=lossy, min_gain=min_gain)
+            gate["against"] = "the exact fp32 merge"
         if fmt == "gguf" and checked_by.startswith("llama.cpp"):
             exported_tok.model.close()
         del exported, exported_tok
         lap("compare")
-        gate = decide(fid, adapter=fmt == "adapter", lossy=bool(requantize) or d in LOSSY, min_gain=min_gain,
-                      kl_threshold=kl_threshold)
         return {"dtype": d, "fidelity": fid, "gate": gate, "accepted": gate["accepted"]}
+
+    exact = []
+
+    def exact_merge_reference():
+        """The merged fp32 model's own logits (measured once, on demand)."""
+        if not exact:
+            exact.append(measure_reference(merged, lambda m: m, batches)[0])
+        return exact[0]
 
     def build(tmp: Path) -> dict:
         tried = []

@@ -8,8 +8,12 @@ loss (nats/token) of three models and report
 
 where base is the model the run trained over (for a 4-bit run: the NF4 base, prepared as in
 training). An export that merged the fine-tune into other weights (`--merge-into original`, the
-high-precision base) is measured from the base it merged into, so that a better base cannot pass
-for a kept fine-tune. Beside it, on every non-padding position (prompt and response alike: a
+high-precision base) also gets
+
+    adapter_effect = (loss_merge_base - loss_exported) / (loss_base - loss_trained)
+
+the same fraction measured from the base it merged into, so that a better base cannot pass for a
+kept fine-tune. Beside them, on every non-padding position (prompt and response alike: a
 deployed model sees both), the distributions p (trained) and q (exported) are compared:
 
     kl_mean              mean over positions of KL(p || q) = sum_v p_v (log p_v - log q_v), nats/token
@@ -173,7 +177,7 @@ def compare(ref: Reference, exported, nll_merge_base: Optional[torch.Tensor] = N
         del z_q, q
     nll_exp = torch.cat(nll)
     loss_exp = nll_exp.mean().item() if nll_exp.numel() else float("nan")
-    kept, kept_se = gain_kept(ref, nll_exp, nll_merge_base)
+    kept, kept_se = gain_kept(ref, nll_exp)
     out = {
         "batches": len(ref.batches), "sequences": n_seq, "positions": n_pos, "response_tokens": nll_exp.numel(),
         "loss_base": ref.loss_base, "loss_trained": ref.loss_trained, "loss_exported": loss_exp,
@@ -183,7 +187,9 @@ def compare(ref: Reference, exported, nll_merge_base: Optional[torch.Tensor] = N
     }
     if nll_merge_base is not None:
         loss_mb = nll_merge_base.mean().item()
-        out.update(loss_merge_base=loss_mb, ppl_merge_base=_ppl(loss_mb))
+        effect, effect_se = gain_kept(ref, nll_exp, nll_merge_base)
+        out.update(loss_merge_base=loss_mb, ppl_merge_base=_ppl(loss_mb), adapter_effect=effect,
+                   adapter_effect_se=effect_se)
     return out
 
 

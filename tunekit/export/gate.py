@@ -12,12 +12,14 @@ adapter away keeps ~0% whatever its KL. 90% is the line between "the export is t
 slightly rounded" and "part of the fine-tune is gone": a bf16/fp16/fp32 export of a healthy run
 keeps 97-100%, and below 90% a wider dtype is there to keep it.
 
-Where the held-out data cannot measure the fraction (the run gained less than MEASURABLE_GAIN
-nats/token, i.e. under 1% perplexity, or got worse; or the fraction's standard error exceeds
-MAX_KEPT_SE, as after a few steps on a few held-out tokens: a 2-step run of the default model
-gains 0.04 nats on 57 tokens, and an exact fp32 merge then reads 116% +- 15%), the gate falls
-back to KL(trained || exported) <= KL_FALLBACK. Adapters reload onto the same base with the same
-weights: they must be exact (KL_ADAPTER).
+The fraction decides only where the held-out tokens can tell which side of the bound it is on:
+the run gained at least MEASURABLE_GAIN nats/token (1% perplexity) and the fraction lies at least
+SE_MARGIN standard errors (fidelity.gain_kept) from the bound. Otherwise (a run that gained
+nothing, or a few steps judged on a few tokens: a 2-step run of the default model gains 0.04
+nats on 57 tokens, and an exact fp32 merge then reads 116% +- 15%) the gate falls back to
+KL(trained || exported) <= KL_FALLBACK; for a merge into the original weights, KL against the
+exact fp32 merge. Adapters reload onto the same base with the same weights: they must be exact
+(KL_ADAPTER).
 """
 
 from __future__ import annotations
@@ -30,8 +32,14 @@ MIN_GAIN_KEPT = 0.90
 # lower; an adapter erased by the rounding (NF4 re-quantization snaps a young delta back onto the
 # base's NF4 grid) still keeps ~0% and is refused.
 MIN_GAIN_KEPT_LOSSY = 0.50
+# Merged into the original high-precision weights, the export is not the trained model (KL 0.5
+# on the default run: NF4 rounding of a 135M model is far from small) and can beat it (default
+# run: ppl 8.4 vs 9.5 trained, because the original base is itself 14.8 vs 19.8 for NF4). What must
+# hold there too is that the fine-tune still does most of its work on those weights: below half,
+# the export is mostly a better base that happens to score well.
+MIN_ADAPTER_EFFECT = 0.50
 MEASURABLE_GAIN = 0.01
-MAX_KEPT_SE = 0.05
+SE_MARGIN = 2.0
 # Before a measurable gain: 3e-3 sits above the compute noise of an exact fp32 merge against the
 # bf16-computing trained model (1.0e-3, SmolLM2 QLoRA) and below a rounded-away adapter (5.4e-3).
 KL_FALLBACK = 3e-3
@@ -52,19 +60,28 @@ def decide(fid: dict, *, adapter: bool, lossy: bool, min_gain: Optional[float] =
     if kl_threshold is not None and fid["kl_mean"] > kl_threshold:
         return {"accepted": False, "rule": "kl", "bound": kl_threshold,
                 "why": f"KL {fid['kl_mean']:.3e} nats/token > --kl-threshold {kl_threshold:g}"}
-    se = fid.get("gain_kept_se")
-    if fid["gain"] < MEASURABLE_GAIN or se is None or se > MAX_KEPT_SE:
-        bound = KL_FALLBACK if kl_threshold is None else kl_threshold
-        ok = fid["kl_mean"] <= bound
-        what = (f"the run gained only {fid['gain']:.4f} nats/token on held-out data" if fid["gain"] < MEASURABLE_GAIN
-                else f"the fraction kept is measured only to +-{100 * se:.0f}% on these held-out tokens")
-        return {"accepted": ok, "rule": "kl (gain not measurable)", "bound": bound,
-                "why": None if ok else f"{what}, so KL decides, and KL {fid['kl_mean']:.3e} > {bound:.0e}"}
     bound = min_gain if min_gain is not None else (MIN_GAIN_KEPT_LOSSY if lossy else MIN_GAIN_KEPT)
-    ok = fid["gain_kept"] >= bound
-    return {"accepted": ok, "rule": "gain_kept", "bound": bound,
-            "why": None if ok else f"it keeps {100 * fid['gain_kept']:.1f}% of the fine-tune's held-out gain "
-                                   f"(refused below {100 * bound:.0f}%)"}
+    kept, se = fid.get("gain_kept"), fid.get("gain_kept_se")
+    if fid["gain"] < MEASURABLE_GAIN or kept is None or se is None or abs(kept - bound) < SE_MARGIN * se:
+        kl_bound = KL_FALLBACK if kl_threshold is None else kl_threshold
+        ok = fid["kl_mean"] <= kl_bound
+        what = (f"the run gained only {fid['gain']:.4f} nats/token on held-out data" if fid["gain"] < MEASURABLE_GAIN
+                else f"the fraction kept ({100 * kept:.0f}% +- {100 * se:.0f}%) is too close to {100 * bound:.0f}% "
+                     "for these held-out tokens to tell")
+        return {"accepted": ok, "rule": "kl (gain not measurable)", "bound": kl_bound,
+                "why": None if ok else f"{what}, so KL decides, and KL {fid['kl_mean']:.3e} > {kl_bound:.0e}"}
+    ok = kept >= bound
+    verdict = {"accepted": ok, "rule": "gain_kept", "bound": bound,
+               "why": None if ok else f"it keeps {100 * kept:.1f}% of the fine-tune's held-out gain "
+                                      f"(refused below {100 * bound:.0f}%)"}
+    effect = fid.get("adapter_effect")
+    effect_se = fid.get("adapter_effect_se") or 0.0
+    if ok and effect is not None and effect < MIN_ADAPTER_EFFECT - SE_MARGIN * effect_se:
+        verdict.update(accepted=False, rule="adapter_effect", bound=MIN_ADAPTER_EFFECT,
+                       why=f"on the original weights the fine-tune does only {100 * effect:.1f}% of what it did on "
+                           f"the base it trained over (refused below {100 * MIN_ADAPTER_EFFECT:.0f}%): the export is "
+                           "mostly a different base")
+    return verdict
 
 
 def table(label: str, report: dict) -> str:
@@ -77,16 +94,23 @@ def table(label: str, report: dict) -> str:
     kept = "n/a" if f["gain_kept"] is None else f"{100 * f['gain_kept']:.1f}%"
     if f.get("gain_kept_se") is not None:
         kept += f" +- {100 * f['gain_kept_se']:.1f}%"
+    if f.get("adapter_effect") is not None:
+        kept += f" (from the merge base: {100 * f['adapter_effect']:.1f}%)"
     lines = [f"fidelity of {label}: {f['sequences']} held-out sequences, {f['positions']} tokens "
              f"({f['response_tokens']} response), {report.get('checked_by', '')}".rstrip(", "),
              f"  {'':<11}{'loss':>9}{'ppl':>11}"]
     lines += [f"  {name:<11}{loss:>9.4f}{ppl:>11.4g}  {note}".rstrip() for name, loss, ppl, note in rows]
     lines.append(f"  gain kept {kept} of {f['gain']:.4f} nats/token   KL(trained||exported) {f['kl_mean']:.2e}   "
                  f"max |logit diff| {f['max_abs_logit_diff']:.3f}   top-1 {100 * f['top1_agreement']:.2f}%")
+    if "kl_vs_exact_merge" in f:
+        lines.append(f"  KL(exact fp32 merge||exported) {f['kl_vs_exact_merge']:.2e}")
     if report["accepted"]:
         verdict = "OK"
     else:
         verdict = ("REFUSED, written anyway (--force): " if report["forced"] else "REFUSED: ") + g["why"]
-    bound = f"{100 * g['bound']:.0f}% of the gain" if g["rule"] == "gain_kept" else f"KL {g['bound']:.0e}"
+    bound = (f"KL {g['bound']:.0e}" if g["rule"].startswith("kl") else "identical tokenization"
+             if g["rule"] == "tokenizer" else f"{100 * g['bound']:.0f}% of the gain")
+    if g.get("against"):
+        bound += f" vs {g['against']}"
     lines.append(f"  -> {verdict}  [gate: {bound}]")
     return "\n".join(lines)
