@@ -23,15 +23,16 @@ import time
 from pathlib import Path
 
 EXPORTS = {  # name -> CLI arguments after RUN_DIR
-    "merged auto (into dequantized NF4)": ["--format", "merged", "--merge-into", "dequantized"],
-    "merged auto (into original)": ["--format", "merged", "--merge-into", "original"],
-    "merged fp32 (into dequantized NF4)": ["--format", "merged", "--dtype", "fp32", "--merge-into", "dequantized"],
-    "merged nf4 re-quantized": ["--format", "merged", "--requantize", "nf4", "--merge-into", "dequantized"],
-    "gguf auto (into dequantized NF4)": ["--format", "gguf", "--merge-into", "dequantized"],
-    "gguf auto (into original)": ["--format", "gguf", "--merge-into", "original"],
-    "gguf Q8_0": ["--format", "gguf", "--dtype", "Q8_0"],
-    "gguf Q4_K_M": ["--format", "gguf", "--dtype", "Q4_K_M"],
-    "gguf Q4_K_M (into original)": ["--format", "gguf", "--dtype", "Q4_K_M", "--merge-into", "original"],
+    "merged auto (default: into original)": ["--format", "merged"],
+    "merged auto, into dequantized NF4": ["--format", "merged", "--merge-into", "dequantized"],
+    "merged fp32, into dequantized NF4": ["--format", "merged", "--dtype", "fp32", "--merge-into", "dequantized"],
+    "merged nf4 re-quantized, from dequantized NF4": ["--format", "merged", "--requantize", "nf4", "--merge-into", "dequantized"],
+    "gguf auto (default: into original)": ["--format", "gguf"],
+    "gguf auto, into dequantized NF4": ["--format", "gguf", "--merge-into", "dequantized"],
+    "gguf Q8_0 (into original)": ["--format", "gguf", "--dtype", "Q8_0"],
+    "gguf Q8_0, into dequantized NF4": ["--format", "gguf", "--dtype", "Q8_0", "--merge-into", "dequantized"],
+    "gguf Q4_K_M (into original)": ["--format", "gguf", "--dtype", "Q4_K_M"],
+    "gguf Q4_K_M, into dequantized NF4": ["--format", "gguf", "--dtype", "Q4_K_M", "--merge-into", "dequantized"],
 }
 
 
@@ -58,7 +59,7 @@ def cpu() -> str:
 
 def run_one(run_dir: Path, name: str, args: list[str], out_dir: Path, env: dict) -> dict:
     is_gguf = "gguf" in args
-    slug = name.replace(" ", "-").replace("(", "").replace(")", "")
+    slug = "".join(c if c.isalnum() or c in "-_" else "-" for c in name)
     out = out_dir / (slug + (".gguf" if is_gguf else ""))
     report_file = Path(f"{out}.fidelity.json") if is_gguf else out / "fidelity.json"
     for p in (out, report_file):

@@ -141,7 +141,8 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
         if run.quantize == "nf4" and target == "dequantized":
             merged = run.method.merge(trained)  # fp32: dequantized NF4 codes + delta, exact
         else:
-            artifacts.free(trained)
+            trained = None  # the 4-bit model goes before the fp32 original comes
+            artifacts.free()
             base = load_original_base(run)
             if run.quantize == "nf4":
                 nll_merge_base = token_nll(base, batches)

@@ -3,9 +3,10 @@
 RUN_DIR/config.yaml   the resolved TrainConfig -> same base (path, quantize, dtype), same method
 RUN_DIR/adapter/      method.save() output + the tokenizer the run used (chat template included)
 
-Every call of `trained_model` loads the base afresh: merging may reuse (and so destroy) the
-model's storage, and a 4-bit model that ran eval-mode CPU forwards without the loader's
-keep_bnb_layout would dequantize to wrong weights (TRAPS.md), so nothing is ever reused.
+The base is loaded with tunekit's own loader (keep_bnb_layout: no bitsandbytes CPU repack on
+eval forwards, TRAPS.md), so one load serves a whole export: the base's loss, then the trained
+model's logits (apply + load on the same storage), then the merge into the dequantized weights,
+which consumes it. `load_original_base` reads the high-precision weights for the other target.
 """
 
 from __future__ import annotations
