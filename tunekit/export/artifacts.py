@@ -1,6 +1,9 @@
-"""Each export format as a pair: write(run, into) builds the artifact, reload(...) reads it back
-the way its consumer will (peft / tunekit for adapters, transformers for HF folders, transformers'
-GGUF loader for GGUF files), so the fidelity check measures what a user actually gets.
+"""Each export format as a pair: write(...) builds the artifact, reload(...) reads it back the way
+its consumer will (peft / tunekit for adapters, transformers for HF folders, llama.cpp for GGUF
+files), so the fidelity check measures what a user actually gets.
+
+Writers take the merged fp32 model built once per export and never modify it: trying bf16, then
+fp16, then fp32 costs one write and one reload each, not one rebuild each.
 """
 
 from __future__ import annotations
@@ -15,30 +18,29 @@ import torch
 import torch.nn as nn
 
 from tunekit import TunekitError
-from tunekit.export.run import Run, load_base, trained_model
+from tunekit.export.run import Run, load_base
 
 log = logging.getLogger("tunekit")
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _free(*models) -> None:
+def free(*models) -> None:
     del models
     gc.collect()
 
 
 # ---------------------------------------------------------------- adapter
-def write_adapter(run: Run, tokenizer, out_dir: Path) -> nn.Module:
-    """method.save() of the rebuilt model + the run's tokenizer. Returns the rebuilt (trained)
-    model: saving does not touch it, so it doubles as the fidelity reference."""
-    model = trained_model(run)
-    run.method.save(model, out_dir)
+def write_adapter(run: Run, trained: nn.Module, tokenizer, out_dir: Path) -> None:
+    """method.save() of the rebuilt trained model + the run's tokenizer (saving does not touch the model)."""
+    run.method.save(trained, out_dir)
     tokenizer.save_pretrained(out_dir)
-    return model
 
 
 def reload_adapter(run: Run, folder: Path) -> nn.Module:
     """A peft-format folder (adapter_config.json has peft_type) through peft.PeftModel on a freshly
     loaded base; a tunekit-only format (bottleneck adapters, BitFit) through tunekit's method.load."""
+    from tunekit.export.run import trained_model
+
     config = json.loads((folder / "adapter_config.json").read_text())
     if "peft_type" not in config:
         return trained_model(run, adapter_dir=folder)
@@ -48,38 +50,41 @@ def reload_adapter(run: Run, folder: Path) -> nn.Module:
 
 
 # ---------------------------------------------------------------- merged
-def merged_model(run: Run) -> nn.Module:
-    """method.merge() of a freshly rebuilt model: plain transformers model, fp32 over a 4-bit base
-    (dequantized from the packed NF4 codes the adapter trained against, never re-quantized)."""
-    if not run.method.can_merge:
-        from tunekit.methods import cannot_merge
+def _cast_state(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The model's state dict in `dtype`, tied tensors still sharing storage (so that saving
+    drops the tied copy exactly as save_pretrained does for the model itself)."""
+    cast: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, t in model.state_dict().items():
+        key = t.data_ptr()
+        if key not in cast:
+            cast[key] = t.detach().to(dtype)
+        out[name] = cast[key]
+    return out
 
-        raise cannot_merge(run.cfg.method.name)  # "... export the adapter instead (--format adapter)"
-    return run.method.merge(trained_model(run))
 
-
-def _clean_config(model: nn.Module, dtype: torch.dtype) -> None:
-    """Nothing of the training setup may leak into config.json: a stale quantization_config would
-    make transformers try to load plain weights as 4-bit."""
-    cfg = model.config
+def write_merged(merged: nn.Module, tokenizer, out_dir: Path, dtype: str) -> None:
+    """A standalone HF folder from the merged fp32 model: model.safetensors (in `dtype`),
+    config.json, generation_config.json, tokenizer. `merged` is not modified."""
+    torch_dtype = TORCH_DTYPES[dtype]
+    cfg = merged.config
+    # Nothing of the training setup may leak into config.json: a stale quantization_config would
+    # make transformers try to load plain weights as 4-bit.
     for attr in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(cfg, attr):
             delattr(cfg, attr)
-    cfg.dtype = dtype
     cfg.use_cache = True
-
-
-def write_merged(run: Run, tokenizer, out_dir: Path, dtype: str) -> None:
-    """A standalone HF folder: model.safetensors (in `dtype`), config.json, generation_config.json, tokenizer."""
-    model = merged_model(run).to(TORCH_DTYPES[dtype])
-    _clean_config(model, TORCH_DTYPES[dtype])
-    model.save_pretrained(out_dir, safe_serialization=True)
+    merged.save_pretrained(out_dir, state_dict=_cast_state(merged, torch_dtype), safe_serialization=True)
+    # save_pretrained records the in-memory model's dtype (fp32); the file holds `dtype`, and
+    # consumers loading with dtype="auto" must get that.
+    cfg.dtype = torch_dtype
+    cfg.save_pretrained(out_dir)
+    cfg.dtype = torch.float32
     if not (out_dir / "generation_config.json").is_file():
         from transformers import GenerationConfig
 
-        GenerationConfig.from_model_config(model.config).save_pretrained(out_dir)
+        GenerationConfig.from_model_config(cfg).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    _free(model)
 
 
 def reload_merged(folder: Path) -> nn.Module:
@@ -97,7 +102,7 @@ def reload_merged(folder: Path) -> nn.Module:
     return model.eval()
 
 
-def write_requantized_nf4(run: Run, tokenizer, out_dir: Path, dtype: str) -> None:
+def write_requantized_nf4(run: Run, merged: nn.Module, tokenizer, out_dir: Path, dtype: str) -> None:
     """Merged weights re-quantized to NF4 + double quant (bitsandbytes), as a HF folder with its
     quantization_config. Built the way a consumer would quantize the merged folder: the merged
     model is saved in `dtype` to a scratch folder and loaded back through transformers'
@@ -105,28 +110,39 @@ def write_requantized_nf4(run: Run, tokenizer, out_dir: Path, dtype: str) -> Non
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     scratch = out_dir / ".merged-scratch"
-    write_merged(run, tokenizer, scratch, dtype)
-    torch_dtype = TORCH_DTYPES[dtype]
+    write_merged(merged, tokenizer, scratch, dtype)
     qcfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=run.dtype, llm_int8_skip_modules=["lm_head"])
-    model = AutoModelForCausalLM.from_pretrained(scratch, quantization_config=qcfg, dtype=torch_dtype, device_map="cpu")
+    model = AutoModelForCausalLM.from_pretrained(scratch, quantization_config=qcfg, dtype=TORCH_DTYPES[dtype],
+                                                 device_map="cpu")
     shutil.rmtree(scratch)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    _free(model)
+    free(model)
 
 
 # ---------------------------------------------------------------- gguf
-def write_gguf_file(run: Run, tokenizer, path: Path, dtype: str) -> None:
+def write_gguf_file(run: Run, merged: nn.Module, tokenizer, path: Path, dtype: str) -> None:
+    """bf16/fp16/fp32: written by tunekit; a llama.cpp quantized type: tunekit writes f16 beside
+    `path`, llama.cpp's quantizer turns it into `path`, the f16 file is removed."""
+    from tunekit.export import llamacpp
     from tunekit.export.gguf import write_gguf
 
-    model = merged_model(run)
-    write_gguf(model, tokenizer, path, dtype, name=f"{Path(run.model_path).name}-{run.cfg.method.name}")
-    _free(model)
+    name = f"{Path(run.model_path).name}-{run.cfg.method.name}"
+    if dtype not in llamacpp.QUANT_TYPES:
+        write_gguf(merged, tokenizer, path, dtype, name=name)
+        return
+    f16 = path.with_name(f".{path.name}.f16")
+    try:
+        write_gguf(merged, tokenizer, f16, "fp16", name=name)
+        llamacpp.quantize(f16, path, dtype, torch.get_num_threads())
+    finally:
+        f16.unlink(missing_ok=True)
 
 
-def reload_gguf(path: Path) -> nn.Module:
-    """transformers' GGUF loader (an independent reader: dequantizes, undoes the q/k interleave)."""
+def reload_gguf_transformers(path: Path) -> nn.Module:
+    """transformers' GGUF loader (an independent reader: dequantizes, undoes the q/k interleave);
+    the fallback check where llama.cpp is not available."""
     import contextlib
     import io
 
@@ -148,6 +164,7 @@ def tokenizer_agreement(reference, exported, batches: list[dict]) -> float:
     """Fraction of held-out texts that the exported tokenizer encodes to the same ids as the run's.
 
     Logit comparisons feed token ids, so they cannot see a broken vocabulary or merge list; this can.
+    `exported` is any callable text -> {"input_ids": [...]} (a HF tokenizer, or llama.cpp's).
     """
     same = total = 0
     for batch in batches:
@@ -155,7 +172,7 @@ def tokenizer_agreement(reference, exported, batches: list[dict]) -> float:
             text = reference.decode(ids[mask.bool()].tolist(), skip_special_tokens=False)
             a = reference(text, add_special_tokens=False)["input_ids"]
             b = exported(text, add_special_tokens=False)["input_ids"]
-            same += a == b
+            same += list(a) == list(b)
             total += 1
     if total == 0:
         raise TunekitError("export: the held-out split is empty; nothing to check the export against")

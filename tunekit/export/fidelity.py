@@ -1,21 +1,36 @@
-"""How faithful an export is: the artifact reloaded from disk vs the trained model, on held-out data.
+"""How faithful an export is: the artifact, reloaded from disk, vs the trained model on held-out data.
 
-For every non-padding position of the run's held-out batches (prompt and response alike: a
-deployed model sees both) we compare next-token distributions p (trained) and q (exported):
+The user's question is "how much of what the fine-tune gained does the export keep?". On the
+response tokens of the run's held-out batches (the tokens the run trained on) we measure the mean
+loss (nats/token) of three models and report
 
-    max_abs_logit_diff   max |z_p - z_q| over positions and vocabulary
+    gain_kept = (loss_base - loss_exported) / (loss_base - loss_trained)
+
+where base is the model the run trained over (for a 4-bit run: the NF4 base, prepared as in
+training). An export that merged the fine-tune into other weights (`--merge-into original`, the
+high-precision base) also gets
+
+    adapter_effect = (loss_merge_base - loss_exported) / (loss_base - loss_trained)
+
+the same fraction measured from the base it merged into, so that a better base cannot pass for a
+kept fine-tune. Beside them, on every non-padding position (prompt and response alike: a
+deployed model sees both), the distributions p (trained) and q (exported) are compared:
+
     kl_mean              mean over positions of KL(p || q) = sum_v p_v (log p_v - log q_v), nats/token
+    max_abs_logit_diff   max |z_p - z_q| over positions and vocabulary
     top1_agreement       fraction of positions where argmax z_p == argmax z_q
-    ppl_trained/exported perplexity on the response tokens only (the tokens the run trained on)
 
-KL(trained || exported) is the expected extra nats per token a sampler pays for using the export
-instead of the trained model; it is the number the refusal threshold applies to.
+The trained model's logits and all three losses come from one load of the base (tunekit's own
+loader, so no bitsandbytes CPU repack: TRAPS.md): the base is measured before the method is
+applied, then the adapter is loaded into it. Its logits are kept (only the non-padding positions,
+fp32) so that every export candidate is compared against one reference pass.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -23,21 +38,7 @@ import torch.nn.functional as F
 
 from tunekit.data import IGNORE
 
-# Default refusal thresholds on kl_mean (nats/token), by the dtype the export is stored in.
-# The floor is set by the reference itself: the trained model computes in bf16 (4-bit layers
-# dequantize into bf16 matmuls), the export in its own dtype. Measured on SmolLM2-135M, QLoRA,
-# 2 steps: an fp32 merge (adapter intact, ppl 91.72 vs 91.75) still shows KL 1.0e-3 from that
-# compute difference alone, while a bf16 merge whose small LoRA delta (|BA| ~ 7e-5) rounds away
-# under bf16's resolution of the base weights (ulp ~2e-4 at |w| ~ 0.05) shows KL 5.4e-3 (ppl
-# back at the untrained 96.2). 3e-3 sits between: above compute noise, below "adapter lost".
-# Mis-permuted q/k or a wrong token map cost far more (tenths of a nat and up).
-KL_THRESHOLDS = {"bf16": 3e-3, "fp16": 3e-3, "fp32": 3e-3}
-# An adapter is reloaded on the same base with the same weights: it must be exact.
-KL_THRESHOLD_ADAPTER = 1e-5
-# Re-quantizing the merged weights to NF4 rounds every weight to one of 16 levels per block of
-# 64 (~7% relative step): that is a deliberate, lossy deploy choice, so its bound is looser. It
-# still catches a broken quantization (wrong layout, a skipped layer), which costs > 0.5 nats.
-KL_THRESHOLD_REQUANT_NF4 = 5e-2
+Logits = Callable[[dict], torch.Tensor]  # batch -> (batch, seq, vocab) fp32
 
 
 def logits_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -51,53 +52,146 @@ def logits_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return out.logits[:, -seq:].float()
 
 
+def as_logits(model_or_fn) -> Logits:
+    return model_or_fn if not isinstance(model_or_fn, nn.Module) else (lambda b: logits_of(model_or_fn, b))
+
+
+def response_nll(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(response tokens,) NLL of each response token, in row-major order; position t predicts labels[t + 1]."""
+    labels = batch["labels"][:, 1:]
+    resp = labels != IGNORE
+    return F.cross_entropy(logits[:, :-1][resp].float(), labels[resp], reduction="none")
+
+
 @torch.no_grad()
-def compare(trained: nn.Module | Callable, exported: nn.Module | Callable,
-            batches: list[dict[str, torch.Tensor]]) -> dict:
-    """Fidelity numbers of `exported` against `trained` (both callables batch -> logits, or models)."""
-    f_ref = trained if not isinstance(trained, nn.Module) else (lambda b: logits_of(trained, b))
-    f_exp = exported if not isinstance(exported, nn.Module) else (lambda b: logits_of(exported, b))
-    max_abs, kl_sum, agree, n_pos = 0.0, 0.0, 0, 0
-    nll_ref = nll_exp = 0.0
-    n_resp = 0
+def token_nll(model: nn.Module, batches: list[dict]) -> torch.Tensor:
+    """(response tokens,) NLL of every response token of the batches, in the order of response_nll.
+
+    Only the loss is needed here, so the output head (vocab x dim: a fifth of SmolLM2's forward)
+    runs on the response positions alone, as in training's own loss.
+    """
+    from tunekit.model import decoder_and_head
+
+    decoder, head = decoder_and_head(model)
+    out = []
     for batch in batches:
-        z_p, z_q = f_ref(batch), f_exp(batch)  # (batch, seq, vocab)
-        if z_p.shape != z_q.shape:
-            raise ValueError(f"logit shapes differ: trained {tuple(z_p.shape)}, exported {tuple(z_q.shape)}")
-        mask = batch["attention_mask"].bool()  # (batch, seq)
-        p, q = z_p[mask], z_q[mask]  # (positions, vocab)
-        logp, logq = F.log_softmax(p, -1), F.log_softmax(q, -1)
-        max_abs = max(max_abs, (p - q).abs().max().item())
-        kl_sum += (logp.exp() * (logp - logq)).sum(-1).clamp_min(0).sum().item()  # clamp: fp noise below 0
-        agree += (p.argmax(-1) == q.argmax(-1)).sum().item()
-        n_pos += p.shape[0]
-        # response tokens: position t predicts labels[t + 1]
+        hidden = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         use_cache=False).last_hidden_state  # (batch, seq, dim)
         labels = batch["labels"][:, 1:]
         resp = labels != IGNORE
-        target = labels[resp]
-        nll_ref += F.cross_entropy(z_p[:, :-1][resp], target, reduction="sum").item()
-        nll_exp += F.cross_entropy(z_q[:, :-1][resp], target, reduction="sum").item()
-        n_resp += int(resp.sum())
-    return {
-        "batches": len(batches), "positions": n_pos, "response_tokens": n_resp,
-        "max_abs_logit_diff": max_abs,
-        "kl_mean": kl_sum / max(n_pos, 1),
-        "top1_agreement": agree / max(n_pos, 1),
-        "ppl_trained": math.exp(min(nll_ref / max(n_resp, 1), 50)),
-        "ppl_exported": math.exp(min(nll_exp / max(n_resp, 1), 50)),
+        logits = head(hidden[:, :-1][resp]).float()  # (response tokens, vocab)
+        out.append(F.cross_entropy(logits, labels[resp], reduction="none"))
+    return torch.cat(out)
+
+
+@dataclass
+class Reference:
+    """The trained model's side of every comparison, measured once.
+
+    logits[i]: (positions_i, vocab) fp32 trained logits at the non-padding positions of batch i;
+    nll_base, nll_trained: (response tokens,) per-token losses of the base and the trained model.
+    """
+
+    batches: list[dict]
+    nll_base: torch.Tensor
+    nll_trained: torch.Tensor
+    logits: list[torch.Tensor] = field(repr=False)
+
+    @property
+    def loss_base(self) -> float:
+        return self.nll_base.mean().item()
+
+    @property
+    def loss_trained(self) -> float:
+        return self.nll_trained.mean().item()
+
+    @property
+    def gain(self) -> float:
+        """What the fine-tune gained on held-out response tokens, nats/token (> 0 = better)."""
+        return self.loss_base - self.loss_trained
+
+
+@torch.no_grad()
+def measure_reference(base: nn.Module, make_trained: Callable[[nn.Module], nn.Module],
+                      batches: list[dict]) -> tuple[Reference, nn.Module]:
+    """Base loss from `base`, then `make_trained(base)` (method.apply + load: same storage) gives
+    the trained model, whose logits and loss are recorded. Returns the reference and the trained model."""
+    nll_base = token_nll(base, batches)
+    trained = make_trained(base)
+    logits, nll = [], []
+    for batch in batches:
+        z = logits_of(trained, batch)  # (batch, seq, vocab)
+        nll.append(response_nll(z, batch))
+        logits.append(z[batch["attention_mask"].bool()].contiguous())  # (positions, vocab)
+        del z
+    return Reference(batches, nll_base, torch.cat(nll), logits), trained
+
+
+def gain_kept(ref: Reference, nll_exported: torch.Tensor, nll_merge_base: Optional[torch.Tensor] = None
+              ) -> tuple[Optional[float], Optional[float]]:
+    """(fraction of the fine-tune's held-out gain that the export keeps, its standard error).
+
+    fraction = mean(start - exported) / mean(base - trained), per response token, where start is
+    the base the run trained over, or the base the export merged into (nll_merge_base: the
+    original high-precision weights). Both means are over the same tokens, so the noise that
+    matters is that of the paired differences; the standard error is the delta method's for a
+    ratio of means, treating tokens as independent (they are not quite: it is a lower bound).
+    (None, None) when the run gained nothing.
+    """
+    g = ref.nll_base.double() - ref.nll_trained.double()  # (tokens,)
+    a = (ref.nll_base if nll_merge_base is None else nll_merge_base).double() - nll_exported.double()
+    n, G = g.numel(), g.mean().item()
+    if n == 0 or G == 0:
+        return None, None
+    f = a.mean().item() / G
+    if n < 2:
+        return f, None
+    cov = torch.cov(torch.stack([a, g]))  # (2, 2), sample covariance over tokens
+    var = (cov[0, 0] + f * f * cov[1, 1] - 2 * f * cov[0, 1]).clamp_min(0).item() / (n * G * G)
+    return f, var ** 0.5
+
+
+@torch.no_grad()
+def compare(ref: Reference, exported, nll_merge_base: Optional[torch.Tensor] = None) -> dict:
+    """Fidelity numbers of `exported` (model, or callable batch -> logits) against the reference."""
+    f_exp = as_logits(exported)
+    max_abs, kl_sum, agree, n_pos, n_seq = 0.0, 0.0, 0, 0, 0
+    nll = []
+    for batch, p in zip(ref.batches, ref.logits):
+        z_q = f_exp(batch)  # (batch, seq, vocab)
+        mask = batch["attention_mask"].bool()  # (batch, seq)
+        if z_q.shape[:2] != mask.shape or z_q.shape[-1] != p.shape[-1]:
+            raise ValueError(f"logit shapes differ: trained {(*mask.shape, p.shape[-1])}, exported {tuple(z_q.shape)}")
+        q = z_q[mask]  # (positions, vocab)
+        # In slices of rows: the whole (positions, vocab) temporaries would be 350 MB each on the
+        # default run, and allocating and streaming them cost more than the arithmetic.
+        for i in range(0, p.shape[0], 32):
+            pi, qi = p[i : i + 32], q[i : i + 32]
+            logp, logq = F.log_softmax(pi, -1), F.log_softmax(qi, -1)
+            max_abs = max(max_abs, (pi - qi).abs().max().item())
+            kl_sum += (logp.exp() * (logp - logq)).sum(-1).clamp_min(0).sum().item()  # clamp: fp noise below 0
+            agree += (pi.argmax(-1) == qi.argmax(-1)).sum().item()
+        n_pos += p.shape[0]
+        n_seq += mask.shape[0]
+        nll.append(response_nll(z_q, batch))
+        del z_q, q
+    nll_exp = torch.cat(nll)
+    loss_exp = nll_exp.mean().item() if nll_exp.numel() else float("nan")
+    kept, kept_se = gain_kept(ref, nll_exp)
+    out = {
+        "batches": len(ref.batches), "sequences": n_seq, "positions": n_pos, "response_tokens": nll_exp.numel(),
+        "loss_base": ref.loss_base, "loss_trained": ref.loss_trained, "loss_exported": loss_exp,
+        "ppl_base": _ppl(ref.loss_base), "ppl_trained": _ppl(ref.loss_trained), "ppl_exported": _ppl(loss_exp),
+        "gain": ref.gain, "gain_kept": kept, "gain_kept_se": kept_se,
+        "kl_mean": kl_sum / max(n_pos, 1), "max_abs_logit_diff": max_abs, "top1_agreement": agree / max(n_pos, 1),
     }
+    if nll_merge_base is not None:
+        loss_mb = nll_merge_base.mean().item()
+        effect, effect_se = gain_kept(ref, nll_exp, nll_merge_base)
+        out.update(loss_merge_base=loss_mb, ppl_merge_base=_ppl(loss_mb), adapter_effect=effect,
+                   adapter_effect_se=effect_se)
+    return out
 
 
-def summary(label: str, report: dict) -> str:
-    """The few lines printed after an export."""
-    f = report["fidelity"]
-    verdict = "OK" if report["accepted"] else ("ABOVE THRESHOLD, written anyway (--force)" if report["forced"]
-                                                else "REFUSED (above threshold)")
-    return "\n".join([
-        f"fidelity of {label} vs the trained model: {f['batches']} held-out batches, {f['positions']} tokens "
-        f"({f['response_tokens']} response)",
-        f"  KL(trained||exported) {f['kl_mean']:.3e} nats/token (threshold {report['kl_threshold']:.0e})   "
-        f"max |logit diff| {f['max_abs_logit_diff']:.4f}   top-1 agreement {100 * f['top1_agreement']:.2f}%",
-        f"  response perplexity: trained {f['ppl_trained']:.4f}, exported {f['ppl_exported']:.4f}",
-        f"  -> {verdict}",
-    ])
+def _ppl(loss: float) -> float:
+    return math.exp(min(loss, 50.0))

@@ -108,8 +108,10 @@ def _add_model_metadata(w, model: nn.Module, name: str, file_type) -> None:
 def _pre_tokenizer_name(tok_json: dict) -> str:
     """llama.cpp's name for the pre-tokenizer (its regex split), recognised by structure.
 
-    llama.cpp picks its split regex by this name. SmolLM2 splits digits one by one, then applies
-    GPT-2's byte-level regex: llama.cpp calls that "smollm". Plain byte-level is "gpt2".
+    llama.cpp picks its split regex by this name (llama-vocab.cpp) and refuses to load a file
+    whose name it does not know. SmolLM2 splits digits one by one, then applies GPT-2's
+    byte-level regex: llama.cpp calls that "smollm". Plain byte-level is "gpt-2" (with the
+    hyphen: "gpt2" is the tokenizer *model* name, and llama.cpp rejects it as a pre-tokenizer).
     """
     pre = tok_json.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
@@ -117,7 +119,7 @@ def _pre_tokenizer_name(tok_json: dict) -> str:
     if kinds == [("Digits", True), ("ByteLevel", None)]:
         return "smollm"
     if kinds == [("ByteLevel", None)]:
-        return "gpt2"
+        return "gpt-2"
     return "default"
 
 

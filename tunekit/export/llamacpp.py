@@ -1,0 +1,120 @@
+"""llama.cpp itself, through llama-cpp-python, as the GGUF check and the GGUF quantizer.
+
+A GGUF file is only as good as llama.cpp's reading of it (tensor names, rope layout, tokenizer
+pre-split, tied output): so the exported file is loaded by llama.cpp, its logits on the held-out
+sequences are compared with the trained model's, and its tokenizer encodes the held-out texts.
+The quantized types users deploy (Q8_0, Q4_K_M, ...) come from llama.cpp's own quantizer
+(llama_model_quantize), applied to the f16 GGUF tunekit writes.
+
+llama-cpp-python is built from source once by scripts/setup.sh (scripts/llama_cpp_wheel.sh). Where
+it is missing, `unavailable()` says why in one line and export falls back to transformers' reader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from tunekit import TunekitError
+
+# tunekit's name -> (llama_ftype, llama.cpp's name). Q8_0: 8-bit blocks of 32 (8.5 bits/weight);
+# K-quants: super-blocks of 256 with 6-bit sub-block scales; _M mixes keep attn_v / ffn_down and
+# the output in a wider type. These are the types llama.cpp's README recommends for deployment.
+QUANT_TYPES = {"q8_0": (7, "Q8_0"), "q6_k": (18, "Q6_K"), "q5_k_m": (17, "Q5_K_M"), "q4_k_m": (15, "Q4_K_M")}
+
+
+def unavailable() -> Optional[str]:
+    """None when llama.cpp can be used here, else the one-line reason."""
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception as e:  # ImportError, or OSError when the shared library does not load
+        return f"llama-cpp-python is not usable here ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    return None
+
+
+def version() -> str:
+    import llama_cpp
+
+    return f"llama.cpp via llama-cpp-python {llama_cpp.__version__}"
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """llama.cpp prints its load and quantize logs straight to fd 2 from C; keep the CLI's output
+    to tunekit's own lines. A failure is reported by return code / exception, not by these logs."""
+    fd = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(fd, 2)
+        os.close(fd)
+
+
+def quantize(src: Path, dst: Path, qtype: str, threads: int) -> None:
+    """llama.cpp's quantizer: src (an f16/f32 GGUF) -> dst in `qtype` (a QUANT_TYPES key)."""
+    import llama_cpp
+
+    ftype, name = QUANT_TYPES[qtype]
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = threads
+    with _quiet_stderr():
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise TunekitError(f"--dtype {name}: llama.cpp's quantizer failed (return code {rc}) on {src.name}")
+
+
+class LlamaCppModel:
+    """A GGUF file loaded by llama.cpp; `logits(batch)` evaluates each row's non-padding tokens.
+
+    Each row is decoded alone (KV cache cleared) in one llama_decode of up to n_ctx tokens, with
+    logits for every position: (batch, seq, vocab) fp32, zeros at padding (masked by the caller).
+    """
+
+    def __init__(self, path: Path, n_ctx: int, threads: int):
+        from llama_cpp import Llama
+
+        self.n_ctx = max(n_ctx, 8)
+        with _quiet_stderr():
+            self.llm = Llama(model_path=str(path), n_ctx=self.n_ctx, n_batch=self.n_ctx, n_ubatch=self.n_ctx,
+                             logits_all=True, n_threads=threads, n_threads_batch=threads, verbose=False)
+
+    @torch.no_grad()
+    def logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+        out = torch.zeros(*ids.shape, self.llm.n_vocab(), dtype=torch.float32)
+        for row in range(ids.shape[0]):
+            tokens = ids[row][mask[row]].tolist()
+            if len(tokens) > self.n_ctx:
+                raise TunekitError(f"export: a held-out sequence has {len(tokens)} tokens, more than llama.cpp's "
+                                   f"context {self.n_ctx}")
+            self.llm.reset()
+            self.llm.eval(tokens)
+            scores = np.asarray(self.llm.scores[: len(tokens)], dtype=np.float32)  # (n, vocab)
+            out[row, mask[row]] = torch.from_numpy(scores.copy())
+        return out
+
+    def tokenize(self, text: str) -> list[int]:
+        """llama.cpp's own tokenizer (the GGUF's vocabulary, merges and pre-split), special tokens parsed."""
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+class LlamaCppTokenizer:
+    """The tokenizer protocol `artifacts.tokenizer_agreement` needs, over llama.cpp's tokenizer."""
+
+    def __init__(self, model: LlamaCppModel):
+        self.model = model
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": self.model.tokenize(text)}

@@ -1,0 +1,48 @@
+"""Where an export may be written, and writing a single file (GGUF) atomically with its report.
+
+Folders (adapter, merged) go through tunekit.checkpoint.atomic_dir; a GGUF is one file plus
+PATH.fidelity.json beside it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from tunekit import TunekitError
+
+
+def report_path(fmt: str, out: Path) -> Path:
+    return out.with_name(out.name + ".fidelity.json") if fmt == "gguf" else out / "fidelity.json"
+
+
+def check_out(fmt: str, out: Path, run_dir: Path) -> None:
+    """Refuse any PATH whose replacement could destroy something that is not a previous export."""
+    if out == run_dir or run_dir in out.parents:
+        raise TunekitError(f"--out: {out} is inside the run folder {run_dir}; export somewhere else")
+    if not out.exists():
+        return
+    is_dir_format = fmt != "gguf"
+    if is_dir_format != out.is_dir():
+        raise TunekitError(f"--out: {out} exists and is a {'folder' if out.is_dir() else 'file'}; "
+                           f"--format {fmt} writes a {'folder' if is_dir_format else 'file'}")
+    if not report_path(fmt, out).is_file():
+        raise TunekitError(f"--out: {out} exists and is not a tunekit export (no {report_path(fmt, out).name}); "
+                           "choose another path or remove it")
+
+
+def atomic_file(out: Path, build: Callable[[Path], dict], report_name: str) -> dict:
+    """build(tmp_dir) writes tmp_dir/out.name and tmp_dir/report_name; both are then moved beside
+    PATH, the report first and the GGUF last, so a GGUF at PATH always has its report."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        report = build(tmp)
+        os.replace(tmp / report_name, report_path("gguf", out))
+        os.replace(tmp / out.name, out)
+        return report
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
