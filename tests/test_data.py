@@ -188,3 +188,27 @@ def test_epoch_covers_every_example_once():
     seen = [i for step in range(4) for mb in sched.micro_batches(step) for i in mb]
     assert sorted(seen) == list(range(20))
     assert torch.tensor(seen).unique().numel() == 20
+
+
+def test_group_by_length_is_optimal_and_keeps_the_memory_bound():
+    """Micro-batches of one step: fewest padded tokens + a fixed cost per micro-batch, at most
+    `cap` examples each, never more padded tokens than cap x the longest (the fixed-size bound)."""
+    import itertools
+    import random
+
+    from tunekit.data.batching import group_by_length
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n, cap, over = rng.randint(1, 9), rng.randint(1, 4), rng.choice([0, 8, 32])
+        lengths = sorted((rng.randint(1, 300) for _ in range(n)), reverse=True)
+        groups = group_by_length(lengths, cap, over)
+        assert [i for g in groups for i in g] == list(range(n)) and all(1 <= len(g) <= cap for g in groups)
+        cost = lambda gs: sum(len(g) * lengths[g[0]] + over for g in gs)  # noqa: E731
+        best = min(cost([list(range(a, b)) for a, b in zip((0, *cuts), (*cuts, n))])  # every split
+                   for k in range(n) for cuts in itertools.combinations(range(1, n), k)
+                   if all(0 < b - a <= cap for a, b in zip((0, *cuts), (*cuts, n))))
+        assert cost(groups) == best
+        assert max(len(g) * lengths[g[0]] for g in groups) <= cap * lengths[0]
+    # one long example no longer pads seven short ones to its length
+    assert group_by_length([256] + [40] * 7, 8) == [[0], [1, 2, 3, 4, 5, 6, 7]]

@@ -6,6 +6,10 @@ The choice is made once, before the first step, and never changes what is traine
   and a layer is switched by changing its class in place. peft still finds every layer when it
   saves, loads, merges or disables adapters, and state-dict keys are untouched. (Swapping in a
   module of another type made peft 0.21 save adapters with 0 tensors: TRAPS.md.)
+* On a CPU, `auto` takes the same layer math in plain torch + bitsandbytes with the LoRA matmuls
+  in bf16 (tunekit/lora_compute.py: peft runs them in fp32, at a quarter of the CPU's bf16 speed),
+  when the base computes in bf16; it is checked against the twin like the kernel (not timed: a
+  rule, so that a resumed run takes the same path and stays bit-identical).
 * `kernels.fused_lora=auto` proves the kernel on this device before trusting it: for every
   distinct weight shape of the model, one real layer's NF4 weight runs forward and backward
   through the fused op and through its pure-torch twin (tunekit_kernels.reference) on a few
@@ -73,15 +77,34 @@ class FusedLoRALinear4bit(PeftLoRALinear4bit):
         return y.to(x.dtype)
 
 
+class TorchLoRALinear4bit(PeftLoRALinear4bit):
+    """peft's LoRA over a bitsandbytes Linear4bit, LoRA matmuls in the compute dtype (lora_compute.py)."""
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        active = [a for a in self.active_adapters if a in self.lora_A]
+        if self.disable_adapters or self.merged or len(active) != 1 or args or kwargs:
+            return super().forward(x, *args, **kwargs)
+        from tunekit.lora_compute import lora4bit_compute
+
+        name = active[0]
+        dropout = self.lora_dropout[name]
+        p = float(dropout.p) if self.training and isinstance(dropout, nn.Dropout) else 0.0
+        return lora4bit_compute(x, self.base_layer, self.lora_A[name].weight, self.lora_B[name].weight,
+                                float(self.scaling[name]), p)
+
+
+PATHS = {"peft": PeftLoRALinear4bit, "fused": FusedLoRALinear4bit, "torch": TorchLoRALinear4bit}
+
+
 def lora_4bit_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, layer) of every peft LoRA layer over a bitsandbytes 4-bit weight, fused or not."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, PeftLoRALinear4bit)]
 
 
-def set_fused(layers: list[nn.Module], on: bool) -> None:
-    """Switch layers between peft's forward and the fused one; nothing else about them changes."""
+def set_path(layers: list[nn.Module], path: str) -> None:
+    """Switch layers between peft's forward and tunekit's; nothing else about them changes."""
     for layer in layers:
-        layer.__class__ = FusedLoRALinear4bit if on else PeftLoRALinear4bit
+        layer.__class__ = PATHS[path]
 
 
 @dataclass
@@ -100,7 +123,7 @@ class FusedDecision:
     """What summary.json records: which path the LoRA layers use, and why."""
 
     mode: str
-    path: str  # "fused" | "peft"
+    path: str  # "fused" (Triton) | "torch" (compute-dtype LoRA, CPU) | "peft"
     reason: str
     layers: int = 0
     checks: list = field(default_factory=list)
@@ -114,8 +137,9 @@ def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((a - e).abs().max() / e.abs().max().clamp_min(1e-30)).item()
 
 
-def check_layer(layer: nn.Module, dtype: torch.dtype, tokens: int = CHECK_TOKENS, seed: int = 0) -> float:
-    """Max relative error of the fused op against the fp32 twin on `layer`'s real NF4 weight.
+def check_layer(layer: nn.Module, dtype: torch.dtype, tokens: int = CHECK_TOKENS, seed: int = 0,
+                path: str = "fused") -> float:
+    """Max relative error of tunekit's op (`path`) against the fp32 twin on `layer`'s real NF4 weight.
 
     Random x (tokens, in), random non-zero LoRA factors of the layer's rank (the trained B starts
     at zero, which would hide half the op) and a random output gradient; compares y, dx, dA, dB.
@@ -141,7 +165,13 @@ def check_layer(layer: nn.Module, dtype: torch.dtype, tokens: int = CHECK_TOKENS
         y.backward(dy.to(cast))
         return [y.detach(), xs.grad, As.grad, Bs.grad]
 
-    fused = run(lambda a, b, c: tk.fused_lora_linear(a, quant, b, c, scaling), dtype)
+    if path == "fused":
+        fused = run(lambda a, b, c: tk.fused_lora_linear(a, quant, b, c, scaling), dtype)
+    else:
+        from tunekit.lora_compute import lora4bit_compute
+
+        # bitsandbytes computes the base in its compute dtype whatever x's dtype; x comes in as in training
+        fused = run(lambda a, b, c: lora4bit_compute(a, layer.base_layer, b.float(), c.float(), scaling), dtype)
     twin = run(lambda a, b, c: lora_linear_reference(a, quant, b, c, scaling), torch.float32)
     return max(_rel_err(f, t) for f, t in zip(fused, twin))
 
@@ -159,8 +189,9 @@ def _median_ms(step, device: torch.device, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def time_layer(layer: nn.Module, dtype: torch.dtype, tokens: int = TIMING_TOKENS) -> tuple[float, float]:
-    """(fused ms, peft ms) for forward + backward of `layer` on `tokens` random rows."""
+def time_layer(layer: nn.Module, dtype: torch.dtype, tokens: int = TIMING_TOKENS,
+               path: str = "fused") -> tuple[float, float]:
+    """(tunekit's ms, peft ms) for forward + backward of `layer` on `tokens` random rows."""
     n_in = layer.base_layer.in_features
     device = layer.base_layer.weight.device
     x = torch.randn(tokens, n_in, device=device, dtype=dtype, requires_grad=True)
@@ -174,7 +205,7 @@ def time_layer(layer: nn.Module, dtype: torch.dtype, tokens: int = TIMING_TOKENS
         return step
 
     try:
-        fused = _median_ms(step_with(FusedLoRALinear4bit), device)
+        fused = _median_ms(step_with(PATHS[path]), device)
         peft = _median_ms(step_with(PeftLoRALinear4bit), device)
     finally:
         layer.__class__ = fused_cls
@@ -192,31 +223,34 @@ def _distinct_shapes(layers: list[tuple[str, nn.Module]]) -> list[nn.Module]:
     return out
 
 
-def prove_kernel(layers: list[tuple[str, nn.Module]], dtype: torch.dtype, facts: dev.DeviceFacts) -> tuple[bool, str, list]:
+def prove_kernel(layers: list[tuple[str, nn.Module]], dtype: torch.dtype, facts: dev.DeviceFacts,
+                 path: str = "fused") -> tuple[bool, str, list]:
     """Run the checks on one layer per weight shape. Returns (trusted, reason, checks)."""
     checks, timed = [], facts.type == "cuda"
+    what = "the fused kernel" if path == "fused" else "the compute-dtype LoRA"
     for layer in _distinct_shapes(layers):
         c = KernelCheck((layer.base_layer.out_features, layer.base_layer.in_features))
         checks.append(c)
         try:
-            c.max_rel_err = check_layer(layer, dtype)
+            c.max_rel_err = check_layer(layer, dtype, path=path)
         except Exception as e:  # a Triton compile or launch failure: any type, reported by name
             c.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
-            return False, f"the fused kernel failed on a {c.shape[0]}x{c.shape[1]} layer ({c.error})", checks
+            return False, f"{what} failed on a {c.shape[0]}x{c.shape[1]} layer ({c.error})", checks
         if not c.max_rel_err <= CHECK_TOL[dtype]:
-            return False, (f"the fused kernel differs from its reference by {c.max_rel_err:.2e} (relative) on a "
+            return False, (f"{what} differs from its reference by {c.max_rel_err:.2e} (relative) on a "
                            f"{c.shape[0]}x{c.shape[1]} layer, above the {CHECK_TOL[dtype]:.0e} allowed in "
                            f"{dtype}"), checks
         if timed:
-            c.fused_ms, c.peft_ms = time_layer(layer, dtype)
+            c.fused_ms, c.peft_ms = time_layer(layer, dtype, path=path)
     if timed:
         fused, peft = sum(c.fused_ms for c in checks), sum(c.peft_ms for c in checks)
         if fused > peft:
-            return False, (f"the fused kernel is slower than peft + bitsandbytes here ({fused:.2f} ms vs "
+            return False, (f"{what} is slower than peft + bitsandbytes here ({fused:.2f} ms vs "
                            f"{peft:.2f} ms, forward + backward of one layer per shape)"), checks
         speed = f", {peft / fused:.2f}x peft's speed"
     else:
-        speed = " (speed not compared: the interpreter is for tests)"
+        speed = (" (speed not compared: the interpreter is for tests)" if path == "fused"
+                 else " (bf16 instead of fp32 LoRA matmuls)")
     worst = max(c.max_rel_err for c in checks)
     return True, f"checked against its reference on {len(checks)} layer shapes (max rel. err {worst:.1e}){speed}", checks
 
@@ -224,11 +258,12 @@ def prove_kernel(layers: list[tuple[str, nn.Module]], dtype: torch.dtype, facts:
 def choose_lora_path(model: nn.Module, mode: str, facts: dev.DeviceFacts, dtype: torch.dtype) -> FusedDecision:
     """Decide, prove and apply the LoRA path for `model`; returns the decision for the log and summary.
 
-    mode: auto (fused where it runs natively and passes its checks, else peft) | on (fused or a
-    clear error) | off (peft).
+    mode: auto (CUDA: the Triton kernel where it runs, passes its checks and is faster; CPU: the
+    compute-dtype LoRA when the base computes in bf16, checked; else peft) | on (the Triton kernel
+    or a clear error) | off (peft).
     """
     layers = lora_4bit_layers(model)
-    set_fused([m for _, m in layers], False)  # peft's forward unless the kernel earns its place below
+    set_path([m for _, m in layers], "peft")  # peft's forward unless tunekit's earns its place below
     if mode == "off":
         return FusedDecision(mode, "peft", "kernels.fused_lora=off")
     if not layers:
@@ -240,7 +275,7 @@ def choose_lora_path(model: nn.Module, mode: str, facts: dev.DeviceFacts, dtype:
 
     supported, why = dev.fused_kernel_support(facts, dtype, triton_importable(), interpreting())
     if mode == "auto" and facts.type != "cuda":
-        return FusedDecision(mode, "peft", f"kernels.fused_lora=auto uses the fused kernel on CUDA only ({why})")
+        return _cpu_path(model, layers, mode, facts, dtype, why)
     if not supported:
         if mode == "on":
             raise TunekitError(f"kernels.fused_lora=on: the fused kernel cannot run here: {why}")
@@ -250,5 +285,18 @@ def choose_lora_path(model: nn.Module, mode: str, facts: dev.DeviceFacts, dtype:
         if mode == "on":
             raise TunekitError(f"kernels.fused_lora=on: {reason}; use kernels.fused_lora=auto or off")
         return FusedDecision(mode, "peft", reason + "; using peft + bitsandbytes", checks=checks)
-    set_fused([m for _, m in layers], True)
+    set_path([m for _, m in layers], "fused")
     return FusedDecision(mode, "fused", reason, layers=len(layers), checks=checks)
+
+
+def _cpu_path(model, layers, mode: str, facts: dev.DeviceFacts, dtype: torch.dtype, why: str) -> FusedDecision:
+    """auto off CUDA: the Triton kernel is out (only an interpreter runs it there); LoRA in bf16
+    pays where the base computes in bf16, and with an fp32 base it would be peft's own math."""
+    if dtype != torch.bfloat16:
+        return FusedDecision(mode, "peft", f"the base computes in {dtype}, so peft's fp32 LoRA is as fast ({why})")
+    trusted, reason, checks = prove_kernel(layers, dtype, facts, path="torch")
+    if not trusted:
+        return FusedDecision(mode, "peft", reason + "; using peft + bitsandbytes", checks=checks)
+    set_path([m for _, m in layers], "torch")
+    return FusedDecision(mode, "torch", f"LoRA matmuls in bf16 on {facts.describe()}, {reason}",
+                         layers=len(layers), checks=checks)

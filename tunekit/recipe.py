@@ -127,7 +127,8 @@ class TrainRecipe:
         self.optimizer = build_optimizer(plain(t.optimizer), self.params, t.lr, t.weight_decay, self.device)
         self.scheduler = warmup_cosine(self.optimizer, t.warmup_steps, t.max_steps)
         self.schedule = BatchSchedule([len(e["input_ids"]) for e in self.train_data], t.micro_batch_size,
-                                      t.grad_accum, self.acc.num_processes, self.acc.process_index, cfg.seed)
+                                      t.grad_accum, self.acc.num_processes, self.acc.process_index, cfg.seed,
+                                      min_padding=not cfg.data.packing)
         # Dropout masks differ per rank (as in DDP); everything that must agree is already built.
         # A resumed run then restores each rank's own RNG state saved with its checkpoint, so it
         # continues the random stream of an uninterrupted run.

@@ -15,9 +15,41 @@ import torch
 from tunekit.data.tokenize import IGNORE
 
 
+# A micro-batch's fixed cost (Python, autograd and per-op overhead of a forward + backward through
+# every layer), in padded-token equivalents. Measured on the default model on a 2-core CPU: ~50 ms
+# per micro-batch against ~3 ms per token, so ~16-32 tokens; 32 keeps a micro-batch from being
+# split for a few tokens of padding.
+MICRO_BATCH_OVERHEAD_TOKENS = 32
+
+
+def group_by_length(lengths: list[int], cap: int, overhead: int = MICRO_BATCH_OVERHEAD_TOKENS) -> list[list[int]]:
+    """Split positions 0..n-1 of `lengths` (sorted longest first) into consecutive groups of at most
+    `cap`, minimising padded tokens (each group pads to its first, longest member) plus `overhead`
+    per group: dynamic programming over the split points, O(n * cap).
+
+    Never worse than fixed groups of `cap` (one of the candidates), and never a group larger in
+    padded tokens than cap x the longest example: the memory bound of fixed groups still holds.
+    """
+    n = len(lengths)
+    best = [0] + [float("inf")] * n  # best[k]: cost of grouping the first k
+    cut = [0] * (n + 1)
+    for k in range(1, n + 1):
+        for j in range(max(0, k - cap), k):
+            cost = best[j] + (k - j) * lengths[j] + overhead
+            if cost < best[k]:
+                best[k], cut[k] = cost, j
+    groups, k = [], n
+    while k > 0:
+        groups.append(list(range(cut[k], k)))
+        k = cut[k]
+    return groups[::-1]
+
+
 class BatchSchedule:
-    def __init__(self, lengths: list[int], micro_batch_size: int, grad_accum: int, world_size: int, rank: int, seed: int):
+    def __init__(self, lengths: list[int], micro_batch_size: int, grad_accum: int, world_size: int, rank: int, seed: int,
+                 min_padding: bool = True):
         self.lengths = lengths
+        self.min_padding = min_padding
         self.micro_batch_size = micro_batch_size
         self.grad_accum = grad_accum
         self.world_size = world_size
@@ -39,11 +71,16 @@ class BatchSchedule:
         start = step * self.global_batch
         picked = [self._perm(pos // n)[pos % n] for pos in range(start, start + self.global_batch)]
         mine = picked[self.rank :: self.world_size]
-        # Similar lengths together waste less padding; the loss is token-normalised over the whole
-        # accumulated batch, so how examples are grouped into micro-batches does not change it.
+        # The loss is token-normalised over the whole accumulated batch, so how this step's examples
+        # are grouped into micro-batches does not change it (up to summation order). Padded batches
+        # group similar lengths, as many micro-batches as pay for themselves (one 256-token example
+        # among 40-token ones no longer pads seven others to 256); packed rows have no padding.
         mine.sort(key=lambda i: self.lengths[i], reverse=True)
         size = self.micro_batch_size
-        return [mine[i : i + size] for i in range(0, len(mine), size)]
+        if not self.min_padding:
+            return [mine[i : i + size] for i in range(0, len(mine), size)]
+        groups = group_by_length([self.lengths[i] for i in mine], size)
+        return [[mine[i] for i in g] for g in groups]
 
 
 def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:

@@ -1,0 +1,75 @@
+"""LoRA over a 4-bit base with the LoRA matmuls in the base's compute dtype (plain torch + bitsandbytes).
+
+    y = base(x) + scaling * (dropout(x) A^T) B^T       x (tokens, in), A (r, in), B (out, r)
+
+peft computes the LoRA branch in the adapter's fp32 (it casts x up to fp32, then the product back
+down to the base's dtype). On a CPU, fp32 matrix work runs at about a quarter of bf16's speed
+(~210 vs ~830 GFLOP/s on AVX512-BF16), and the rank-r products are the skinny kind that suffer
+most: measured on the default model, the LoRA branches took a quarter of a training step.
+
+Here x, A and B are rounded to the compute dtype once and every product accumulates in fp32 inside
+the bf16 GEMM, which is what autocast and the Triton kernel in kernels/ do; A and B stay fp32
+master weights and their gradients come back in fp32. The base matmul is bitsandbytes' own
+(forward through the layer, backward as its MatMul4Bit does: dy @ dequant(W)), so the frozen
+path computes exactly what peft + bitsandbytes computes. At initialisation (B = 0) the output is
+bit-identical to peft's; afterwards the LoRA term differs by bf16 rounding (2^-8 relative).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def _dequantized(base_layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    import bitsandbytes.functional as bnbf
+
+    w = base_layer.weight
+    return bnbf.dequantize_4bit(w.data, w.quant_state).to(dtype)  # (out, in)
+
+
+class LoRA4bitCompute(torch.autograd.Function):
+    """x (tokens, in) -> (tokens, out) in x's dtype; A, B fp32 parameters, gradients fp32."""
+
+    @staticmethod
+    def forward(ctx, x, A, B, base_layer, scaling: float, dropout_p: float):
+        dtype = base_layer.compute_dtype or x.dtype
+        xc = x.to(dtype)
+        with torch.no_grad():
+            y = base_layer(xc)  # bitsandbytes' 4-bit matmul (+ bias), in the compute dtype
+        keep = None
+        xl = xc
+        if dropout_p > 0:
+            keep = torch.empty_like(xc).bernoulli_(1.0 - dropout_p)
+            xl = xc * keep / (1.0 - dropout_p)
+        Ac, Bc = A.to(dtype), B.to(dtype)
+        xa = xl @ Ac.t()  # (tokens, r)
+        y = y.addmm(xa, Bc.t(), alpha=scaling)
+        ctx.save_for_backward(xl, xa, A, B, keep)
+        ctx.base_layer, ctx.scaling, ctx.dropout_p, ctx.in_dtype = base_layer, scaling, dropout_p, x.dtype
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xl, xa, A, B, keep = ctx.saved_tensors
+        dtype, s = xl.dtype, ctx.scaling
+        dyc = dy.to(dtype)
+        dxa = (dyc @ B.to(dtype)) * s  # (tokens, r)
+        dB = (dyc.t() @ xa).float() * s if ctx.needs_input_grad[2] else None
+        dA = (dxa.t() @ xl).float() if ctx.needs_input_grad[1] else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = dyc @ _dequantized(ctx.base_layer, dtype)  # bitsandbytes' MatMul4Bit backward
+            lora = dxa @ A.to(dtype)
+            if keep is not None:
+                lora = lora * keep / (1.0 - ctx.dropout_p)
+            dx = (dx + lora).to(ctx.in_dtype)
+        return dx, dA, dB, None, None, None
+
+
+def lora4bit_compute(x: torch.Tensor, base_layer: nn.Module, A: torch.Tensor, B: torch.Tensor, scaling: float,
+                     dropout_p: float = 0.0) -> torch.Tensor:
+    """x (..., in) -> (..., out) in x's dtype."""
+    lead = x.shape[:-1]
+    y = LoRA4bitCompute.apply(x.reshape(-1, x.shape[-1]), A, B, base_layer, float(scaling), float(dropout_p))
+    return y.reshape(*lead, y.shape[-1])
