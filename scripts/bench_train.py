@@ -321,6 +321,31 @@ def useful_flops(model_dir: str, trainable: int, micro: list[int], n_trained: in
     return (4 * n_base + 6 * trainable) * tokens + 12 * L * d * sum(n * n for n in micro) + 4 * d * V * n_trained
 
 
+def matmul_peak(dtype_name: str, reps: int = 10) -> dict:
+    """This machine's own matmul ceiling, measured in this run: the best GFLOP/s of torch.mm over
+    a square 2048^3 product and the default model's widest projection shape (4096 x 576 @ 576 x
+    1536), median of `reps` after warm-up. On the CPU, MFU is reported against the bf16 figure."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    best = {}
+    for m, k, n in ((2048, 2048, 2048), (4096, 576, 1536)):
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        for _ in range(3):
+            a @ b
+        times = []
+        for _ in range(reps):
+            sync()
+            t = time.perf_counter()
+            a @ b
+            sync()
+            times.append(time.perf_counter() - t)
+        best[f"{m}x{k}x{n}"] = 2 * m * k * n / statistics.median(times) / 1e9
+    return {"gflops": max(best.values()), "by_shape": best}
+
+
 def random_llama(name: str, llama: dict) -> str:
     """A random-init bf16 Llama folder with the SmolLM2 tokenizer (speed does not depend on the values)."""
     from tunekit.model import default_model_dir
@@ -377,10 +402,22 @@ def summarize(runs: list[dict], warmup: int, peak: float | None) -> dict:
     return s
 
 
+def default_model() -> str:
+    from tunekit.model import resolve_model_path
+
+    return resolve_model_path(None)
+
+
 def markdown(result: dict) -> str:
     lines = [f"# Training benchmark: {result['config']} on {result['device']}", "",
              "Settings: " + ", ".join(f"{k}={v}" for k, v in result["settings"].items()), "",
              "Versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items() if v), ""]
+    peaks = result.get("matmul_peak_gflops")
+    if peaks:
+        lines += ["Matmul peak measured in this run (GFLOP/s, best of 2048^3 and 4096x576x1536; MFU is "
+                  "against the bf16 figure before the runs): " + "; ".join(
+                      f"{when}: bf16 {p['bfloat16']['gflops']:.0f}, fp32 {p['float32']['gflops']:.0f}"
+                      for when, p in peaks.items()), ""]
     for mode, block in result["results"].items():
         lines += [f"## packing {mode}", "",
                   "| system | tokens/s | trained tokens/s | median step (s) | peak memory (MiB) | MFU | first losses |",
@@ -417,7 +454,13 @@ def main(argv=None) -> int:
             print(f"bench_train: skipping trl-liger: liger_kernel not importable ({type(e).__name__}: {e})")
             args.systems.remove("trl-liger")
     model = args.model or (random_llama(args.config, CONFIGS[args.config]["llama"]) if gpu else None)
-    peak = args.peak_tflops or (next((v for k, v in PEAK_TFLOPS.items() if k in device_name()), None) if gpu else None)
+    # The CPU's ceiling is measured here, before the runs and again after them (a drift between the
+    # two means the machine was not quiet); a GPU's is its datasheet's dense bf16 figure.
+    measured = {"before": {d: matmul_peak(d) for d in ("bfloat16", "float32")}}
+    print("matmul peak (GFLOP/s): " + ", ".join(f"{d} {v['gflops']:.0f}" for d, v in measured["before"].items()),
+          flush=True)
+    peak = args.peak_tflops or (next((v for k, v in PEAK_TFLOPS.items() if k in device_name()), None) if gpu
+                                else measured["before"]["bfloat16"]["gflops"] / 1e3)
     modes = ["off", "on"] if args.packing == "both" else [args.packing]
     result = {"config": args.config, "device": device_name(), "versions": versions(), "metric_notes": {
         "tokens_per_s": "non-padding input tokens per second over the steps after warmup, all reps",
@@ -445,9 +488,8 @@ def main(argv=None) -> int:
                           file=sys.stderr)
                     return 1
                 run = json.loads(line.removeprefix("BENCH_RESULT "))
-                if gpu:
-                    run["flops"] = [useful_flops(model, run["trainable_params"], ls, c[1])
-                                    for ls, c in zip(run["lengths"], run["tokens"])]
+                run["flops"] = [useful_flops(model or default_model(), run["trainable_params"], ls, c[1])
+                                for ls, c in zip(run["lengths"], run["tokens"])]
                 runs[system].append(run)
                 med = statistics.median(run["step_times_s"][args.warmup:])
                 print(f"packing {mode} rep {rep} {system}: median step {med:.3f} s, losses "
@@ -461,6 +503,8 @@ def main(argv=None) -> int:
                 "first_loss_abs_diff": abs(tk["first_losses"][0] - b["first_losses"][0])}
                 for s, b in block["systems"].items() if s != "tunekit"}
         result["results"][mode] = block
+    measured["after"] = {d: matmul_peak(d) for d in ("bfloat16", "float32")}
+    result["matmul_peak_gflops"] = measured
     dev = re.sub(r"[^a-z0-9]+", "-", result["device"].lower().removeprefix("nvidia ")).strip("-") if gpu else "cpu"
     out = args.out or REPO / "benchmarks" / f"train-{dev}-{args.config}"
     out.parent.mkdir(parents=True, exist_ok=True)
