@@ -34,7 +34,11 @@ def test_plan_prints_the_breakdown_for_the_default_model(capsys):
     for row in ("base weights", "trainable parameters", "gradients", "optimizer state", "activations",
                 "loss and head", "peak of one step", "runtime", "device total"):
         assert row in out, row
-    assert "fits: needs" in out and "gradient checkpointing off instead" in out and "TFLOP" in out
+    assert "fits: needs" in out and "gradient checkpointing on instead" in out and "TFLOP" in out
+    # the recipe says auto: the plan shows what train would pick on a 16 GiB CPU
+    assert "model.gradient_checkpointing=auto -> off" in out
+    code, out, err = run_main(["plan", "recipe=qlora", "trainer.micro_batch_size=auto", "--memory", "16"], capsys)
+    assert code == 0 and "trainer.micro_batch_size=auto -> " in out, err
 
 
 def test_plan_json_has_per_rank_ddp_and_fsdp_figures(capsys):
@@ -61,7 +65,6 @@ def test_a_70b_base_does_not_fit_one_24gb_card(capsys):
 @pytest.mark.parametrize("args, culprit", [
     (["trainer.max_stpes=3"], "trainer.max_stpes: unknown config key"),
     (["model.preset=llama-9"], "model.preset: unknown preset 'llama-9'"),
-    (["trainer.micro_batch_size=auto"], "trainer.micro_batch_size: auto is resolved by `tunekit train`"),
     (["method.target_modules=[lm_head]"], "method.target_modules: the planner models the projections"),
 ])
 def test_plan_errors_are_one_line(args, culprit, capsys):
@@ -113,7 +116,8 @@ def test_auto_checkpointing_is_off_when_the_step_fits_without_it(facts):
 
 
 def test_auto_micro_batch_is_the_largest_power_of_two_that_fits():
-    cfg = _cfg("trainer.micro_batch_size=auto", "model.preset=llama-3-8b", "data.max_seq_len=2048")
+    cfg = _cfg("trainer.micro_batch_size=auto", "model.preset=llama-3-8b", "data.max_seq_len=2048",
+               "model.gradient_checkpointing=true")
     sizes = [choose(cfg, A100_80, gib * GiB)[0] for gib in (24, 48, 80, 160)]
     assert sizes == sorted(sizes) and sizes[0] >= 1 and sizes[-1] > sizes[0]
     for gib, size in zip((24, 48, 80, 160), sizes):

@@ -17,6 +17,7 @@ bit-identical to peft's; afterwards the LoRA term differs by bf16 rounding (2^-8
 
 from __future__ import annotations
 
+import bitsandbytes as bnb
 import torch
 import torch.nn as nn
 
@@ -35,8 +36,10 @@ class LoRA4bitCompute(torch.autograd.Function):
     def forward(ctx, x, A, B, base_layer, scaling: float, dropout_p: float):
         dtype = base_layer.compute_dtype or x.dtype
         xc = x.to(dtype)
-        with torch.no_grad():
-            y = base_layer(xc)  # bitsandbytes' 4-bit matmul (+ bias), in the compute dtype
+        w = base_layer.weight
+        bias = None if base_layer.bias is None else base_layer.bias.to(dtype)
+        with torch.no_grad():  # bitsandbytes' 4-bit matmul (+ bias), as Linear4bit.forward calls it
+            y = bnb.matmul_4bit(xc, w.t(), bias=bias, quant_state=w.quant_state)
         keep = None
         xl = xc
         if dropout_p > 0:

@@ -153,26 +153,49 @@ def main(argv: list[str]) -> None:
                            None if args.memory is None else int(args.memory * GiB))
     results, texts = [], []
     for cfg in configs:
-        for key in ("micro_batch_size",):
-            if getattr(cfg.trainer, key) == "auto":
-                raise TunekitError(f"trainer.{key}: auto is resolved by `tunekit train` on its device; "
-                                   "plan explicit values (the plan shows what fits)")
-        if cfg.model.gradient_checkpointing == "auto":
-            raise TunekitError("model.gradient_checkpointing: auto is resolved by `tunekit train`; plan true or "
-                               "false (the plan shows both)")
+        chose = resolve_auto(cfg, facts, args.memory, args.gpus)
         shape, setup = planner_inputs(cfg, facts)
         plan = predict(shape, setup, facts, args.gpus)
         if cfg.model.preset:
             source = f"preset {cfg.model.preset}: {preset_source(cfg.model.preset)}"
         else:
             source = "config.json of " + (cfg.model.path or "the embedded default model")
-        results.append(as_dict(plan, args.memory, cfg))
-        texts.append(render(plan, args.memory, cfg, source))
+        results.append({**as_dict(plan, args.memory, cfg), "auto": chose})
+        texts.append(render(plan, args.memory, cfg, source)
+                     + "".join(f"\n  {k}=auto -> {v} (what `tunekit train` picks for this device)"
+                               for k, v in chose.items()))
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else results, indent=2, default=str))
     else:
         print("\n\n".join(texts))
     sys.stdout.flush()
+
+
+def resolve_auto(cfg, facts, memory_gib: Optional[float], ranks: int) -> dict:
+    """Resolve `auto` settings in place as `tunekit train` would on this device (with --memory: a
+    device of that size, its runtime or CUDA context spent); returns {key: chosen value}."""
+    from tunekit.plan.choose import choose, is_auto
+
+    keys = [k for k, v in (("trainer.micro_batch_size", cfg.trainer.micro_batch_size),
+                           ("model.gradient_checkpointing", cfg.model.gradient_checkpointing)) if is_auto(v)]
+    if not keys:
+        return {}
+    if memory_gib is not None:
+        spent = 0.5 * GiB if facts.type == "cuda" else 0.65 * GiB  # CUDA context / CPU runtime, as the plan states
+        available = int(memory_gib * GiB - spent)
+    else:
+        import torch
+
+        available = available_memory_bytes(torch.device(facts.type))
+    try:
+        b, c, _ = choose(cfg, facts, available, ranks)
+    except TunekitError:  # nothing fits: plan the safest choice, whose table then says so
+        from tunekit.plan.choose import candidates
+
+        b, c = candidates(cfg)[-1]
+    cfg.trainer.micro_batch_size, cfg.model.gradient_checkpointing = b, c
+    values = {"trainer.micro_batch_size": b, "model.gradient_checkpointing": "on" if c else "off"}
+    return {k: values[k] for k in keys}
 
 
 def _cuda() -> bool:
