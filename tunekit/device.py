@@ -211,6 +211,18 @@ def available_memory_bytes(device: torch.device) -> Optional[int]:
     return None
 
 
+def dense_cache_fits(dense_bytes: int, facts: DeviceFacts) -> bool:
+    """Whether a CPU run may keep a dequantized (bf16) copy of its 4-bit base for speed.
+
+    A plain function of the model's size and the machine's memory, so that `tunekit plan` and
+    the trainer decide alike and a resumed run decides as the first one did: at most an eighth of
+    physical memory (the 135M default model: 0.2 GB; an 8B base: 16 GB, which stays 4-bit on a
+    machine of less than 128 GB). Never on a GPU, where 4-bit exists to save that memory and the
+    fused kernel dequantizes in registers.
+    """
+    return facts.type == "cpu" and facts.total_memory is not None and dense_bytes <= facts.total_memory // 8
+
+
 # ------------------------------------------------------------------ random state
 def rng_state(device: torch.device) -> dict:
     """This process's random state as JSON-able values (no pickling, safe to share).

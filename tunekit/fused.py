@@ -264,6 +264,10 @@ def choose_lora_path(model: nn.Module, mode: str, facts: dev.DeviceFacts, dtype:
     """
     layers = lora_4bit_layers(model)
     set_path([m for _, m in layers], "peft")  # peft's forward unless tunekit's earns its place below
+    from tunekit.lora_compute import drop_dense
+
+    for _, m in layers:
+        drop_dense(m.base_layer)
     if mode == "off":
         return FusedDecision(mode, "peft", "kernels.fused_lora=off")
     if not layers:
@@ -298,5 +302,12 @@ def _cpu_path(model, layers, mode: str, facts: dev.DeviceFacts, dtype: torch.dty
     if not trusted:
         return FusedDecision(mode, "peft", reason + "; using peft + bitsandbytes", checks=checks)
     set_path([m for _, m in layers], "torch")
-    return FusedDecision(mode, "torch", f"LoRA matmuls in bf16 on {facts.describe()}, {reason}",
+    from tunekit.lora_compute import cache_dense
+
+    dense = sum(m.base_layer.in_features * m.base_layer.out_features * 2 for _, m in layers)
+    cached = ""
+    if dev.dense_cache_fits(dense, facts):
+        kept = sum(cache_dense(m.base_layer, dtype) for _, m in layers)
+        cached = f"; the 4-bit base also kept dequantized in bf16 ({kept / 2**20:.0f} MiB, dequantized once)"
+    return FusedDecision(mode, "torch", f"LoRA matmuls in bf16 on {facts.describe()}{cached}, {reason}",
                          layers=len(layers), checks=checks)

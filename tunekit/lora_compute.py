@@ -22,11 +22,32 @@ import torch
 import torch.nn as nn
 
 
+CACHE_ATTR = "_tunekit_dense"  # a plain attribute, not a buffer: never saved, never in a state dict
+
+
 def _dequantized(base_layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The frozen weight (out, in) in `dtype`: the layer's dense cache when it has one."""
+    cached = getattr(base_layer, CACHE_ATTR, None)
+    if cached is not None and cached.dtype == dtype:
+        return cached
     import bitsandbytes.functional as bnbf
 
     w = base_layer.weight
-    return bnbf.dequantize_4bit(w.data, w.quant_state).to(dtype)  # (out, in)
+    return bnbf.dequantize_4bit(w.data, w.quant_state).to(dtype)
+
+
+def cache_dense(base_layer: nn.Module, dtype: torch.dtype) -> int:
+    """Keep the layer's dequantized weight: the base is frozen, so dequantizing it twice per
+    micro-batch (forward and backward), every step, redoes the same work. Costs 2 bytes per weight
+    in bf16 on top of the 4-bit codes. Returns the bytes kept."""
+    dense = _dequantized(base_layer, dtype)
+    setattr(base_layer, CACHE_ATTR, dense)
+    return dense.numel() * dense.element_size()
+
+
+def drop_dense(base_layer: nn.Module) -> None:
+    if hasattr(base_layer, CACHE_ATTR):
+        delattr(base_layer, CACHE_ATTR)
 
 
 class LoRA4bitCompute(torch.autograd.Function):
@@ -38,8 +59,12 @@ class LoRA4bitCompute(torch.autograd.Function):
         xc = x.to(dtype)
         w = base_layer.weight
         bias = None if base_layer.bias is None else base_layer.bias.to(dtype)
-        with torch.no_grad():  # bitsandbytes' 4-bit matmul (+ bias), as Linear4bit.forward calls it
-            y = bnb.matmul_4bit(xc, w.t(), bias=bias, quant_state=w.quant_state)
+        with torch.no_grad():
+            if getattr(base_layer, CACHE_ATTR, None) is not None:
+                # bit-identical to bitsandbytes' CPU gemm_4bit, which dequantizes and calls linear
+                y = torch.nn.functional.linear(xc, _dequantized(base_layer, dtype), bias)
+            else:  # bitsandbytes' 4-bit matmul (+ bias), as Linear4bit.forward calls it
+                y = bnb.matmul_4bit(xc, w.t(), bias=bias, quant_state=w.quant_state)
         keep = None
         xl = xc
         if dropout_p > 0:

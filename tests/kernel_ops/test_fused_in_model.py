@@ -121,6 +121,36 @@ def test_torch_path_on_cpu(tiny_model_dir):
     assert_as_accurate_as_peft(tiny_model_dir, model, x, theirs, mine)
     # an fp32 base gains nothing from it: peft stays
     assert choose_lora_path(model, "auto", CPU_FACTS, torch.float32).path == "peft"
+    assert not any(hasattr(m, "_tunekit_dense") for m in model.modules())
+
+
+def test_torch_path_keeps_a_dense_copy_where_memory_allows(tiny_model_dir, tmp_path):
+    """With memory to spare the dequantized base is kept: same logits as bitsandbytes bit for bit,
+    nothing of it in the saved adapter; on a machine 8x too small for it, no copy."""
+    from tunekit.lora_compute import CACHE_ATTR
+
+    torch.manual_seed(3)
+    model = get_method("lora").apply(load_base_model(str(tiny_model_dir), "nf4", torch.bfloat16, CPU),
+                                     MethodConfig(r=4, alpha=8, dropout=0.0))
+    x = torch.randint(0, 2000, (2, 9))
+    with torch.no_grad():
+        at_init = model(input_ids=x).logits
+    from tunekit.fused import lora_4bit_layers
+
+    dense = sum(m.base_layer.in_features * m.base_layer.out_features * 2 for _, m in lora_4bit_layers(model))
+    small = dev.DeviceFacts("cpu", cpu_bf16=True, total_memory=8 * dense - 1)
+    decision = choose_lora_path(model, "auto", small, torch.bfloat16)
+    assert decision.path == "torch" and "dequantized" not in decision.reason
+    roomy = dev.DeviceFacts("cpu", cpu_bf16=True, total_memory=2**34)
+    decision = choose_lora_path(model, "auto", roomy, torch.bfloat16)
+    assert "kept dequantized in bf16" in decision.reason
+    assert sum(hasattr(m, CACHE_ATTR) for m in model.modules()) == 14
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits, at_init)
+    get_method("lora").save(model, tmp_path / "a")
+    assert not any(CACHE_ATTR in k for k in model.state_dict())
+    choose_lora_path(model, "off", roomy, torch.bfloat16)  # back to peft: the copy goes
+    assert not any(hasattr(m, CACHE_ATTR) for m in model.modules())
 
 
 def test_modes(tiny_model_dir, monkeypatch):

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from tunekit import TunekitError
-from tunekit.device import DeviceFacts, compute_dtype
+from tunekit.device import DeviceFacts, compute_dtype, dense_cache_fits
 from tunekit.plan.memory import TrainSetup
 from tunekit.plan.shape import PROJECTIONS, ModelShape, model_shape, student_shape
 
@@ -59,6 +59,11 @@ def planner_inputs(cfg, facts: DeviceFacts, teacher_shape: Optional[ModelShape] 
         grad_accum=t.grad_accum, seq_len=cfg.data.max_seq_len, packing=cfg.data.packing,
         optimizer=_value(t.optimizer), dropout_mask_bytes=1 if facts.type == "cuda" else 4,
     )
+    if (facts.type == "cpu" and setup.quantize == "nf4" and setup.method == "lora" and dtype == torch.bfloat16
+            and _value(cfg.kernels.fused_lora) == "auto"):
+        dense = 2 * student.num_layers * sum(i * o for p in setup.lora_targets for i, o in [student.projection(p)])
+        if dense_cache_fits(dense, facts):
+            setup = replace(setup, dense_cache_bytes=dense)
     if distill:
         setup = replace(setup, teacher=teacher_shape, teacher_quantize=_value(d.teacher_quantize),
                         distill_chunk=d.chunk_size)

@@ -70,6 +70,9 @@ class TrainSetup:
     teacher_quantize: str = "none"
     distill_chunk: int = 1024
     dropout_mask_bytes: int = 4  # torch's dropout keeps a bool mask on CUDA, fp32 noise on a CPU
+    # CPU with kernels.fused_lora=auto over a 4-bit base: a bf16 copy of the LoRA-wrapped weights
+    # (tunekit.lora_compute.cache_dense), where tunekit.device.dense_cache_fits allows it
+    dense_cache_bytes: int = 0
 
 
 @dataclass
@@ -333,7 +336,7 @@ def step_memory(shape: ModelShape, st: TrainSetup, ranks: int = 1, sharded: bool
     if st.method == "full":
         weights = 0  # the whole model is the trainable part (fp32)
     mem = Memory()
-    mem.terms["base weights"] = weights // split
+    mem.terms["base weights"] = (weights + st.dense_cache_bytes) // split
     mem.terms["trainable parameters"] = 4 * P // split
     mem.terms["gradients"] = 4 * P // split
     mem.terms["optimizer state"] = optimizer_state_bytes(tensors, st.optimizer) // split
