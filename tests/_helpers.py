@@ -34,3 +34,27 @@ def run_cli(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def scaled_tiny_model(tiny_model_dir: Path, out: Path, seed: int) -> Path:
+    """The tiny model with std-0.25 projections and unit embeddings, saved in fp32 at `out`.
+
+    At its save-time init (std 0.02) the tiny model's greedy output is one token (a newline) over
+    and over whatever the context, which would make "batched equals alone" trivially true; with
+    these scales every context gives a different sequence. fp32: batched and solo matmuls round
+    differently, and fp32 keeps that ~1e-6, far below logit gaps.
+    """
+    import torch
+    from transformers import AutoTokenizer
+
+    from tunekit.model import load_base_model
+
+    model = load_base_model(str(tiny_model_dir), "none", torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * (1.0 if "embed" in name else 0.25))
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    return out

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from _helpers import run_cli
+from _helpers import scaled_tiny_model, run_cli
 from tunekit import TunekitError
 from tunekit.config import MethodConfig
 from tunekit.generate import encode_prompts, generate, generate_ids
@@ -22,23 +22,8 @@ PROMPTS = ["What is two plus two?", "Hi", "Name a colour that is often used for 
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny model with weights scaled up, saved in fp32.
-
-    At its save-time init (std 0.02) the tiny model's greedy output is one token (a newline) over
-    and over whatever the context, which would make "batched equals alone" trivially true; with
-    std 0.25 projections and unit embeddings every context gives a different sequence. fp32:
-    batched and solo matmuls round differently, and fp32 keeps that ~1e-6, far below logit gaps.
-    """
-    out = tmp_path_factory.mktemp("scaled-tiny")
-    model = load_base_model(str(tiny_model_dir), "none", torch.float32, CPU)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) * (1.0 if "embed" in name else 0.25))
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
-    return out
+    """The tiny model with weights scaled up (see _helpers.scaled_tiny_model)."""
+    return scaled_tiny_model(tiny_model_dir, tmp_path_factory.mktemp("scaled-tiny"), seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from _helpers import read_jsonl
+from _helpers import scaled_tiny_model, read_jsonl
 
 CPU = torch.device("cpu")
 COLOURS = ["red", "green", "blue"]
@@ -46,18 +46,7 @@ def task_data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def scaled_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny model with std-0.25 projections and unit embeddings, fp32: diverse greedy answers."""
-    from tunekit.model import load_base_model
-
-    out = tmp_path_factory.mktemp("scaled-tiny-eval")
-    model = load_base_model(str(tiny_model_dir), "none", torch.float32, CPU)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) * (1.0 if "embed" in name else 0.25))
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
-    return out
+    return scaled_tiny_model(tiny_model_dir, tmp_path_factory.mktemp("scaled-tiny-eval"), seed=1)
 
 
 def train_run(recipe: str, model_dir: Path, data: Path, out: Path, *extra: str) -> Path:

@@ -170,7 +170,8 @@ def decode_tree(obj, tensors: dict[str, torch.Tensor]):
     return {k: decode_tree(v, tensors) for k, v in obj.items()}
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -179,7 +180,7 @@ def _sha256(path: Path) -> str:
 
 
 def _file_digests(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): _sha256(p) for p in sorted(folder.rglob("*"))
+    return {str(p.relative_to(folder)): sha256_file(p) for p in sorted(folder.rglob("*"))
             if p.is_file() and p.name != STATE_JSON}
 
 
@@ -235,7 +236,7 @@ def damage(ckpt: Path) -> Optional[str]:
         path = Path(ckpt) / rel
         if not path.is_file():
             return f"{path} is missing"
-        if _sha256(path) != digest:
+        if sha256_file(path) != digest:
             return f"{path} is truncated or altered (checksum mismatch)"
     return None
 

@@ -10,12 +10,12 @@ change: `MAY_CHANGE` below.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from tunekit import TunekitError
+from tunekit.checkpoint import sha256_file
 from tunekit.config import plain
 
 # Keys (or key prefixes, ending in ".") a resumed run may change.
@@ -46,14 +46,6 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def fingerprint(cfg, world_size: int) -> dict[str, Any]:
     """{dotted config key: value} of everything that must not change on resume, plus data hashes."""
     from tunekit.data.formats import DEFAULT_DATA_DIR
@@ -64,8 +56,8 @@ def fingerprint(cfg, world_size: int) -> dict[str, Any]:
     data = cfg.data
     train = Path(data.path) if data.path else DEFAULT_DATA_DIR / "train.jsonl"
     val = Path(data.val_path) if data.val_path else (DEFAULT_DATA_DIR / "val.jsonl" if not data.path else None)
-    kept["data.path:sha256"] = _file_sha256(train)
-    kept["data.val_path:sha256"] = _file_sha256(val) if val is not None else None
+    kept["data.path:sha256"] = sha256_file(train)
+    kept["data.val_path:sha256"] = sha256_file(val) if val is not None else None
     kept["world_size"] = world_size
     return kept
 
