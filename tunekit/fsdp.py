@@ -4,8 +4,10 @@ PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`; Zhao et al. 2023, "PyTorc
 every parameter along its first dimension into one shard per rank. Each decoder layer is one
 unit: its weights are all-gathered just before the layer runs and freed after, and its gradients
 are reduce-scattered in backward, so a rank holds 1/N of the base, of the trained tensors, of
-their gradients and of the optimizer state, plus about two gathered layers at a time. Everything
-outside the layers (embeddings, final norm, output head, a soft prompt) is one more unit, the root.
+their gradients and of the optimizer state, plus about two gathered layers at a time. Untied
+input embeddings and output head are a unit each, gathered only while they compute; everything
+else (final norm, a soft prompt, and a head tied to the embeddings) is the root unit, gathered
+for a whole micro-batch. tunekit.plan.memory counts the same ("gathered blocks (FSDP)").
 
 What the recipe calls, at a few points (DDP runs never reach this module):
 
@@ -98,6 +100,18 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def outer_units(model: nn.Module) -> list[nn.Module]:
+    """Input embeddings and output head as units of their own when they hold different weights
+    (a tied pair stays in the root unit: one parameter cannot be in two units). Every rank must
+    then call the head as often as the others in each forward: the SFT loss calls it once per
+    micro-batch, whatever the batch holds."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if emb is None or head is None or getattr(emb, "weight", None) is getattr(head, "weight", None):
+        return []
+    return [emb, head]
+
+
 def _quant_state_tensors(module: nn.Module) -> list[torch.Tensor]:
     state = getattr(module, "quant_state", None)
     if state is None:
@@ -164,6 +178,7 @@ class Sharded:
         self.local: list[nn.Parameter] = []  # plain parameters aliasing their shards: what the optimizer steps
         self.quantized = False
         self.full_bytes = self.rank_bytes = 0
+        self.memory_after_shard_mb: Optional[float] = None
         self._checks: dict = {}  # layer name -> hook of the first-forward checksum comparison
 
     # Where the base loads: host memory, from which fully_shard moves each rank's shards onto its
@@ -181,6 +196,7 @@ class Sharded:
         if not layers:
             raise TunekitError(f"trainer.strategy=fsdp: found no decoder layers to shard in {type(model).__name__} "
                                "(transformers' _no_split_modules names none); use trainer.strategy=ddp")
+        units = layers + outer_units(model)
         self.full_bytes = held_bytes(model)
         sums = {}
         for name, m in model.named_modules():
@@ -190,8 +206,8 @@ class Sharded:
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         self.root = _Root(model)
         try:
-            for layer in layers:
-                fully_shard(layer, mesh=mesh)
+            for unit in units:
+                fully_shard(unit, mesh=mesh)
             fully_shard(self.root, mesh=mesh)
         except (AssertionError, ValueError, RuntimeError, NotImplementedError, TypeError) as e:
             raise TunekitError(f"trainer.strategy=fsdp: FSDP2 cannot shard this model ({type(e).__name__}: "
@@ -214,7 +230,14 @@ class Sharded:
         with torch.no_grad():
             self.local = [nn.Parameter(p.to_local(), requires_grad=True) for p in self.sharded]
         self.rank_bytes = held_bytes(model)
-        return (f"fsdp: {len(layers)} decoder layers + the rest sharded over {self.world_size} ranks; this rank holds "
+        import gc
+
+        from tunekit.device import current_memory_mb
+
+        gc.collect()  # the whole tensors the shards were cut from
+        self.memory_after_shard_mb = current_memory_mb(self.device)
+        outer = " + embeddings + head" if len(units) > len(layers) else ""
+        return (f"fsdp: {len(layers)} decoder layers{outer} + the rest sharded over {self.world_size} ranks; this rank holds "
                 f"{self.rank_bytes / 2**20:.1f} MiB of the model's {self.full_bytes / 2**20:.1f} MiB"
                 + (" (4-bit codes stored as floats; checked at the first forward)" if self.quantized else ""))
 
@@ -367,9 +390,10 @@ class Sharded:
         """Per-rank figures for summary.json (collective): bytes held after sharding, peak memory."""
         from accelerate.utils import gather_object
 
-        rows = gather_object([(self.rank_bytes, peak_mb)])
+        rows = gather_object([(self.rank_bytes, self.memory_after_shard_mb, peak_mb)])
         return {"model_bytes": self.full_bytes, "rank_bytes": [r[0] for r in rows],
-                "rank_peak_memory_mb": [round(r[1], 1) for r in rows]}
+                "rank_memory_after_shard_mb": [None if r[1] is None else round(r[1], 1) for r in rows],
+                "rank_peak_memory_mb": [round(r[2], 1) for r in rows]}
 
 
 class _RankStates:

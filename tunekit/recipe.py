@@ -392,7 +392,8 @@ class TrainRecipe:
                 sums[name] += parts[name].double()
             tokens += n.double().to(self.device)
         for _ in range(extra):
-            self._run(self._forward, self.collate([self.val_data[0]], self.tokenizer.pad_token_id))
+            filler = self.collate([self.val_data[0]], self.tokenizer.pad_token_id)
+            self._run(lambda: self.objective.eval_sums(*self._forward(filler)))
         self.model.train()
         reduced = self.acc.reduce(torch.stack([sums[k] for k in names] + [tokens]), reduction="sum").tolist()
         metrics = {f"val_{k}": v / max(reduced[-1], 1) for k, v in zip(names, reduced[:-1])}
