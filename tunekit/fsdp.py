@@ -79,8 +79,11 @@ def is_4bit(module: nn.Module) -> bool:
 
 
 def quant_storage(quantize: str, dtype: torch.dtype) -> Optional[torch.dtype]:
-    """The dtype a sharded 4-bit base stores its packed codes in: the compute dtype (fsdp_qlora)."""
-    return dtype if quantize == "nf4" else None
+    """The dtype a sharded 4-bit base stores its packed codes in: bf16, as fsdp_qlora does. Any
+    float dtype holds the same bytes (bitsandbytes dequantizes to the compute dtype `dtype`
+    whatever the storage), and FSDP2, unlike FSDP1's flat parameters, gathers units of mixed
+    dtypes, so the storage need not match the compute dtype."""
+    return torch.bfloat16 if quantize == "nf4" else None
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
