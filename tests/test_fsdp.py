@@ -192,7 +192,7 @@ def test_config_refusals_and_the_fingerprint():
 
     with pytest.raises(TunekitError, match="kernels.fused_lora: on is not supported with trainer.strategy=fsdp"):
         check_config("on", "sft")
-    with pytest.raises(TunekitError, match="trainer.strategy: fsdp does not shard a distillation teacher"):
+    with pytest.raises(TunekitError, match="trainer.strategy: fsdp does not run objective=distill"):
         check_config("auto", "distill")
     check_config("auto", "sft")
     cfg = TrainConfig()
@@ -213,3 +213,19 @@ def test_units_follow_the_model(tiny_model_dir, untied_model_dir):
     assert [type(m).__name__ for m in decoder_layers(tied)] == ["LlamaDecoderLayer"] * 2
     assert outer_units(tied) == []  # a tied head stays with the embeddings in the root unit
     assert outer_units(untied) == [untied.model.embed_tokens, untied.lm_head]
+
+
+def test_the_start_up_memory_check_plans_with_the_fsdp_figures(tiny_model_dir):
+    from tunekit.config import TrainConfig
+    from tunekit.device import DeviceFacts
+    from tunekit.plan.choose import plan_for
+
+    cfg = TrainConfig()
+    cfg.model.path = str(tiny_model_dir)
+    facts = DeviceFacts("cuda", 0, (9, 0), "GPU", 80 * 2**30)
+    ddp = plan_for(cfg, facts, 2, 8, False)
+    cfg.trainer.strategy = "fsdp"
+    fsdp = plan_for(cfg, facts, 2, 8, False)
+    assert "gathered blocks (FSDP)" not in ddp.memory.terms
+    assert fsdp.memory.terms == ddp.fsdp.terms and "gathered blocks (FSDP)" in fsdp.memory.terms
+    assert fsdp.memory.terms["base weights"] * 2 == pytest.approx(ddp.memory.terms["base weights"], abs=2)

@@ -33,8 +33,9 @@ Why the pieces are as they are:
   optimizers have no DTensor rule ("Operator bitsandbytes.optimizer_update_32bit.default does not
   have a sharding strategy registered"); on plain shards every optimizer runs, and its state is
   per rank. 8-bit state is then quantized per shard, not per full tensor.
-* A 4-bit base is loaded with its packed NF4 codes stored as a float dtype (bitsandbytes'
-  quant_storage, as in Answer.AI's fsdp_qlora): FSDP shards only floating-point tensors. The
+* A 4-bit base is loaded with its packed NF4 codes stored as bf16 (bitsandbytes' quant_storage,
+  as in Answer.AI's fsdp_qlora): FSDP1 shards only floating-point tensors, and FSDP2 with torch
+  2.8 failed on uint8 ones (accelerate issue 3983; torch 2.13 here shards them, measured). The
   quantization state (absmax...) stays a module attribute, replicated, and bitsandbytes re-attaches
   it to the gathered weight at each forward. Known failure: FSDP2 on CUDA has been reported to
   canonicalise the NaN bit patterns that packed codes form when read as bf16 (bitsandbytes issue
@@ -70,8 +71,10 @@ def check_config(fused_lora: str, objective: str) -> None:
                            "reads a layer's whole 4-bit weight and its quantization state, which FSDP shards and "
                            "re-gathers; it is untested there); use kernels.fused_lora=auto or off")
     if objective == "distill":
-        raise TunekitError("trainer.strategy: fsdp does not shard a distillation teacher (every rank would hold "
-                           "the whole teacher, and that path is untested); use trainer.strategy=ddp")
+        raise TunekitError("trainer.strategy: fsdp does not run objective=distill (its chunked loss calls the "
+                           "student's head once per chunk of a rank's own tokens, so ranks would gather a sharded "
+                           "head different numbers of times and wait on each other, and the teacher would not be "
+                           "sharded); use trainer.strategy=ddp")
 
 
 def is_4bit(module: nn.Module) -> bool:
@@ -336,10 +339,11 @@ class Sharded:
         keep = self.rank == 0
         fulls: dict[int, nn.Parameter] = {}
         with torch.no_grad():
-            for p in self.sharded:
+            for p in self.sharded:  # one tensor at a time, kept in host memory on rank 0 only
                 full = p.full_tensor()
                 if keep:
-                    fulls[id(p)] = nn.Parameter(full, requires_grad=True)
+                    fulls[id(p)] = nn.Parameter(full.cpu(), requires_grad=True)
+                del full
         swapped = []
         for module in model.modules():
             for leaf, p in list(module._parameters.items()):

@@ -102,7 +102,7 @@ class TrainRecipe:
         self.fsdp = self._fsdp()
         if self.fsdp is None:
             model = load_base_model(self.model_path, quantize, self.dtype, self.device)
-        else:  # into host memory, 4-bit codes stored as floats; sharding moves each rank's part to its device
+        else:  # into host memory, 4-bit codes stored as bf16; sharding moves each rank's part to its device
             model = load_base_model(self.model_path, quantize, self.dtype, self.fsdp.load_device,
                                     quant_storage(quantize, self.dtype))
         bits = quantized_bits_per_param(model)
