@@ -243,9 +243,9 @@ class Sharded:
         gc.collect()  # the whole tensors the shards were cut from
         self.memory_after_shard_mb = current_memory_mb(self.device)
         outer = " + embeddings + head" if len(units) > len(layers) else ""
-        return (f"fsdp: {len(layers)} decoder layers{outer} + the rest sharded over {self.world_size} ranks; this rank holds "
-                f"{self.rank_bytes / 2**20:.1f} MiB of the model's {self.full_bytes / 2**20:.1f} MiB"
-                + (" (4-bit codes stored as floats; checked at the first forward)" if self.quantized else ""))
+        return (f"fsdp: {len(layers)} decoder layers{outer} + the rest sharded over {self.world_size} ranks; "
+                f"this rank holds {self.rank_bytes / 2**20:.1f} MiB of the model's {self.full_bytes / 2**20:.1f} MiB"
+                + (" (4-bit codes stored as bf16; checked at the first forward)" if self.quantized else ""))
 
     def _checksum_hook(self, name: str, expected: tuple[int, int]):
         def hook(module, args):

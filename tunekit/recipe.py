@@ -417,7 +417,8 @@ class TrainRecipe:
         optimizer = self.optimizer if self.fsdp is None else self.fsdp.optimizer_to_save(self.optimizer)
         with self._full_trained():
             if self.main:
-                facts = {"tokens_seen": self.tokens_seen, "first_eval": self.first_eval, "fingerprint": self.fingerprint}
+                facts = {"tokens_seen": self.tokens_seen, "first_eval": self.first_eval,
+                         "fingerprint": self.fingerprint}
                 save_checkpoint(self.output_dir, step, lambda d: self.method.save(self.model, d), optimizer,
                                 self.scheduler, facts, rng, self.cfg.trainer.keep_checkpoints)
         self.acc.wait_for_everyone()
