@@ -45,6 +45,11 @@ class FusedMode(str, Enum):
     off = "off"
 
 
+class Strategy(str, Enum):
+    ddp = "ddp"  # every rank holds the whole model; the trained part's gradients are summed (default)
+    fsdp = "fsdp"  # FSDP2: base and trained part sharded over the ranks (bases larger than one device)
+
+
 class DataFormat(str, Enum):
     auto = "auto"  # detected from the columns: messages -> chat, instruction -> alpaca, text -> text
     alpaca = "alpaca"
@@ -130,6 +135,11 @@ class TrainerConfig:
     # val_exact_match | auto (the task metric when eval_task measures one, else val_loss).
     keep_best: bool = False
     best_metric: str = "auto"
+    # How several processes share the work (accelerate launch --num_processes N). ddp: every rank
+    # holds the whole model (default). fsdp: FSDP2 shards the frozen base, the trained part, its
+    # gradients and optimizer state over the ranks, per decoder layer (tunekit.fsdp): for bases
+    # larger than one device. With one process fsdp trains as a plain single process.
+    strategy: Strategy = Strategy.ddp
 
 
 class Divergence(str, Enum):
@@ -278,6 +288,7 @@ def check_values(cfg: TrainConfig) -> None:
     if not t.eval_task and t.best_metric in ("val_accuracy", "val_exact_match"):
         raise TunekitError(f"trainer.best_metric: {t.best_metric} is measured only with trainer.eval_task=true")
     one_of("trainer.optimizer", plain(t.optimizer), [o.value for o in Optimizer])
+    one_of("trainer.strategy", plain(t.strategy), [x.value for x in Strategy])
     number("seed", cfg.seed, ge=0, le=SEED_MAX, integer=True)
     _optional_text("output_dir", cfg.output_dir, "a folder for the run", allow_none=False)
 
@@ -310,6 +321,10 @@ def check_values(cfg: TrainConfig) -> None:
     if plain(cfg.kernels.fused_lora) == "on" and plain(m.quantize) != "nf4":
         raise TunekitError("kernels.fused_lora: on needs a 4-bit base (the kernel fuses NF4 dequantization into "
                            "LoRA's matmul); set model.quantize=nf4, or kernels.fused_lora=auto")
+    if plain(t.strategy) == "fsdp":
+        from tunekit.fsdp import check_config
+
+        check_config(plain(cfg.kernels.fused_lora), cfg.objective)
     one_of("tracker.name", cfg.tracker.name, TRACKERS)
     _optional_text("tracker.project", cfg.tracker.project, "a project name", allow_none=False)
 

@@ -196,6 +196,18 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def current_memory_mb(device: torch.device) -> Optional[float]:
+    """Memory held now: CUDA allocated on a GPU, the process's resident set on the CPU (None if unknown)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def available_memory_bytes(device: torch.device) -> Optional[int]:
     """Memory this process could still take: CUDA free memory, or the CPU's MemAvailable."""
     device = torch.device(device)

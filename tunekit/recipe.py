@@ -7,10 +7,15 @@ the loss is normalised exactly: every micro-batch's summed loss is divided by th
 trained tokens in the whole global batch (all micro-batches, all ranks), and the ranks' gradients
 are summed. The result is the gradient of the mean token loss over the global batch, which a mean
 of per-micro-batch means is not. Only the adapter's parameters are reduced: a few MB.
+
+With trainer.strategy=fsdp (and several ranks) `self.fsdp` shards the model instead
+(tunekit.fsdp): the same loss normalisation and summed gradients, reduced by FSDP in backward;
+the points where the loop differs call `self.fsdp` and say so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -31,7 +36,8 @@ from tunekit.checkpoint import (atomic_dir, atomic_write_text, cleanup_leftovers
                                 load_checkpoint, read_state, save_checkpoint)
 from tunekit.config import TrainConfig, plain
 from tunekit.data import BatchSchedule, IGNORE, collate, collate_packed, count_tokens, eval_batches, load_splits
-from tunekit.fused import choose_lora_path
+from tunekit.fsdp import quant_storage
+from tunekit.fused import FusedDecision, choose_lora_path
 from tunekit.objective import DistillObjective, SFTObjective, check_same_vocabulary, model_inputs
 from tunekit.methods import get_method, trainable_parameters
 from tunekit.model.student import make_student
@@ -93,7 +99,12 @@ class TrainRecipe:
 
         self.dtype = dev.compute_dtype(plain(cfg.model.dtype), self.facts)
         quantize = plain(cfg.model.quantize)
-        model = load_base_model(self.model_path, quantize, self.dtype, self.device)
+        self.fsdp = self._fsdp()
+        if self.fsdp is None:
+            model = load_base_model(self.model_path, quantize, self.dtype, self.device)
+        else:  # into host memory, 4-bit codes stored as bf16; sharding moves each rank's part to its device
+            model = load_base_model(self.model_path, quantize, self.dtype, self.fsdp.load_device,
+                                    quant_storage(quantize, self.dtype))
         bits = quantized_bits_per_param(model)
         where = f"on {self.facts.describe()}"
         if bits is not None:
@@ -108,7 +119,10 @@ class TrainRecipe:
 
         self.method = get_method(cfg.method.name)
         self.model = self.method.apply(model, cfg.method)
-        self.lora_path = choose_lora_path(self.model, plain(cfg.kernels.fused_lora), self.facts, self.dtype)
+        if self.fsdp is None:
+            self.lora_path = choose_lora_path(self.model, plain(cfg.kernels.fused_lora), self.facts, self.dtype)
+        else:
+            self.lora_path = FusedDecision(plain(cfg.kernels.fused_lora), "peft", "trainer.strategy=fsdp")
         if self.lora_path.layers or plain(cfg.kernels.fused_lora) != "auto" or self.lora_path.checks:
             self._info(f"kernels: LoRA layers use {self.lora_path.path} ({self.lora_path.reason})")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -122,6 +136,11 @@ class TrainRecipe:
         self._info(f"method {cfg.method.name}: {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.3f}%)")
         self.trainable_params = trainable
         self.model.train()
+        if self.fsdp is not None:  # from here on the trained tensors are shards; the optimizer steps them
+            if self.resume_from is not None:  # the adapter goes into the whole tensors, before they are split
+                self.method.load(self.model, self.resume_from / "adapter")
+            self._info(self.fsdp.shard(self.model))
+            self.params = self.fsdp.local
 
         t = cfg.trainer
         self.optimizer = build_optimizer(plain(t.optimizer), self.params, t.lr, t.weight_decay, self.device)
@@ -146,17 +165,19 @@ class TrainRecipe:
         self._setup_task_eval()
 
     def _setup_task_eval(self) -> None:
-        """Rank 0: sample answers / task metric at every evaluation, and keep_best (tunekit.taskeval.training)."""
+        """Rank 0: sample answers / task metric at every evaluation, and keep_best (tunekit.taskeval.training).
+        Under FSDP every rank runs the probe (each forward gathers weights from all ranks): the same
+        rows through the same gathered weights give every rank the same answers; rank 0 reports them."""
         from tunekit.taskeval.training import BestKeeper, TrainingProbe, resolve_best_metric
 
         t = self.cfg.trainer
         self.probe = self.best = None
-        if not self.main:
+        if not self.main and self.fsdp is None:
             return
         probe = TrainingProbe(self.tokenizer, self.val_data, t.eval_samples, t.eval_task, t.eval_task_rows,
                               t.eval_max_new_tokens, t.micro_batch_size)
         self.probe = probe if probe.active else None
-        if t.keep_best:
+        if t.keep_best and self.main:
             self.best = BestKeeper(self.output_dir, resolve_best_metric(t.best_metric, self.probe), self.start_step)
             self._info(f"keep_best: following {self.best.metric}")
 
@@ -188,8 +209,10 @@ class TrainRecipe:
 
     def _resume(self) -> None:
         ckpt = self.resume_from
-        self.method.load(self.model, ckpt / "adapter")
-        state = load_checkpoint(ckpt, self.optimizer, self.scheduler)
+        if self.fsdp is None:  # (FSDP loaded it before sharding)
+            self.method.load(self.model, ckpt / "adapter")
+        optimizer = self.optimizer if self.fsdp is None else self.fsdp.optimizer_to_load(self.optimizer)
+        state = load_checkpoint(ckpt, optimizer, self.scheduler)
         dev.set_rng_state(state["rng"][self.acc.process_index], self.device)
         self.start_step, self.tokens_seen = state["step"], state.get("tokens_seen", 0)
         self.first_eval = state.get("first_eval")
@@ -198,6 +221,26 @@ class TrainRecipe:
     def _info(self, msg: str) -> None:
         if self.main:
             log.info(msg)
+
+    # ------------------------------------------------------------------ FSDP (tunekit.fsdp)
+    def _fsdp(self):
+        """The FSDP state when trainer.strategy=fsdp runs on several ranks, else None (DDP, or one process)."""
+        if plain(self.cfg.trainer.strategy) != "fsdp":
+            return None
+        if self.acc.num_processes == 1:
+            self._info("trainer.strategy=fsdp with one process: nothing to shard, training as a single process")
+            return None
+        from tunekit.fsdp import Sharded
+
+        return Sharded(self.device, self.acc.num_processes, self.acc.process_index)
+
+    def _run(self, fn, *args):
+        """fn(*args); under FSDP inside the root unit, which gathers the weights outside the layers."""
+        return fn(*args) if self.fsdp is None else self.fsdp.run(fn, *args)
+
+    def _full_trained(self, needed: bool = True):
+        """Under FSDP (collective): the full trained tensors in the model on rank 0, for Method.save."""
+        return self.fsdp.full_trained(self.model) if self.fsdp is not None and needed else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ train
     def train(self) -> dict:
@@ -225,6 +268,7 @@ class TrainRecipe:
                    "bits_per_param": self.bits_per_param, "world_size": self.acc.num_processes,
                    "device": self.facts.describe(), "compute_dtype": str(self.dtype).removeprefix("torch."),
                    "kernels": self.lora_path.as_dict(), "ranks_in_sync": self._ranks_in_sync(),
+                   **({"fsdp": self.fsdp.summary(dev.peak_memory_mb(self.device))} if self.fsdp is not None else {}),
                    **(self.best.summary() if self.best else {})}
         if self.main:
             atomic_write_text(self.output_dir / "summary.json", json.dumps(summary, indent=2))
@@ -236,14 +280,23 @@ class TrainRecipe:
         metrics row. Benchmarks time this method, so it is exactly what train() runs."""
         start = time.perf_counter()
         loss, n_trained, n_input = self._train_step(step)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.trainer.max_grad_norm).item()
+        if self.fsdp is None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.trainer.max_grad_norm).item()
+        else:
+            grad_norm = self.fsdp.clip_grad_norm(self.cfg.trainer.max_grad_norm)
+            if step == self.start_step:
+                self.fsdp.check_first_step(step, loss, grad_norm)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self._stop_non_finite(step, f"the training loss is {loss} and the gradient norm {grad_norm}")
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if not all(bool(p.detach().isfinite().all()) for p in self.params):
+        if self.fsdp is not None:
+            self.fsdp.zero_grad()
+        finite = (all(bool(p.detach().isfinite().all()) for p in self.params) if self.fsdp is None
+                  else self.fsdp.all_finite(self.params))
+        if not finite:
             self._stop_non_finite(step, "the optimizer step made trainable weights inf/nan")
         self.tokens_seen += n_input
         dt = time.perf_counter() - start
@@ -285,9 +338,11 @@ class TrainRecipe:
 
     def _loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, trained tokens) of one micro-batch."""
-        return self.objective.loss(*self._forward(batch))
+        return self._run(lambda: self.objective.loss(*self._forward(batch)))
 
     def _all_reduce_grads(self) -> None:
+        if self.fsdp is not None:  # FSDP summed every micro-batch's gradients into the shards in backward
+            return self.fsdp.collect_grads()
         if self.acc.num_processes == 1:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
@@ -305,6 +360,8 @@ class TrainRecipe:
 
         from accelerate.utils import gather_object
 
+        if self.fsdp is not None:
+            return self.fsdp.in_sync()
         h = hashlib.sha256()
         for p in self.params:
             h.update(p.detach().float().cpu().numpy().tobytes())
@@ -324,25 +381,33 @@ class TrainRecipe:
         names = list(self.objective.eval_names)
         sums = {name: torch.zeros((), device=self.device, dtype=torch.float64) for name in names}
         tokens = torch.zeros((), device=self.device, dtype=torch.float64)
-        for idx in eval_batches(len(self.val_data), self.cfg.trainer.micro_batch_size,
-                                self.acc.num_processes, self.acc.process_index):
+        batches = eval_batches(len(self.val_data), self.cfg.trainer.micro_batch_size,
+                               self.acc.num_processes, self.acc.process_index)
+        # FSDP: every forward gathers weights from all ranks, so each rank runs as many as the busiest
+        # (the extra ones on a held-out row, not counted)
+        extra = self.fsdp.missing_forwards(len(batches)) if self.fsdp is not None else 0
+        for idx in batches:
             batch = self.collate([self.val_data[i] for i in idx], self.tokenizer.pad_token_id)
-            parts, n = self.objective.eval_sums(*self._forward(batch))
+            parts, n = self._run(lambda: self.objective.eval_sums(*self._forward(batch)))
             for name in names:
                 sums[name] += parts[name].double()
             tokens += n.double().to(self.device)
+        for _ in range(extra):
+            filler = self.collate([self.val_data[0]], self.tokenizer.pad_token_id)
+            self._run(lambda: self.objective.eval_sums(*self._forward(filler)))
         self.model.train()
         reduced = self.acc.reduce(torch.stack([sums[k] for k in names] + [tokens]), reduction="sum").tolist()
         metrics = {f"val_{k}": v / max(reduced[-1], 1) for k, v in zip(names, reduced[:-1])}
         metrics["val_ppl"] = math.exp(min(metrics.get("val_ce", metrics["val_loss"]), 50))
         samples = []
         if self.probe is not None:
-            task_metrics, samples = self.probe(self.model)
+            task_metrics, samples = self._run(self.probe, self.model)
             metrics.update(task_metrics)
         self.tracker.eval({"step": step, **metrics})
         self.tracker.samples(step, samples)
-        if self.best is not None and self.best.update(step, metrics, lambda d: self.method.save(self.model, d)):
-            self._info(f"keep_best: new best {self.best.metric} {self.best.value:.4f} at step {step}")
+        with self._full_trained(self.cfg.trainer.keep_best):
+            if self.best is not None and self.best.update(step, metrics, lambda d: self.method.save(self.model, d)):
+                self._info(f"keep_best: new best {self.best.metric} {self.best.value:.4f} at step {step}")
         return metrics
 
     # ------------------------------------------------------------------ save
@@ -350,14 +415,22 @@ class TrainRecipe:
         from accelerate.utils import gather_object
 
         rng = gather_object([dev.rng_state(self.device)])  # every rank's own stream, in rank order
-        if self.main:
-            facts = {"tokens_seen": self.tokens_seen, "first_eval": self.first_eval, "fingerprint": self.fingerprint}
-            save_checkpoint(self.output_dir, step, lambda d: self.method.save(self.model, d), self.optimizer,
-                            self.scheduler, facts, rng, self.cfg.trainer.keep_checkpoints)
+        optimizer = self.optimizer if self.fsdp is None else self.fsdp.optimizer_to_save(self.optimizer)
+        with self._full_trained():
+            if self.main:
+                facts = {"tokens_seen": self.tokens_seen, "first_eval": self.first_eval,
+                         "fingerprint": self.fingerprint}
+                save_checkpoint(self.output_dir, step, lambda d: self.method.save(self.model, d), optimizer,
+                                self.scheduler, facts, rng, self.cfg.trainer.keep_checkpoints)
         self.acc.wait_for_everyone()
 
     def save_final(self) -> None:
         """output_dir/adapter/: PEFT adapter + tokenizer, loadable by PeftModel.from_pretrained."""
+        with self._full_trained():
+            self._save_final()
+        self.acc.wait_for_everyone()
+
+    def _save_final(self) -> None:
         if self.main:
             best = self.best.adapter_dir if self.best is not None else None
 
@@ -371,7 +444,6 @@ class TrainRecipe:
             atomic_dir(self.output_dir / "adapter", write)
             self._info(f"adapter saved to {self.output_dir / 'adapter'}"
                        + (f" (keep_best: step {self.best.step}, {self.best.metric} {self.best.value:.4f})" if best else ""))
-        self.acc.wait_for_everyone()
 
     def cleanup(self) -> None:
         self.acc.end_training()

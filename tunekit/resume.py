@@ -59,6 +59,9 @@ def fingerprint(cfg, world_size: int) -> dict[str, Any]:
     kept["data.path:sha256"] = sha256_file(train)
     kept["data.val_path:sha256"] = sha256_file(val) if val is not None else None
     kept["world_size"] = world_size
+    if kept.get("trainer.strategy") == "ddp":
+        # the default, as before the key existed: checkpoints written then still resume
+        del kept["trainer.strategy"]
     return kept
 
 

@@ -51,13 +51,17 @@ def load_tokenizer(path: str):
     return tok
 
 
-def load_kwargs(quantize: str, dtype: torch.dtype, device: torch.device) -> dict:
+def load_kwargs(quantize: str, dtype: torch.dtype, device: torch.device,
+                quant_storage: Optional[torch.dtype] = None) -> dict:
     """from_pretrained keyword arguments for the frozen base (a plain function: tested for `cuda`,
     `cuda:1` and the CPU on a machine without a GPU).
 
     NF4 + double quantization (QLoRA): 4-bit NormalFloat codes in blocks of 64 whose absmax
     constants are themselves 8-bit quantized in blocks of 256: ~4.13 bits per parameter. A 4-bit
     load places the weights itself, so it needs a device map with an explicit device index.
+    quant_storage: the dtype the packed codes are stored as (bitsandbytes' default uint8). FSDP
+    shards only floating-point parameters, so a sharded 4-bit base stores its codes as a float
+    dtype: the same bytes, viewed differently (tunekit.fsdp).
     """
     from transformers import BitsAndBytesConfig
 
@@ -72,16 +76,18 @@ def load_kwargs(quantize: str, dtype: torch.dtype, device: torch.device) -> dict
             bnb_4bit_compute_dtype=dtype,
             # the output head stays in high precision, as in QLoRA
             llm_int8_skip_modules=["lm_head"],
+            **({"bnb_4bit_quant_storage": quant_storage} if quant_storage is not None else {}),
         )
         kwargs["device_map"] = device_map(device)
     return kwargs
 
 
-def load_base_model(path: str, quantize: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def load_base_model(path: str, quantize: str, dtype: torch.dtype, device: torch.device,
+                    quant_storage: Optional[torch.dtype] = None) -> nn.Module:
     """Frozen base in `dtype`; with quantize='nf4', linear layers as bitsandbytes Linear4bit."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = load_kwargs(quantize, dtype, device)
+    kwargs = load_kwargs(quantize, dtype, device, quant_storage)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (ImportError, MemoryError):

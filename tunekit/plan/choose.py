@@ -72,7 +72,10 @@ def plan_for(cfg, facts: DeviceFacts, ranks: int, micro_batch: int, checkpointin
 
     shape, setup = planner_inputs(cfg, facts)
     setup = replace(setup, micro_batch_size=micro_batch, gradient_checkpointing=checkpointing)
-    return predict(shape, setup, facts, ranks)
+    plan = predict(shape, setup, facts, ranks)
+    if getattr(cfg.trainer.strategy, "value", cfg.trainer.strategy) == "fsdp" and plan.fsdp is not None:
+        plan = replace(plan, memory=plan.fsdp)  # the run shards: its ranks hold the FSDP figures
+    return plan
 
 
 def choose(cfg, facts: DeviceFacts, available: Optional[int], ranks: int = 1) -> tuple[int, bool, Optional[Plan]]:

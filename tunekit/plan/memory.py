@@ -321,13 +321,27 @@ def teacher_forward_bytes(st: TrainSetup) -> int:
 
 
 # ------------------------------------------------------------------ the peak
+def fsdp_gathered_bytes(shape: ModelShape, st: TrainSetup) -> int:
+    """Whole weights an FSDP rank holds beside its shards (tunekit.fsdp): the decoder block that
+    computes and the one prefetched; an untied embedding or head is a unit of its own, gathered
+    while it computes (with one block prefetched beside it); a head tied to the embeddings stays
+    in the root unit, gathered for the whole micro-batch with the final norm."""
+    outer = base_weight_bytes(shape.with_layers(0), st.quantize, st.compute_bytes)
+    block = base_weight_bytes(shape.with_layers(1), st.quantize, st.compute_bytes) - outer
+    if shape.tie_word_embeddings:
+        return 2 * block + outer
+    per_param = 4 if st.quantize == "nf4" else st.compute_bytes  # kbit preparation keeps them in fp32
+    largest = per_param * max(shape.embedding_params, shape.head_params)
+    return block + max(block, largest)
+
+
 def step_memory(shape: ModelShape, st: TrainSetup, ranks: int = 1, sharded: bool = False) -> Memory:
     """One rank's peak over a training step: static state plus the largest working phase.
 
     ranks/sharded: under DDP every rank holds everything and all-reduces a flat copy of the
     gradients (tunekit's `_all_reduce_grads`); under FSDP (sharded) base weights, trainable
     parameters, gradients and optimizer state are split over the ranks, and each rank also
-    holds two gathered blocks (the one computing and the one prefetched).
+    holds the whole weights FSDP gathers (`fsdp_gathered_bytes`).
     """
     tensors = trainable_tensors(shape, st)
     P = sum(tensors)
@@ -341,9 +355,7 @@ def step_memory(shape: ModelShape, st: TrainSetup, ranks: int = 1, sharded: bool
     mem.terms["gradients"] = 4 * P // split
     mem.terms["optimizer state"] = optimizer_state_bytes(tensors, st.optimizer) // split
     if sharded and ranks > 1:
-        block = base_weight_bytes(shape.with_layers(1), st.quantize, st.compute_bytes) - base_weight_bytes(
-            shape.with_layers(0), st.quantize, st.compute_bytes)
-        mem.terms["gathered blocks (FSDP)"] = 2 * block
+        mem.terms["gathered blocks (FSDP)"] = fsdp_gathered_bytes(shape, st)
     if st.teacher is not None:
         mem.terms["teacher weights"] = base_weight_bytes(st.teacher, st.teacher_quantize, st.compute_bytes,
                                                           kbit_prepared=False) // split

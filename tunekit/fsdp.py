@@ -1,0 +1,421 @@
+"""trainer.strategy=fsdp: the frozen base and the trained part sharded over the ranks (FSDP2).
+
+PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`; Zhao et al. 2023, "PyTorch FSDP") splits
+every parameter along its first dimension into one shard per rank. Each decoder layer is one
+unit: its weights are all-gathered just before the layer runs and freed after, and its gradients
+are reduce-scattered in backward, so a rank holds 1/N of the base, of the trained tensors, of
+their gradients and of the optimizer state, plus about two gathered layers at a time. Untied
+input embeddings and output head are a unit each, gathered only while they compute; everything
+else (final norm, a soft prompt, and a head tied to the embeddings) is the root unit, gathered
+for a whole micro-batch. tunekit.plan.memory counts the same ("gathered blocks (FSDP)").
+
+What the recipe calls, at a few points (DDP runs never reach this module):
+
+    shard(model)            after the method is applied: wrap, return the per-rank memory figures
+    run(fn)                 run a forward (decoder + loss, an evaluation, the probe) inside the root unit
+    collect_grads()         after backward: the shards' gradients, for the optimizer
+    clip_grad_norm(max)     the global norm over all shards
+    check_first_step(...)   loss exactly 0 or inf/nan at the first step: the known corruption, one error
+    full_trained(model)     the full trained tensors in place of the shards on rank 0, for Method.save
+    optimizer_to_save/load  every rank's own optimizer state in one checkpoint (JSON + safetensors)
+    in_sync / summary       the end-of-run check and the per-rank memory figures
+
+Why the pieces are as they are:
+
+* Loss normalisation stays exact: each micro-batch's token-summed loss is divided by the trained
+  tokens of the whole global batch (as under DDP), so the ranks' gradients must be *summed*.
+  FSDP averages by default; every unit is set to divide by 1 with plain SUM collectives (gloo has
+  no PREMUL_SUM). Gradients are reduce-scattered at every micro-batch and accumulate in the shards.
+* tunekit runs the decoder and then the head on the trained positions only, never the model's own
+  forward, so FSDP's root hooks would not fire. The model sits inside `_Root`, whose forward runs
+  whatever callable it is given: the root gathers the outer weights for that call and its backward.
+* The optimizer steps plain tensors that alias each rank's shard (same storage). bitsandbytes'
+  optimizers have no DTensor rule ("Operator bitsandbytes.optimizer_update_32bit.default does not
+  have a sharding strategy registered"); on plain shards every optimizer runs, and its state is
+  per rank. 8-bit state is then quantized per shard, not per full tensor.
+* A 4-bit base is loaded with its packed NF4 codes stored as bf16 (bitsandbytes' quant_storage,
+  as in Answer.AI's fsdp_qlora): FSDP1 shards only floating-point tensors, and FSDP2 with torch
+  2.8 failed on uint8 ones (accelerate issue 3983; torch 2.13 here shards them, measured). The
+  quantization state (absmax...) stays a module attribute, replicated, and bitsandbytes re-attaches
+  it to the gathered weight at each forward. Known failure: FSDP2 on CUDA has been reported to
+  canonicalise the NaN bit patterns that packed codes form when read as bf16 (bitsandbytes issue
+  1945), which silently changes the weights (symptoms: loss 0, NaN gradients). Measured here on the
+  CPU (gloo, torch 2.13): all 22,834 such patterns of SmolLM2-135M survive the all-gather. So the
+  first forward compares every gathered 4-bit weight with a checksum taken before sharding, and the
+  first step's loss and gradients are checked; either failure stops the run with one error line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from tunekit import TunekitError
+
+log = logging.getLogger(__name__)
+
+ISSUE = "FSDP2 over 4-bit weights stored as floats (bitsandbytes issue 1945)"
+CHECKSUM_CHUNK = 1 << 24  # bytes per slice of the first-forward checksum (an int64 copy of 128 MB at most)
+
+
+def check_config(fused_lora: str, objective: str) -> None:
+    """What trainer.strategy=fsdp refuses before anything loads (one line each)."""
+    if fused_lora == "on":
+        raise TunekitError("kernels.fused_lora: on is not supported with trainer.strategy=fsdp (the fused kernel "
+                           "reads a layer's whole 4-bit weight and its quantization state, which FSDP shards and "
+                           "re-gathers; it is untested there); use kernels.fused_lora=auto or off")
+    if objective == "distill":
+        raise TunekitError("trainer.strategy: fsdp does not run objective=distill (its chunked loss calls the "
+                           "student's head once per chunk of a rank's own tokens, so ranks would gather a sharded "
+                           "head different numbers of times and wait on each other, and the teacher would not be "
+                           "sharded); use trainer.strategy=ddp")
+
+
+def is_4bit(module: nn.Module) -> bool:
+    return getattr(getattr(module, "weight", None), "quant_state", None) is not None
+
+
+def quant_storage(quantize: str, dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The dtype a sharded 4-bit base stores its packed codes in: bf16, as fsdp_qlora does. Any
+    float dtype holds the same bytes (bitsandbytes dequantizes to the compute dtype `dtype`
+    whatever the storage), and FSDP2, unlike FSDP1's flat parameters, gathers units of mixed
+    dtypes, so the storage need not match the compute dtype."""
+    return torch.bfloat16 if quantize == "nf4" else None
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard one by one: modules of the classes transformers lists in
+    `_no_split_modules` (what accelerate's FSDP auto-wrap uses), outermost only."""
+    names = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or ())
+    layers: list[nn.Module] = []
+    inside: set[int] = set()
+    for m in model.modules():
+        if id(m) in inside:
+            continue
+        if type(m).__name__ in names:
+            layers.append(m)
+            inside.update(id(x) for x in m.modules())
+    return layers
+
+
+def outer_units(model: nn.Module) -> list[nn.Module]:
+    """Input embeddings and output head as units of their own when they hold different weights
+    (a tied pair stays in the root unit: one parameter cannot be in two units). Every rank must
+    then call the head as often as the others in each forward: the SFT loss calls it once per
+    micro-batch, whatever the batch holds."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if emb is None or head is None or getattr(emb, "weight", None) is getattr(head, "weight", None):
+        return []
+    return [emb, head]
+
+
+def _quant_state_tensors(module: nn.Module) -> list[torch.Tensor]:
+    state = getattr(module, "quant_state", None)
+    if state is None:
+        return []
+    out = [state.absmax, state.code]
+    if getattr(state, "nested", False):
+        out += [state.state2.absmax, state.state2.code, state.offset]
+    return [t for t in out if isinstance(t, torch.Tensor)]
+
+
+def held_bytes(model: nn.Module) -> int:
+    """Bytes of parameters, buffers and 4-bit quantization state this process holds for `model`
+    (a DTensor counts its local shard only)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    seen: set[int] = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+    for m in model.modules():
+        total += sum(t.numel() * t.element_size() for t in _quant_state_tensors(m) if id(t) not in seen)
+    return total
+
+
+def packed_checksum(t: torch.Tensor) -> tuple[int, int]:
+    """(sum of bytes, position-weighted sum of bytes) of a tensor's raw storage, on its device.
+
+    Any single changed byte changes both; several changes cancel out only by coincidence.
+    """
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    total = weighted = 0
+    for start in range(0, data.numel(), CHECKSUM_CHUNK):
+        part = data[start:start + CHECKSUM_CHUNK].to(torch.int64)
+        pos = torch.arange(start, start + part.numel(), device=part.device, dtype=torch.int64) % 65521 + 1
+        total += int(part.sum())
+        weighted += int((part * pos).sum())
+    return total, weighted
+
+
+class _Root(nn.Module):
+    """FSDP's root unit: holds the model, so that every weight outside the decoder layers forms one
+    group, and runs the callable it is given inside its forward, so that the group is gathered for
+    that call (and its backward) however the callable reaches the model's parts."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn: Callable, *args):
+        return fn(*args)
+
+
+class Sharded:
+    """The FSDP2 state of one training run on this rank (see the module docstring)."""
+
+    def __init__(self, device: torch.device, world_size: int, rank: int):
+        self.device, self.world_size, self.rank = torch.device(device), world_size, rank
+        self.root: Optional[nn.Module] = None
+        self.sharded: list[nn.Parameter] = []  # the trained DTensor parameters, in model order
+        self.local: list[nn.Parameter] = []  # plain parameters aliasing their shards: what the optimizer steps
+        self.quantized = False
+        self.full_bytes = self.rank_bytes = 0
+        self.memory_after_shard_mb: Optional[float] = None
+        self._checks: dict = {}  # layer name -> hook of the first-forward checksum comparison
+
+    # Where the base loads: host memory, from which fully_shard moves each rank's shards onto its
+    # device one layer at a time, so the whole base never sits on one device.
+    load_device = torch.device("cpu")
+
+    # ---------------------------------------------------------------- wrapping
+    def shard(self, model: nn.Module) -> str:
+        """Wrap `model` (the method already applied) in place; returns the log line with its memory."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.tensor import DTensor
+
+        layers = decoder_layers(model)
+        if not layers:
+            raise TunekitError(f"trainer.strategy=fsdp: found no decoder layers to shard in {type(model).__name__} "
+                               "(transformers' _no_split_modules names none); use trainer.strategy=ddp")
+        units = layers + outer_units(model)
+        self.full_bytes = held_bytes(model)
+        sums = {}
+        for name, m in model.named_modules():
+            if is_4bit(m):
+                sums[name] = packed_checksum(m.weight)
+        self.quantized = bool(sums)
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        self.root = _Root(model)
+        try:
+            for unit in units:
+                fully_shard(unit, mesh=mesh)
+            fully_shard(self.root, mesh=mesh)
+        except (AssertionError, ValueError, RuntimeError, NotImplementedError, TypeError) as e:
+            raise TunekitError(f"trainer.strategy=fsdp: FSDP2 cannot shard this model ({type(e).__name__}: "
+                               f"{str(e).strip().splitlines()[0][:200]}); use trainer.strategy=ddp") from None
+        for m in self.root.modules():
+            if isinstance(m, FSDPModule):  # sum, never average: the loss is already normalised globally
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)
+        if self.device.type != "cpu":  # fully_shard moved the shards; the 4-bit states stay module attributes
+            for m in model.modules():
+                if getattr(m, "quant_state", None) is not None:
+                    m.quant_state.to(self.device)
+        for name, m in model.named_modules():
+            if name in sums:
+                self._checks[name] = m.register_forward_pre_hook(self._checksum_hook(name, sums[name]))
+        self.sharded = [p for p in model.parameters() if p.requires_grad]
+        plain = [n for n, p in model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+        if plain:  # cannot happen with the root over the whole model; a silent unreduced gradient would
+            raise TunekitError(f"trainer.strategy=fsdp: {plain[0]} trains but was not sharded")
+        with torch.no_grad():
+            self.local = [nn.Parameter(p.to_local(), requires_grad=True) for p in self.sharded]
+        self.rank_bytes = held_bytes(model)
+        import gc
+
+        from tunekit.device import current_memory_mb
+
+        gc.collect()  # the whole tensors the shards were cut from
+        self.memory_after_shard_mb = current_memory_mb(self.device)
+        outer = " + embeddings + head" if len(units) > len(layers) else ""
+        return (f"fsdp: {len(layers)} decoder layers{outer} + the rest sharded over {self.world_size} ranks; "
+                f"this rank holds {self.rank_bytes / 2**20:.1f} MiB of the model's {self.full_bytes / 2**20:.1f} MiB"
+                + (" (4-bit codes stored as bf16; checked at the first forward)" if self.quantized else ""))
+
+    def _checksum_hook(self, name: str, expected: tuple[int, int]):
+        def hook(module, args):
+            got = packed_checksum(module.weight)  # the gathered (unsharded) weight, just before use
+            if got != expected:
+                raise TunekitError(f"trainer.strategy=fsdp: the 4-bit weight of {name} differs after FSDP gathered "
+                                   f"it (checksum {got} != {expected}): the known corruption of {ISSUE}; "
+                                   "nothing was trained or saved; use trainer.strategy=ddp")
+            self._checks.pop(name).remove()  # once is enough: every later gather runs the same code
+        return hook
+
+    # ---------------------------------------------------------------- a step
+    def run(self, fn: Callable, *args):
+        """fn(*args) inside the root unit's forward (its outer weights gathered). A no-grad call (an
+        evaluation) frees them again at once; in training the root keeps them until backward ends."""
+        out = self.root(fn, *args)
+        if not torch.is_grad_enabled():
+            self.root.reshard()
+        return out
+
+    @torch.no_grad()
+    def collect_grads(self) -> None:
+        """Point the optimizer's plain parameters at their shards and the shards' summed gradients."""
+        for a, p in zip(self.local, self.sharded):
+            a.data = p.to_local()  # FSDP may re-pad a shard once, at its first forward: follow it
+            a.grad = None if p.grad is None else p.grad.to_local()
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """torch.nn.utils.clip_grad_norm_ over the shards of every rank: the same global L2 norm
+        (sqrt of the all-reduced sum of squared per-shard norms) and the same clip coefficient."""
+        import torch.distributed as dist
+
+        grads = [a.grad for a in self.local if a.grad is not None and a.grad.numel()]
+        squares = torch.zeros((), device=self.device, dtype=torch.float32)
+        if grads:
+            squares = torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)]).pow(2).sum()
+        dist.all_reduce(squares)
+        total = float(squares.sqrt())
+        coef = max_norm / (total + 1e-6)
+        if math.isfinite(total) and coef < 1.0:
+            torch._foreach_mul_(grads, coef)
+        return total
+
+    def zero_grad(self) -> None:
+        for p in self.sharded:
+            p.grad = None
+
+    def all_finite(self, params: list[torch.Tensor]) -> bool:
+        """Every rank's shards finite: decided together, so that all ranks stop or none does."""
+        import torch.distributed as dist
+
+        ok = torch.tensor([int(all(bool(p.detach().isfinite().all()) for p in params))], device=self.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok.item())
+
+    def check_first_step(self, step: int, loss: float, grad_norm: float) -> None:
+        """The known silent failures of a corrupted sharded base show at once: a loss of exactly 0
+        (no real model produces it on text) or inf/nan gradients. Every rank sees the same reduced
+        values, so all stop together."""
+        if loss == 0.0:
+            what = "the training loss is exactly 0"
+        elif not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            what = f"the training loss is {loss} and the gradient norm {grad_norm}"
+        else:
+            return
+        cause = (f"the known symptom of {ISSUE}" if self.quantized
+                 else "FSDP computed garbage (a sharding or dtype problem)")
+        raise TunekitError(f"trainer.strategy=fsdp: step {step + 1}: {what}: {cause}; training stopped and nothing "
+                           "was saved; use trainer.strategy=ddp")
+
+    def missing_forwards(self, mine: int) -> int:
+        """How many more forwards this rank must run to match the busiest (FSDP's all-gathers are
+        collective: a rank with fewer held-out batches would leave the others waiting)."""
+        import torch.distributed as dist
+
+        n = torch.tensor([mine], device=self.device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        return int(n.item()) - mine
+
+    # ---------------------------------------------------------------- full tensors
+    @contextlib.contextmanager
+    def full_trained(self, model: nn.Module):
+        """Within: on rank 0 the model's trained parameters are plain full tensors (gathered from
+        every rank), so that Method.save writes them and reads them back to verify; on exit the
+        shards are put back. Collective: every rank enters. No forward, and no load_state_dict
+        (FSDP's load hooks expect shards): a resumed adapter is loaded before sharding."""
+        for m in self.root.modules():  # every unit sharded, so that state_dict hooks leave our swap alone
+            if hasattr(m, "reshard"):
+                m.reshard()
+        keep = self.rank == 0
+        fulls: dict[int, nn.Parameter] = {}
+        with torch.no_grad():
+            for p in self.sharded:  # one tensor at a time, kept in host memory on rank 0 only
+                full = p.full_tensor()
+                if keep:
+                    fulls[id(p)] = nn.Parameter(full.cpu(), requires_grad=True)
+                del full
+        swapped = []
+        for module in model.modules():
+            for leaf, p in list(module._parameters.items()):
+                if p is not None and id(p) in fulls:
+                    module._parameters[leaf] = fulls[id(p)]
+                    swapped.append((module, leaf, p))
+        try:
+            yield
+        finally:
+            for module, leaf, p in swapped:
+                module._parameters[leaf] = p
+
+    def in_sync(self) -> bool:
+        """Each trained tensor exists once, sharded, so ranks cannot drift apart as replicas can;
+        what is checked is that every rank gathers the same full tensors (what rank 0 saves)."""
+        from accelerate.utils import gather_object
+
+        h = hashlib.sha256()
+        with torch.no_grad():
+            for p in self.sharded:
+                h.update(p.full_tensor().float().cpu().numpy().tobytes())
+        digests = gather_object([h.hexdigest()])
+        if len(set(digests)) != 1:
+            log.error("ranks gather different trained weights: %s", digests)
+            return False
+        return True
+
+    # ---------------------------------------------------------------- optimizer state
+    def optimizer_to_save(self, optimizer) -> "_RankStates":
+        """Every rank's own optimizer state (its shards' moments), gathered to rank 0 for the
+        checkpoint. Collective."""
+        import torch.distributed as dist
+
+        def to_cpu(x):
+            if isinstance(x, torch.Tensor):
+                return x.detach().cpu()
+            if isinstance(x, dict):
+                return {k: to_cpu(v) for k, v in x.items()}
+            if isinstance(x, (list, tuple)):
+                return type(x)(to_cpu(v) for v in x)
+            return x
+
+        states = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(to_cpu(optimizer.state_dict()), states, dst=0)
+        return _RankStates(optimizer, self.rank, self.world_size, states)
+
+    def optimizer_to_load(self, optimizer) -> "_RankStates":
+        return _RankStates(optimizer, self.rank, self.world_size, None)
+
+    def summary(self, peak_mb: float) -> dict:
+        """Per-rank figures for summary.json (collective): bytes held after sharding, peak memory."""
+        from accelerate.utils import gather_object
+
+        rows = gather_object([(self.rank_bytes, self.memory_after_shard_mb, peak_mb)])
+        return {"model_bytes": self.full_bytes, "rank_bytes": [r[0] for r in rows],
+                "rank_memory_after_shard_mb": [None if r[1] is None else round(r[1], 1) for r in rows],
+                "rank_peak_memory_mb": [round(r[2], 1) for r in rows]}
+
+
+class _RankStates:
+    """What the checkpoint sees of a sharded optimizer: {"world_size": N, "ranks": [state of rank 0,
+    ...]}. Saving writes all of them (safetensors + JSON, like any optimizer state); loading gives
+    each rank back its own (resume requires the same number of ranks: it is in the fingerprint)."""
+
+    def __init__(self, optimizer, rank: int, world_size: int, states: Optional[list]):
+        self.optimizer, self.rank, self.world_size, self.states = optimizer, rank, world_size, states
+
+    def state_dict(self) -> dict:
+        return {"world_size": self.world_size, "ranks": self.states}
+
+    def load_state_dict(self, state: dict) -> None:
+        ranks = state.get("ranks") if isinstance(state, dict) else None
+        if not isinstance(ranks, list) or len(ranks) != self.world_size:
+            raise ValueError(f"expected the optimizer state of {self.world_size} FSDP ranks")
+        self.optimizer.load_state_dict(ranks[self.rank])
