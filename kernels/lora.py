@@ -159,17 +159,19 @@ def nf4_lora_matmul(
     keep_scale: float = 1.0,
     bias: torch.Tensor | None = None,
     force_int64: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Host side of the kernel: ``inp @ (W^T if transpose_w else W)`` plus epilogue terms.
 
     inp (tokens, Q); left (tokens, r); right (r, P), any strides (e.g. ``B.t()``);
-    keep bool (tokens, P); bias (P,).  Returns a new (tokens, P) tensor of inp's dtype.
+    keep bool (tokens, P); bias (P,).  Returns a new (tokens, P) tensor of ``out_dtype``
+    (default inp's dtype); the fp32 accumulator is rounded only there.
     Offsets are int32 unless an operand is large enough to need int64 (or ``force_int64``).
     """
     n_out, n_in = quant.shape
     Q, P = (n_in, n_out) if transpose_w else (n_out, n_in)
     M = inp.shape[0]
-    out = torch.empty((M, P), dtype=inp.dtype, device=inp.device)
+    out = torch.empty((M, P), dtype=out_dtype or inp.dtype, device=inp.device)
     if M == 0:
         return out
     index_64 = force_int64 or needs_int64(M, P, Q, inp.stride(0), out.stride(0),
@@ -226,16 +228,20 @@ class FusedLoRANF4Function(torch.autograd.Function):
     """autograd wrapper; inputs x (tokens, in), A (r, in), B (out, r), bias (out,) or None."""
 
     @staticmethod
-    def forward(ctx, x, A, B, bias, quant, scaling, dropout_p, weight_mode):
+    def forward(ctx, x, A, B, bias, quant, scaling, dropout_p, weight_mode, out_dtype):
         keep = dropout_noise(x, dropout_p) if dropout_p > 0 else None
         x_lora = x if keep is None else apply_dropout(x, keep, dropout_p)
         xa = x_lora @ A.t()
         if weight_mode == "tiles":
-            y = nf4_lora_matmul(x, quant, True, left=xa, right=B.t(), lora_scale=scaling, bias=bias)
+            y = nf4_lora_matmul(x, quant, True, left=xa, right=B.t(), lora_scale=scaling, bias=bias,
+                                out_dtype=out_dtype)
         else:
             w = _dequant_workspace(quant, x.dtype)
             y = torch.addmm(bias.to(x.dtype), x, w.t()) if bias is not None else x @ w.t()
-            y.addmm_(xa, B.t(), alpha=scaling)
+            if out_dtype == x.dtype:
+                y.addmm_(xa, B.t(), alpha=scaling)
+            else:  # the LoRA term is added in the wider dtype, not lost in the base's rounding
+                y = y.to(out_dtype).add_(xa @ B.t(), alpha=scaling)
         ctx.save_for_backward(x, A, B, xa, keep)
         ctx.quant, ctx.scaling, ctx.dropout_p, ctx.weight_mode = quant, scaling, dropout_p, weight_mode
         return y
@@ -243,6 +249,7 @@ class FusedLoRANF4Function(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, A, B, xa, keep = ctx.saved_tensors
+        dy = dy.to(x.dtype)  # an output widened by out_dtype: the gradient computes in x's dtype
         need_x, need_A, need_B, need_bias = ctx.needs_input_grad[:4]
         s, p = ctx.scaling, ctx.dropout_p
         dx = dA = dB = dbias = None
@@ -263,7 +270,7 @@ class FusedLoRANF4Function(torch.autograd.Function):
                     dx += apply_dropout(dxa @ A, keep, p)
         if need_bias:
             dbias = dy.sum(0)
-        return dx, dA, dB, dbias, None, None, None, None
+        return dx, dA, dB, dbias, None, None, None, None, None
 
 
 def _check_inputs(x, quant, A, B, bias, dropout_p, weight_mode) -> None:
@@ -302,18 +309,25 @@ def fused_lora_linear(
     bias: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     weight_mode: str = "tiles",
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``x @ W^T + bias + scaling * (dropout(x) @ A^T) @ B^T``, W frozen NF4.
 
     Same result as peft's LoRA layer over ``bnb.nn.Linear4bit`` (``scaling = alpha / r``).
     x: (tokens, in) or (batch, seq, in); A: (r, in); B: (out, r); bias: (out,).
     A, B and bias must have x's dtype.  Dropout is applied whenever ``dropout_p > 0``,
-    so pass ``p if module.training else 0.0``.  Returns (..., out) in x's dtype.
+    so pass ``p if module.training else 0.0``.  Returns (..., out) in ``out_dtype``, x's dtype
+    by default. A wider ``out_dtype`` (fp32 for a bf16 x) keeps a LoRA term smaller than the base
+    output's rounding step, as peft does by adding its fp32 LoRA output to an fp32 residual: early
+    in training the delta is ~1e-4 of the output, below bf16's 2^-8.
     """
     _check_inputs(x, quant, A, B, bias, dropout_p, weight_mode)
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in _DTYPES:
+        raise ValueError(f"out_dtype must be float32/bfloat16/float16, got {out_dtype}")
     check_device(x, "x")
     lead = x.shape[:-1]
     y = FusedLoRANF4Function.apply(
-        x.reshape(-1, x.shape[-1]), A, B, bias, quant, float(scaling), float(dropout_p), weight_mode
+        x.reshape(-1, x.shape[-1]), A, B, bias, quant, float(scaling), float(dropout_p), weight_mode, out_dtype
     )
     return y.reshape(*lead, quant.shape[0])

@@ -52,7 +52,8 @@ class FusedLoRALinear4bit(PeftLoRALinear4bit):
     """peft's LoRA over a bitsandbytes Linear4bit, with the forward of tunekit_kernels.
 
     y = base(x) + scaling * B A dropout(x): (..., in) -> (..., out), W frozen NF4, computed in
-    the base layer's compute dtype and returned in x's dtype. Anything the fused op does not
+    the base layer's compute dtype and written in x's dtype (fp32 under k-bit training), so a
+    LoRA term below the compute dtype's rounding step is kept, as in peft. Anything the fused op does not
     cover (adapters disabled or merged, several active adapters, per-row adapter names) runs
     peft's own forward.
     """
@@ -73,8 +74,9 @@ class FusedLoRALinear4bit(PeftLoRALinear4bit):
         y = tk.fused_lora_linear(
             x.to(dtype), quant, self.lora_A[name].weight.to(dtype), self.lora_B[name].weight.to(dtype),
             float(self.scaling[name]), bias=None if bias is None else bias.to(dtype), dropout_p=p,
+            out_dtype=x.dtype,
         )
-        return y.to(x.dtype)
+        return y
 
 
 class TorchLoRALinear4bit(PeftLoRALinear4bit):
@@ -160,9 +162,10 @@ def check_layer(layer: nn.Module, dtype: torch.dtype, tokens: int = CHECK_TOKENS
     scaling = float(layer.scaling[name])
 
     def run(fn, cast):
-        xs, As, Bs = (t.to(cast).requires_grad_() for t in (x, A, B))
-        y = fn(xs, As, Bs)
-        y.backward(dy.to(cast))
+        with torch.enable_grad():  # the check may be asked for under no_grad (evaluation, generation)
+            xs, As, Bs = (t.to(cast).requires_grad_() for t in (x, A, B))
+            y = fn(xs, As, Bs)
+            y.backward(dy.to(cast))
         return [y.detach(), xs.grad, As.grad, Bs.grad]
 
     if path == "fused":
@@ -200,7 +203,8 @@ def time_layer(layer: nn.Module, dtype: torch.dtype, tokens: int = TIMING_TOKENS
     def step_with(cls):
         def step():
             layer.__class__ = cls
-            layer(x).float().sum().backward()
+            with torch.enable_grad():
+                layer(x).float().sum().backward()
             x.grad = None
         return step
 

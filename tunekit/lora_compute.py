@@ -11,8 +11,9 @@ Here x, A and B are rounded to the compute dtype once and every product accumula
 the bf16 GEMM, which is what autocast and the Triton kernel in kernels/ do; A and B stay fp32
 master weights and their gradients come back in fp32. The base matmul is bitsandbytes' own
 (forward through the layer, backward as its MatMul4Bit does: dy @ dequant(W)), so the frozen
-path computes exactly what peft + bitsandbytes computes. At initialisation (B = 0) the output is
-bit-identical to peft's; afterwards the LoRA term differs by bf16 rounding (2^-8 relative).
+path computes exactly what peft + bitsandbytes computes. The base output and the LoRA term are
+added in x's dtype, as peft adds them. At initialisation (B = 0) the output is bit-identical to
+peft's; afterwards the LoRA term itself differs by bf16 rounding (a few 2^-9, relative to the term).
 """
 
 from __future__ import annotations
@@ -72,10 +73,13 @@ class LoRA4bitCompute(torch.autograd.Function):
             xl = xc * keep / (1.0 - dropout_p)
         Ac, Bc = A.to(dtype), B.to(dtype)
         xa = xl @ Ac.t()  # (tokens, r)
-        y = y.addmm(xa, Bc.t(), alpha=scaling)
+        # The sum is taken in x's dtype (fp32 under k-bit training), as peft adds its fp32 LoRA
+        # output to the base's: early in training the LoRA term is ~1e-4 of the output, and a sum
+        # rounded to bf16 (steps of 2^-8) would drop it from the forward pass.
+        y = y.to(x.dtype).add_(xa @ Bc.t(), alpha=scaling)
         ctx.save_for_backward(xl, xa, A, B, keep)
         ctx.base_layer, ctx.scaling, ctx.dropout_p, ctx.in_dtype = base_layer, scaling, dropout_p, x.dtype
-        return y.to(x.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, dy):

@@ -9,7 +9,7 @@ from tunekit import TunekitError
 from tunekit.config import MethodConfig
 from tunekit.methods import get_method
 from tunekit import device as dev
-from tunekit.fused import FusedLoRALinear4bit, choose_lora_path
+from tunekit.fused import PATHS, FusedLoRALinear4bit, choose_lora_path
 from tunekit.model import load_base_model
 
 CPU = torch.device("cpu")
@@ -235,3 +235,39 @@ def test_pre_ampere_gpu_never_gets_bf16_kernels(tiny_model_dir):
     assert decision.path == "peft" and "no native bf16" in decision.reason
     with pytest.raises(TunekitError, match="no native bf16"):
         choose_lora_path(model, "on", t4, torch.bfloat16)
+
+
+@pytest.mark.parametrize("path", ["torch", "fused"])
+def test_a_lora_term_below_bf16_resolution_survives(tiny_model_dir, path):
+    """Early in training the LoRA term is ~1e-4 of a layer's output, below bf16's rounding step
+    (2^-8 relative). peft adds its fp32 LoRA output to the base's in fp32 (the residual stream is
+    fp32 under k-bit training), so the term survives; a path that rounds the sum to bf16 drops it
+    and evaluates the base instead of the trained model (seen: a val ppl 3% off the exported one).
+
+    Measured as path(B) - path(B = 0) against peft's same difference. Both paths round x, A, B,
+    x A^T and the product to bf16 (5 roundings of 2^-9, relative to the term): 2^-6 allows them;
+    a bf16 sum is off by ~|y| 2^-9, ~20x the term here, and fails by orders of magnitude."""
+    torch.manual_seed(3)
+    model = get_method("lora").apply(load_base_model(str(tiny_model_dir), "nf4", torch.bfloat16, CPU),
+                                     MethodConfig(r=4, alpha=8, dropout=0.0))
+    name, layer = next((n, m) for n, m in model.named_modules() if n.endswith("q_proj") and hasattr(m, "lora_A"))
+    x = torch.randn(16, layer.in_features)  # fp32, as the residual stream under k-bit training
+    B = layer.lora_B["default"].weight
+    with torch.no_grad():
+        y0 = layer(x)
+        B.copy_(torch.randn(B.shape))
+        unit = layer(x) - y0
+        B.mul_(1e-4 * y0.norm() / unit.norm())  # the term is 1e-4 of the output
+        want = layer(x) - y0
+        assert want.norm() / y0.norm() < 2e-4
+        mode, facts = ("on", CPU_FACTS) if path == "fused" else ("auto", dev.DeviceFacts("cpu", cpu_bf16=True))
+        decision = choose_lora_path(model, mode, facts, torch.bfloat16)
+        assert decision.path == path, decision.reason
+        assert isinstance(layer, PATHS[path]), name
+        got = layer(x)
+        assert got.dtype == torch.float32
+        saved = B.clone()
+        B.zero_()
+        got = got - layer(x)
+        B.copy_(saved)
+    assert _rel_l2(got, want) <= 2**-6, f"LoRA term off by {_rel_l2(got, want):.3g} of itself"
