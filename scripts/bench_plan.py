@@ -35,27 +35,28 @@ REPO = Path(__file__).resolve().parents[1]
 
 # (name, overrides). Each one differs in what dominates: weights, activations, loss, teacher.
 DEFAULT_CONFIGS = [
-    ("qlora ckpt, 4x512", "recipe=qlora trainer.micro_batch_size=4 data.max_seq_len=512"),
+    ("qlora ckpt, 4x512", "recipe=qlora model.gradient_checkpointing=true trainer.micro_batch_size=4 data.max_seq_len=512"),
     ("qlora no ckpt, 4x512", "recipe=qlora model.gradient_checkpointing=false trainer.micro_batch_size=4 data.max_seq_len=512"),
     ("lora, 1x1024", "recipe=lora trainer.micro_batch_size=1 data.max_seq_len=1024"),
     ("lora ckpt, 16x128", "recipe=lora model.gradient_checkpointing=true trainer.micro_batch_size=16 data.max_seq_len=128"),
     ("lora packed, 8x128", "recipe=lora data.packing=true trainer.micro_batch_size=8 data.max_seq_len=128"),
     ("adapter, 4x256", "recipe=adapter trainer.micro_batch_size=4 data.max_seq_len=256"),
     ("prompt_tuning, 4x256", "recipe=prompt_tuning trainer.micro_batch_size=4 data.max_seq_len=256"),
-    ("distill qlora ckpt, 4x256", "recipe=distill trainer.micro_batch_size=4 data.max_seq_len=256"),
+    ("distill qlora ckpt, 4x256", "recipe=distill model.gradient_checkpointing=true trainer.micro_batch_size=4 data.max_seq_len=256"),
     ("qlora adamw_8bit dropout, 2x512", "recipe=qlora model.gradient_checkpointing=false method.dropout=0.1 "
      "trainer.optimizer=adamw_8bit trainer.micro_batch_size=2 data.max_seq_len=512"),
 ]
+SUITE_MODEL_NAME = "the suite's random Llama (hidden 384, 4 blocks, vocabulary 4096)"
 # The suite's configurations run on a smaller random Llama (tests/test_plan_measured.py).
 SUITE_CONFIGS = [
-    ("qlora ckpt, 4x256", "recipe=qlora trainer.micro_batch_size=4 data.max_seq_len=256"),
+    ("qlora ckpt, 4x256", "recipe=qlora model.gradient_checkpointing=true trainer.micro_batch_size=4 data.max_seq_len=256"),
     ("qlora no ckpt, 2x512", "recipe=qlora model.gradient_checkpointing=false trainer.micro_batch_size=2 data.max_seq_len=512"),
     ("lora, 1x1024", "recipe=lora trainer.micro_batch_size=1 data.max_seq_len=1024"),
     ("lora ckpt, 16x128", "recipe=lora model.gradient_checkpointing=true trainer.micro_batch_size=16 data.max_seq_len=128"),
     ("lora packed, 8x128", "recipe=lora data.packing=true trainer.micro_batch_size=8 data.max_seq_len=128"),
     ("adapter, 4x256", "recipe=adapter trainer.micro_batch_size=4 data.max_seq_len=256"),
     ("prompt_tuning, 4x256", "recipe=prompt_tuning trainer.micro_batch_size=4 data.max_seq_len=256"),
-    ("distill qlora ckpt, 4x256", "recipe=distill trainer.micro_batch_size=4 data.max_seq_len=256"),
+    ("distill qlora ckpt, 4x256", "recipe=distill model.gradient_checkpointing=true trainer.micro_batch_size=4 data.max_seq_len=256"),
 ]
 # A Llama of a middle size for the suite: big enough that a step's growth is hundreds of MiB
 # (far above allocator noise), small enough for seconds per step; a small vocabulary so the
@@ -138,12 +139,14 @@ def measure(overrides: list[str], work: Path, steps: int) -> dict:
     from tunekit.device import probe
     from tunekit.plan import dynamic_bytes, predict
     from tunekit.plan.inputs import planner_inputs
+    from tunekit.plan.report import resolve_auto
     from tunekit.recipe import TrainRecipe
 
     out = Path(tempfile.mkdtemp(dir=work))
     (cfg,) = compose_configs(overrides + [f"output_dir={out}/run", "trainer.eval_every=1000000",
                                           "trainer.save_every=1000000", "trainer.max_steps=10", "trainer.grad_accum=1"])
     facts = probe(torch.device("cpu"))
+    resolve_auto(cfg, facts, None, 1)  # what train would pick here; the recipe below then runs that
     shape, setup = planner_inputs(cfg, facts)
     plan = predict(shape, setup, facts)
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the parent freed is not this run's to reuse
@@ -153,10 +156,11 @@ def measure(overrides: list[str], work: Path, steps: int) -> dict:
     after_setup = rss_kib()
     t = cfg.trainer
     rows = worst_batch(cfg.data.max_seq_len, t.micro_batch_size, shape.vocab_size, r.tokenizer.eos_token_id)
-    r.train_data = [{"input_ids": rows[0]["input_ids"][:16], "labels": rows[0]["labels"][:16]}]
-    r.schedule = FixedSchedule(1, 1)
-    r.train_step(0)  # warm-up: optimizer state, first-call buffers
+    # Warm-up on the measured shapes: optimizer state, first-call buffers, and the per-shape
+    # matmul kernels oneDNN JIT-compiles and caches for bf16 (~13 MiB on the suite's qlora over
+    # the bf16 LoRA path, the same for 1, 4 or 8 rows: code and scratch, not tensors).
     r.train_data, r.schedule = rows, FixedSchedule(len(rows), t.grad_accum)
+    r.train_step(0)
     before = rss_kib()
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     peaks, seconds = [], []
@@ -272,7 +276,7 @@ def main(argv=None):
     import transformers
 
     meta = {"device": f"{cpu}, {torch.get_num_threads()} threads", "torch": torch.__version__,
-            "transformers": transformers.__version__, "model": model, "configs": args.configs, "steps": args.steps,
+            "transformers": transformers.__version__, "model": model if args.configs == "default" or args.model else SUITE_MODEL_NAME, "configs": args.configs, "steps": args.steps,
             "metric": "max over the steps of (VmHWM during the step - VmRSS after setup and a warm-up step)",
             "predicted": "Plan.peak minus its static terms (base/teacher weights, trainable parameters, optimizer "
                          "state): gradients, activations and the loss's working set",
@@ -288,7 +292,8 @@ step adds, measured the way `scripts/bench_train.py` measures training memory (V
 minus VmRSS before the step). Each row runs tunekit's own trainer (`TrainRecipe.setup` +
 `train_step`) in a fresh process forked from one that already holds the imported runtime, on the
 planner's worst micro-batch (rows of `data.max_seq_len` tokens, one a token shorter so the batch is
-padded, every token trained), one warm-up step first (optimizer state, first-call buffers), then
+padded, every token trained), one warm-up step on the same batch first (optimizer state,
+first-call buffers, the matmul kernels oneDNN compiles per shape), then
 the largest growth over the measured steps. The static terms (4-bit weights with their
 quantization state, trainable tensors, optimizer state) are not in this table: `tests/test_plan.py`
 checks them, and every tensor autograd saves, against the real objects byte for byte.
@@ -298,9 +303,10 @@ Two measurements per row:
 - **live**: glibc's mmap threshold fixed at 128 KiB in the measured process, so that freed tensors
   leave it; its peak is the peak of live memory, which is what the planner models.
 - **glibc default**: the allocator as a run uses it. glibc raises its mmap threshold after every
-  large free; big tensors then come from a heap that keeps freed memory resident, so the peak
-  grows beyond the live peak (most with gradient checkpointing: the blocks recomputed in backward
-  pile up). A fixed threshold removes that but made steps about 2x slower here (page faults on every
+  large free; big tensors then come from a heap that keeps freed memory resident, so the first
+  step's peak grows beyond the live peak (most with gradient checkpointing: the blocks recomputed
+  in backward pile up); after the warm-up the heap holds that memory already and a step can grow
+  less than the live peak. A fixed threshold removes that but made steps about 2x slower here (page faults on every
   large allocation), so tunekit does not set it; the CPU device total carries a stated margin instead
   (`allocator margin (glibc)` in `tunekit plan`)."""
 
