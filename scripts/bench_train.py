@@ -99,7 +99,18 @@ def build_cfg(spec: dict, out_dir: str):
     over += [f"model.path={spec['model']}"] if spec["model"] else []
     over += [f"data.path={spec['data']}"] if spec["data"] else []
     with initialize_config_module(config_module="tunekit_recipes", version_base="1.3"):
-        return OmegaConf.to_object(compose(config_name="train", overrides=over + spec["set"]))
+        cfg = OmegaConf.to_object(compose(config_name="train", overrides=over + spec["set"]))
+    # `auto` settings (gradient checkpointing, micro-batch size) resolved once, as `tunekit train`
+    # resolves them on this device, so both systems run the same choice (a bare "auto" string
+    # would read as true to TRL and peft).
+    import torch
+
+    from tunekit.device import probe
+    from tunekit.plan.report import resolve_auto
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg.auto_resolved = resolve_auto(cfg, probe(device), None, 1)
+    return cfg
 
 
 def sync():
@@ -296,7 +307,7 @@ def run_child(spec: dict) -> dict:
     else:
         result = run_trl(spec, cfg, out_dir, liger=spec["system"] == "trl-liger")
     shutil.rmtree(out_dir, ignore_errors=True)
-    return {**result, **memory()}
+    return {**result, **memory(), "auto_resolved": cfg.auto_resolved}
 
 
 # ---------------------------------------------------------------------------- parent
