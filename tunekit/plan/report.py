@@ -16,7 +16,7 @@ from typing import Optional
 
 from tunekit import TunekitError
 from tunekit.cliparse import Parser
-from tunekit.device import available_memory_bytes, planning_facts
+from tunekit.device import available_memory_bytes, default_device, planning_facts
 from tunekit.plan import GiB, Plan, predict
 from tunekit.plan.inputs import planner_inputs
 from tunekit.plan.shape import preset_names, preset_source
@@ -149,7 +149,7 @@ def main(argv: list[str]) -> None:
     from tunekit.cli import compose_configs
 
     configs = compose_configs(args.overrides)
-    facts = planning_facts(args.device or ("cuda" if _cuda() else "cpu"),
+    facts = planning_facts(args.device or default_device().type,
                            None if args.memory is None else int(args.memory * GiB))
     results, texts = [], []
     for cfg in configs:
@@ -197,8 +197,3 @@ def resolve_auto(cfg, facts, memory_gib: Optional[float], ranks: int) -> dict:
     values = {"trainer.micro_batch_size": b, "model.gradient_checkpointing": "on" if c else "off"}
     return {k: values[k] for k in keys}
 
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
