@@ -53,9 +53,9 @@ class FusedLoRALinear4bit(PeftLoRALinear4bit):
 
     y = base(x) + scaling * B A dropout(x): (..., in) -> (..., out), W frozen NF4, computed in
     the base layer's compute dtype and written in x's dtype (fp32 under k-bit training), so a
-    LoRA term below the compute dtype's rounding step is kept, as in peft. Anything the fused op does not
-    cover (adapters disabled or merged, several active adapters, per-row adapter names) runs
-    peft's own forward.
+    LoRA term below the compute dtype's rounding step is kept, as in peft. Anything the fused op
+    does not cover (adapters disabled or merged, several active adapters, per-row adapter names)
+    runs peft's own forward.
     """
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
