@@ -27,6 +27,12 @@ def _qlora_tiny(tiny_model_dir, dtype):
     return model
 
 
+def _bf16_qlora_tiny(tiny_model_dir):
+    """The tiny model in NF4 with bf16 compute and fresh LoRA (B = 0), as auto sees it on a bf16 CPU."""
+    return get_method("lora").apply(load_base_model(str(tiny_model_dir), "nf4", torch.bfloat16, CPU),
+                                    MethodConfig(r=4, alpha=8, dropout=0.0))
+
+
 def _logits_and_grads(model, x):
     model.zero_grad(set_to_none=True)
     logits = model(input_ids=x).logits.float()
@@ -99,8 +105,7 @@ def test_torch_path_on_cpu(tiny_model_dir):
     from tunekit.fused import TorchLoRALinear4bit
 
     torch.manual_seed(2)
-    model = get_method("lora").apply(load_base_model(str(tiny_model_dir), "nf4", torch.bfloat16, CPU),
-                                     MethodConfig(r=4, alpha=8, dropout=0.0))
+    model = _bf16_qlora_tiny(tiny_model_dir)
     x = torch.randint(0, 2000, (2, 9))
     with torch.no_grad():
         at_init = model(input_ids=x).logits
@@ -130,8 +135,7 @@ def test_torch_path_keeps_a_dense_copy_where_memory_allows(tiny_model_dir, tmp_p
     from tunekit.lora_compute import CACHE_ATTR
 
     torch.manual_seed(3)
-    model = get_method("lora").apply(load_base_model(str(tiny_model_dir), "nf4", torch.bfloat16, CPU),
-                                     MethodConfig(r=4, alpha=8, dropout=0.0))
+    model = _bf16_qlora_tiny(tiny_model_dir)
     x = torch.randint(0, 2000, (2, 9))
     with torch.no_grad():
         at_init = model(input_ids=x).logits
@@ -248,8 +252,7 @@ def test_a_lora_term_below_bf16_resolution_survives(tiny_model_dir, path):
     x A^T and the product to bf16 (5 roundings of 2^-9, relative to the term): 2^-6 allows them;
     a bf16 sum is off by ~|y| 2^-9, ~20x the term here, and fails by orders of magnitude."""
     torch.manual_seed(3)
-    model = get_method("lora").apply(load_base_model(str(tiny_model_dir), "nf4", torch.bfloat16, CPU),
-                                     MethodConfig(r=4, alpha=8, dropout=0.0))
+    model = _bf16_qlora_tiny(tiny_model_dir)
     name, layer = next((n, m) for n, m in model.named_modules() if n.endswith("q_proj") and hasattr(m, "lora_A"))
     x = torch.randn(16, layer.in_features)  # fp32, as the residual stream under k-bit training
     B = layer.lora_B["default"].weight

@@ -104,6 +104,38 @@ def test_matches_torch_twin_with_bias_grad(mode, assert_close):
         assert_close(g, r, torch.float32, name)
 
 
+@pytest.mark.parametrize("mode", ["tiles", "buffer"])
+def test_wider_out_dtype_keeps_a_small_lora_term(mode):
+    """bf16 x, out_dtype=fp32 (as FusedLoRALinear4bit calls it under k-bit training): a LoRA term of
+    ~1e-4 of the output, below bf16's 2^-8 step, survives in y(B) - y(0); its error is the bf16
+    roundings of x A^T and of the product (2 x 2^-9 of the term), inside 2^-6. The backward casts
+    dy to bf16 first, so the gradients equal those of the bf16 call fed dy in bf16, bit for bit."""
+    quant = _quant(IN, OUT)
+    torch.manual_seed(4)
+    x = torch.randn(37, IN).bfloat16().requires_grad_()
+    A = (torch.randn(R, IN) * 0.1).bfloat16().requires_grad_()
+    B0 = torch.zeros(OUT, R, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y0 = tk.fused_lora_linear(x, quant, A, B0, 1.0, weight_mode=mode, out_dtype=torch.float32)
+        term_unit = (x.float() @ A.float().t()).bfloat16().float()  # (tokens, r)
+        B = torch.randn(OUT, R).bfloat16()
+        scale = (1e-4 * y0.norm() / (term_unit @ B.float().t()).norm()).item()
+        want = scale * (term_unit @ B.float().t())
+        y = tk.fused_lora_linear(x, quant, A, B, scale, weight_mode=mode, out_dtype=torch.float32)
+    assert y.dtype == torch.float32
+    err = ((y - y0) - want).norm() / want.norm()
+    assert err <= 2**-6, f"LoRA term off by {err:.3g} of itself"
+
+    B.requires_grad_()
+    dy = torch.randn(37, OUT)
+    wide = tk.fused_lora_linear(x, quant, A, B, scale, weight_mode=mode, out_dtype=torch.float32)
+    got = torch.autograd.grad(wide, (x, A, B), dy)
+    narrow = tk.fused_lora_linear(x, quant, A, B, scale, weight_mode=mode)
+    ref = torch.autograd.grad(narrow, (x, A, B), dy.bfloat16())
+    for name, g, r in zip(("dx", "dA", "dB"), got, ref):
+        assert g.dtype == torch.bfloat16 and torch.equal(g, r), name
+
+
 def test_frozen_input_needs_only_lora_grads(assert_close):
     quant = _quant(IN, OUT)
     x = torch.randn(5, IN)  # no grad: dx (the Triton backward matmul) is skipped
