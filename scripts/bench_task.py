@@ -47,6 +47,10 @@ def parse_args(argv=None):
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=160, help="data.max_seq_len (the task's rows are ~60-110 tokens)")
     p.add_argument("--warmup-steps", type=int, default=5)
+    p.add_argument("--seeds", default="0",
+                   help="training seeds (init and batch order); the held-out rows stay the same")
+    p.add_argument("--more-seeds-for", default="all",
+                   help="methods (recipes, trl-qlora) that train at every seed; the others only at the first")
     p.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--train-per-class", type=int, default=200)
     p.add_argument("--val-per-class", type=int, default=50)
@@ -61,6 +65,9 @@ def parse_args(argv=None):
     if bad:
         p.error(f"--recipes: unknown {bad}; choose from {RECIPES}")
     args.lr_factors = [float(f) for f in args.lr_factors.split(",")]
+    args.seeds = [int(x) for x in args.seeds.split(",")]
+    every = [*args.recipes, "trl-qlora"]
+    args.more_seeds_for = every if args.more_seeds_for == "all" else [m.strip() for m in args.more_seeds_for.split(",")]
     return args
 
 
@@ -68,9 +75,10 @@ def tunekit_exe() -> str:
     return str(Path(sys.executable).with_name("tunekit"))
 
 
-def spec_for(args, recipe: str, data: dict, lr: float | None = None) -> dict:
+def spec_for(args, recipe: str, data: dict, lr: float | None = None, seed: int = 0) -> dict:
     """A scripts/bench_train.py spec: the same keys make its TRL child and its config builder agree."""
-    extra = [f"data.val_path={data['val_path']}", f"trainer.warmup_steps={args.warmup_steps}", *args.set]
+    extra = [f"data.val_path={data['val_path']}", f"trainer.warmup_steps={args.warmup_steps}", f"seed={seed}",
+             *args.set]
     return {"system": "trl", "recipe": recipe, "steps": args.steps, "seq_len": args.seq_len,
             "micro_batch_size": args.micro_batch_size, "grad_accum": args.grad_accum, "packing": False,
             "model": args.model, "data": data["train_path"], "trl_defaults": False,
@@ -96,46 +104,61 @@ def fail(what: str, log: Path) -> None:
     raise SystemExit(f"bench_task: {what} failed; log {log}:\n{tail}")
 
 
-def train_recipe(args, recipe: str, data: dict, lrs: list[float]) -> list[dict]:
-    """One Hydra sweep over the learning rates: work/recipe/0, 1, ..."""
-    out = args.work / recipe
-    jobs = [{"method": recipe, "lr": lr, "dir": out / str(i)} for i, lr in enumerate(lrs)]
-    if all((j["dir"] / "summary.json").is_file() for j in jobs):
-        print(f"{recipe}: trained already in {out}", flush=True)
+def seed_dir(args, seed: int) -> Path:
+    return args.work / f"seed-{seed}"
+
+
+def lr_dir(out: Path, lr: float) -> Path:
+    return out / f"lr{lr:g}"
+
+
+def train_recipe(args, recipe: str, data: dict, lrs: list[float], seed: int) -> list[dict]:
+    """One Hydra sweep over the learning rates not trained yet; each run ends in work/seed-S/recipe/lrX."""
+    out = seed_dir(args, seed) / recipe
+    jobs = [{"method": recipe, "lr": lr, "seed": seed, "dir": lr_dir(out, lr)} for lr in lrs]
+    todo = [j["lr"] for j in jobs if not (j["dir"] / "summary.json").is_file()]
+    if not todo:
+        print(f"{recipe} seed {seed}: trained already in {out}", flush=True)
         return jobs
-    shutil.rmtree(out, ignore_errors=True)  # a partial sweep: tunekit refuses to train over it
-    s = spec_for(args, recipe, data)
-    cmd = [tunekit_exe(), "train", "-m", f"recipe={recipe}", f"trainer.lr={','.join(f'{lr:g}' for lr in lrs)}",
+    sweep = out / ".sweep"
+    shutil.rmtree(sweep, ignore_errors=True)  # a partial sweep: tunekit refuses to train over it
+    s = spec_for(args, recipe, data, seed=seed)
+    cmd = [tunekit_exe(), "train", "-m", f"recipe={recipe}", f"trainer.lr={','.join(f'{lr:g}' for lr in todo)}",
            f"data.path={data['train_path']}", f"trainer.max_steps={args.steps}",
            f"trainer.micro_batch_size={args.micro_batch_size}", f"trainer.grad_accum={args.grad_accum}",
            f"data.max_seq_len={args.seq_len}", f"trainer.eval_every={args.steps}", f"trainer.save_every={args.steps}",
-           f"output_dir={out}", *s["set"]] + ([f"model.path={args.model}"] if args.model else [])
+           f"output_dir={sweep}", *s["set"]] + ([f"model.path={args.model}"] if args.model else [])
     print(f"{recipe}: {' '.join(cmd[1:])}", flush=True)
-    rc, wall = run_logged(cmd, args.work / "logs" / f"train-{recipe}.log")
+    log = args.work / "logs" / f"train-{recipe}-seed{seed}.log"
+    rc, wall = run_logged(cmd, log)
     if rc != 0:
-        fail(f"tunekit train -m recipe={recipe}", args.work / "logs" / f"train-{recipe}.log")
-    print(f"{recipe}: {len(lrs)} run(s) in {wall:.0f} s", flush=True)
+        fail(f"tunekit train -m recipe={recipe} seed={seed}", log)
+    for i, lr in enumerate(todo):  # Hydra numbers a sweep's jobs in the order of the values
+        shutil.rmtree(lr_dir(out, lr), ignore_errors=True)
+        (sweep / str(i)).rename(lr_dir(out, lr))
+    shutil.rmtree(sweep, ignore_errors=True)
+    print(f"{recipe} seed {seed}: {len(todo)} run(s) in {wall:.0f} s", flush=True)
     return jobs
 
 
-def train_trl(args, data: dict, lrs: list[float]) -> list[dict]:
+def train_trl(args, data: dict, lrs: list[float], seed: int) -> list[dict]:
     """The standard stack at each lr, saved as a run folder that `tunekit eval` reads."""
     from bench_train import build_cfg
     from omegaconf import OmegaConf
 
     jobs = []
-    for i, lr in enumerate(lrs):
-        out = args.work / "trl-qlora" / str(i)
-        job = {"method": "trl-qlora", "lr": lr, "dir": out}
+    for lr in lrs:
+        out = lr_dir(seed_dir(args, seed) / "trl-qlora", lr)
+        job = {"method": "trl-qlora", "lr": lr, "seed": seed, "dir": out}
         jobs.append(job)
         if (out / "summary.json").is_file():
             continue
         shutil.rmtree(out, ignore_errors=True)
-        spec = {**spec_for(args, "qlora", data, lr), "save_adapter": str(out / "adapter")}
+        spec = {**spec_for(args, "qlora", data, lr, seed), "save_adapter": str(out / "adapter")}
         cfg = build_cfg(spec, str(out))
         out.mkdir(parents=True)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        log = args.work / "logs" / f"train-trl-{i}.log"
+        log = args.work / "logs" / f"train-trl-lr{lr:g}-seed{seed}.log"
         rc, wall = run_logged([sys.executable, str(SCRIPTS / "bench_train.py"), "--child", json.dumps(spec)], log)
         line = next((ln for ln in log.read_text().splitlines() if ln.startswith("BENCH_RESULT ")), None)
         if rc != 0 or line is None:
@@ -143,7 +166,7 @@ def train_trl(args, data: dict, lrs: list[float]) -> list[dict]:
         res = json.loads(line.removeprefix("BENCH_RESULT "))
         (out / "summary.json").write_text(json.dumps({"wall_s": sum(res["step_times_s"]), "process_s": wall,
                                                       "steps": args.steps, "losses": res["losses"]}, indent=2))
-        print(f"trl-qlora lr {lr:g}: {wall:.0f} s", flush=True)
+        print(f"trl-qlora lr {lr:g} seed {seed}: {wall:.0f} s", flush=True)
     return jobs
 
 
@@ -152,14 +175,14 @@ def evaluate(args, job: dict, with_base: bool) -> None:
     if out.is_file() and (not with_base or "base" in json.loads(out.read_text())):
         job["eval"] = json.loads(out.read_text())
         return
-    log = args.work / "logs" / f"eval-{job['method']}-{job['dir'].name}.log"
+    log = args.work / "logs" / f"eval-{job['method']}-{job['dir'].name}-seed{job['seed']}.log"
     cmd = [tunekit_exe(), "eval", str(job["dir"]), "--out", str(out), "--batch-size", str(args.eval_batch_size),
            "--json"] + (["--base"] if with_base else [])
     rc, wall = run_logged(cmd, log)
     if rc != 0:
         fail(f"tunekit eval {job['dir']}", log)
     job["eval"] = json.loads(out.read_text())
-    print(f"eval {job['method']} lr {job['lr']:g}: {wall:.0f} s", flush=True)
+    print(f"eval {job['method']} lr {job['lr']:g} seed {job['seed']}: {wall:.0f} s", flush=True)
 
 
 def train_seconds(run: Path) -> float:
@@ -174,33 +197,61 @@ def pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def arms(runs: list[dict]) -> list[dict]:
+    """The runs grouped by (method, lr), in the order they first appear: one row of the table each."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["method"], r["lr"]), []).append(r)
+    out = []
+    for (method, lr), rs in groups.items():
+        acc = [r["trained"].get("accuracy") or 0.0 for r in rs]
+        em = [r["trained"].get("exact_match") or 0.0 for r in rs]
+        out.append({"method": method, "lr": lr, "default": rs[0]["default"], "seeds": [r.get("seed", 0) for r in rs],
+                    "accuracy": mean(acc), "accuracies": acc, "exact_match": mean(em),
+                    "loss": mean([r["trained"]["loss"] for r in rs]), "base": rs[0]["base"],
+                    "train_s": mean([r["train_s"] for r in rs]), "eval_s": mean([r["eval_s"] for r in rs])})
+    return out
+
+
 def markdown(result: dict) -> str:
     s, d = result["settings"], result["data"]
+    n_val = d["val_rows"]
     lines = [f"# Task benchmark: {d['task']} ({len(d['labels'])} classes, one-word answers)", "",
-             f"Data: {d['source']}; {d['train_rows']} train / {d['val_rows']} held-out rows, class-balanced "
+             f"Data: {d['source']}; {d['train_rows']} train / {n_val} held-out rows, class-balanced "
              f"({d['license']}). Model: {s['model']}. Every run: {s['steps']} steps, batch {s['micro_batch_size']} x "
              f"{s['grad_accum']} (micro-batch x accumulation), sequences <= {s['seq_len']} tokens, warmup "
              f"{s['warmup_steps']} then cosine. Device: {result['device']}. Command: `{result['command']}`.", "",
              "Accuracy: the class whose one-word answer the model finds most likely (log-likelihood, end-of-turn "
              "included). Exact match: the greedy answer, normalised (case, surrounding whitespace and punctuation), "
              "equals the reference. Held-out loss: per response token. Base: the untuned model, scored by the same "
-             "`tunekit eval --base` (bf16 base for every method but the 4-bit ones).", "",
-             "| method | lr | accuracy | exact match | held-out loss | base accuracy | base exact match | train s (steps only) | eval s |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in result["runs"]:
-        e, b = r["trained"], r["base"]
-        tag = " (default)" if r["default"] else ""
-        lines.append(f"| {r['method']} | {r['lr']:g}{tag} | {pct(e.get('accuracy'))} | {pct(e.get('exact_match'))} | "
-                     f"{e['loss']:.3f} | {pct(b.get('accuracy'))} | {pct(b.get('exact_match'))} | "
-                     f"{r['train_s']:.0f} | {r['eval_s']:.0f} |")
-    lines += ["", "Per method (best lr by accuracy; does it beat its base?):", ""]
-    for method in dict.fromkeys(r["method"] for r in result["runs"]):
-        mine = [r for r in result["runs"] if r["method"] == method]
-        best = max(mine, key=lambda r: (r["trained"].get("accuracy") or 0, -r["trained"]["loss"]))
+             "`tunekit eval --base` (bf16 base for every method but the 4-bit ones). Where an arm ran at several "
+             "seeds (model init and batch order; the held-out rows stay fixed) the row shows the mean and each "
+             f"seed's accuracy. One accuracy on {n_val} rows near 60% carries a standard error of "
+             f"~{100 * (0.6 * 0.4 / n_val) ** 0.5:.0f} points from the rows alone.", "",
+             "| method | lr | seeds | accuracy (mean) | accuracy per seed | exact match (mean) | held-out loss (mean) "
+             "| base accuracy | base exact match | train s (steps only) | eval s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    table = arms(result["runs"])
+    for a in table:
+        tag = " (default)" if a["default"] else ""
+        b = a["base"]
+        lines.append(f"| {a['method']} | {a['lr']:g}{tag} | {len(a['seeds'])} | {pct(a['accuracy'])} | "
+                     f"{' '.join(f'{100 * x:.1f}' for x in a['accuracies'])} | {pct(a['exact_match'])} | "
+                     f"{a['loss']:.3f} | {pct(b.get('accuracy'))} | {pct(b.get('exact_match'))} | "
+                     f"{a['train_s']:.0f} | {a['eval_s']:.0f} |")
+    lines += ["", "Per method (best lr by mean accuracy, then mean held-out loss; does it beat its base?):", ""]
+    for method in dict.fromkeys(a["method"] for a in table):
+        mine = [a for a in table if a["method"] == method]
+        best = max(mine, key=lambda a: (round(a["accuracy"], 6), -a["loss"]))
         base_acc = best["base"].get("accuracy") or 0
-        verdict = "beats the base" if (best["trained"].get("accuracy") or 0) > base_acc else "does NOT beat the base"
-        lines.append(f"- {method}: best lr {best['lr']:g} -> accuracy {pct(best['trained'].get('accuracy'))}, "
-                     f"exact match {pct(best['trained'].get('exact_match'))} (base {pct(base_acc)}): {verdict}")
+        verdict = "beats the base" if best["accuracy"] > base_acc else "does NOT beat the base"
+        lines.append(f"- {method}: best lr {best['lr']:g} ({len(best['seeds'])} seed(s)) -> accuracy "
+                     f"{pct(best['accuracy'])}, exact match {pct(best['exact_match'])}, loss {best['loss']:.3f} "
+                     f"(base {pct(base_acc)}): {verdict}")
     return "\n".join(lines) + "\n"
 
 
@@ -214,15 +265,20 @@ def main(argv=None) -> int:
     for recipe in args.recipes:
         base_lr = default_lr(args, recipe, data)
         lrs_of[recipe] = [float(f"{base_lr * f:.3g}") for f in args.lr_factors]
-        for job in train_recipe(args, recipe, data, lrs_of[recipe]):
-            job["default"] = job["lr"] == float(f"{base_lr:.3g}")
-            jobs.append(job)
-    if args.baseline == "trl":
-        qlora_lrs = lrs_of.get("qlora") or [float(f"{default_lr(args, 'qlora', data) * f:.3g}") for f in args.lr_factors]
-        base_lr = float(f"{default_lr(args, 'qlora', data):.3g}")
-        for job in train_trl(args, data, qlora_lrs):
-            job["default"] = job["lr"] == base_lr
-            jobs.append(job)
+    qlora_lr = float(f"{default_lr(args, 'qlora', data):.3g}")
+    for i, seed in enumerate(args.seeds):
+        for recipe in args.recipes:
+            if i and recipe not in args.more_seeds_for:
+                continue
+            base_lr = float(f"{default_lr(args, recipe, data):.3g}")
+            for job in train_recipe(args, recipe, data, lrs_of[recipe], seed):
+                job["default"] = job["lr"] == base_lr
+                jobs.append(job)
+        if args.baseline == "trl" and (i == 0 or "trl-qlora" in args.more_seeds_for):
+            qlora_lrs = lrs_of.get("qlora") or [float(f"{qlora_lr * f:.3g}") for f in args.lr_factors]
+            for job in train_trl(args, data, qlora_lrs, seed):
+                job["default"] = job["lr"] == qlora_lr
+                jobs.append(job)
     bases: dict[str, dict] = {}
     for job in jobs:
         kind = "nf4" if job["method"] in ("qlora", "trl-qlora") else "bf16"
@@ -235,7 +291,8 @@ def main(argv=None) -> int:
     runs = []
     for job in jobs:
         e = job["eval"]
-        runs.append({"method": job["method"], "lr": job["lr"], "default": job["default"], "dir": str(job["dir"]),
+        runs.append({"method": job["method"], "lr": job["lr"], "seed": job["seed"], "default": job["default"],
+                     "dir": str(job["dir"]),
                      "trained": {k: v for k, v in e["trained"].items()}, "base": bases[job["base_kind"]],
                      "train_s": train_seconds(job["dir"]), "eval_s": e["timings"]["load_s"] + e["timings"]["score_s"]})
     import torch
@@ -243,7 +300,8 @@ def main(argv=None) -> int:
     result = {"data": {k: data[k] for k in ("task", "labels", "source", "license", "train_rows", "val_rows",
                                             "usable_per_label", "prompt")},
               "settings": {k: getattr(args, k) for k in ("steps", "micro_batch_size", "grad_accum", "seq_len",
-                                                         "warmup_steps", "lr_factors", "set", "baseline")}
+                                                         "warmup_steps", "lr_factors", "seeds", "more_seeds_for", "set",
+                                                         "baseline")}
               | {"model": args.model or "SmolLM2-135M-Instruct (embedded default)"},
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores)",
               "command": "python scripts/bench_task.py " + " ".join(argv if argv is not None else sys.argv[1:]),
