@@ -57,3 +57,18 @@ def test_missing_model_folder_fails_before_training(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == f"tunekit: error: model.path: no model folder at {tmp_path / 'nope'}"
     assert "Traceback" not in r.stderr
+
+
+def test_a_sweep_keeps_hydras_record_in_its_output_dir():
+    from types import SimpleNamespace as Cfg
+
+    from tunekit.cli import sweep_dir_override
+
+    one = [Cfg(output_dir="runs/s"), Cfg(output_dir="runs/s")]
+    assert sweep_dir_override(["-m", "recipe=qlora,lora", "output_dir=runs/s"], one) == ["hydra.sweep.dir=runs/s"]
+    # the default runs/<time>: pinned, so every job of the sweep lands in the same folder
+    assert sweep_dir_override(["-m", "recipe=qlora,lora"], one) == ["hydra.sweep.dir=runs/s", "output_dir=runs/s"]
+    assert sweep_dir_override(["recipe=qlora", "output_dir=runs/s"], one[:1]) == []  # not a sweep
+    assert sweep_dir_override(["-m", "output_dir=a,b"], [Cfg(output_dir="a"), Cfg(output_dir="b")]) == []
+    assert sweep_dir_override(["-m", "hydra.sweep.dir=x"], one) == []  # the user's choice stands
+    assert sweep_dir_override(["-m"], [Cfg(output_dir="runs/a b")]) == []  # would need quoting: left alone

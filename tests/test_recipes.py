@@ -133,4 +133,6 @@ def test_sweep_runs_each_recipe_in_its_own_dir(tiny_model_dir, tiny_data, tmp_pa
     assert r.returncode == 0, r.stderr[-3000:]
     recipes = {(out / str(i) / "config.yaml").read_text().split("\n")[0] for i in (0, 1)}
     assert recipes == {"recipe: qlora", "recipe: lora"}
+    # Hydra's record of the sweep lies beside its jobs, not in the working directory
+    assert (out / "multirun.yaml").is_file() and not (tmp_path / "multirun.yaml").exists()
     assert all((out / str(i) / "adapter" / "adapter_model.safetensors").is_file() for i in (0, 1))

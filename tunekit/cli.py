@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import sys
 import warnings
@@ -164,12 +165,31 @@ def compose_configs(overrides: list[str]) -> list:
     return configs
 
 
-def check_overrides(overrides: list[str]) -> None:
+def check_overrides(overrides: list[str]) -> list:
     """Compose and validate every job of a `train` command line, before Hydra runs it."""
     from tunekit.config import check_trainable
 
-    for cfg in compose_configs(overrides):
+    configs = compose_configs(overrides)
+    for cfg in configs:
         check_trainable(cfg)
+    return configs
+
+
+def sweep_dir_override(argv: list[str], configs: list) -> list[str]:
+    """Where a -m sweep's jobs share one output_dir (job N runs in output_dir/N), Hydra's record of
+    the sweep (multirun.yaml) goes there too, not into the working directory (hydra.sweep.dir is
+    "." so that Hydra makes no folder of its own). Nothing if the user set it or the jobs differ.
+
+    The default output_dir (runs/<time>) is pinned to its value now: each job would otherwise
+    read the clock when it starts, and a sweep would scatter over several runs/<time> folders."""
+    if not {"-m", "--multirun"} & set(argv) or any(a.startswith("hydra.sweep.dir=") for a in argv):
+        return []
+    roots = {str(cfg.output_dir) for cfg in configs}
+    root = roots.pop() if len(roots) == 1 else None
+    if root is None or not re.fullmatch(r"[\w./-]+", root):  # one that needs no quoting in an override
+        return []
+    pin = [] if any(a.startswith("output_dir=") for a in argv) else [f"output_dir={root}"]
+    return [f"hydra.sweep.dir={root}", *pin]
 
 
 class Terminated(KeyboardInterrupt):
@@ -236,7 +256,7 @@ def run_train(argv: list[str]) -> None:
 
     check_flags(argv)
     if not PASSTHROUGH.intersection(argv):
-        check_overrides(argv)
+        argv = [*argv, *sweep_dir_override(argv, check_overrides(argv))]
     register_schema()
     main = hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="train")(_train_job)
     sys.argv = ["tunekit train", *argv]
