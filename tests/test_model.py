@@ -93,3 +93,32 @@ def test_compute_dtype_choices():
     assert compute_dtype("fp32", CPU) == torch.float32
     assert compute_dtype("bf16", CPU) == torch.bfloat16
     assert compute_dtype("auto", CPU) in (torch.bfloat16, torch.float32)
+
+
+def test_default_model_converts_once_when_processes_race(tmp_path, monkeypatch):
+    """Test workers (or runs) starting together on a fresh machine: one converts, the rest wait
+    for it and read its folder. Threads stand in for processes: flock locks open files, not pids."""
+    import threading
+    import time
+
+    from tunekit.model import default as default_module
+
+    monkeypatch.setenv("TUNEKIT_CACHE", str(tmp_path))
+    calls = []
+
+    def slow_convert(target):
+        calls.append(target)
+        time.sleep(0.3)  # long enough for every other thread to find no folder yet
+        target.mkdir()
+        (target / "config.json").write_text("{}")
+        (target / "model.safetensors").write_bytes(b"")
+        return target
+
+    monkeypatch.setattr(default_module, "_convert", slow_convert)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(default_module.default_model_dir())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(got) == 3 and len(set(got)) == 1

@@ -42,11 +42,30 @@ def _gguf_dir() -> Path:
     return d
 
 
+def _converted(target: Path) -> bool:
+    return (target / "config.json").is_file() and (target / "model.safetensors").is_file()
+
+
 def default_model_dir() -> Path:
-    """Path of the converted bf16 HF folder, converting on first use."""
+    """Path of the converted bf16 HF folder, converting on first use.
+
+    Processes that start together on a fresh machine (test workers, several runs) convert once:
+    the first takes a lock beside the folder, the others wait for it and find the folder made.
+    """
     target = cache_root() / "models" / DEFAULT_NAME
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    if _converted(target):
         return target
+    import fcntl
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{DEFAULT_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if _converted(target):
+            return target
+        return _convert(target)
+
+
+def _convert(target: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
@@ -63,8 +82,7 @@ def default_model_dir() -> Path:
     model = model.to(torch.bfloat16)
 
     # Build in a temp dir beside the target and rename: a crash never leaves a half folder that
-    # the next run would take for a finished one; two processes racing both end with a good one.
-    target.parent.mkdir(parents=True, exist_ok=True)
+    # the next run would take for a finished one.
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_NAME}-", dir=target.parent))
     try:
         model.save_pretrained(tmp)
