@@ -1,11 +1,13 @@
 """Run many `tunekit` command lines fast: import tunekit once, then fork one child per command.
 
-    python tests/_cli_forker.py < request.json > results.json
+    python tests/_cli_forker.py < request.json > results.json      # a batch (the bad-input catalogue)
+    python tests/_cli_forker.py --serve                             # one case per stdin line (run_cli)
 
 request: {"cases": [{"id", "argv", "cwd", "env": {...}, "user": null | "nobody"}, ...],
           "warmup": [overrides of one good train command] | null, "jobs": 2, "timeout": 120}
 results: [{"id", "code", "stdout", "stderr", "seconds"}, ...] in the cases' order
-(`jobs` children run at once, each single-threaded.)
+(`jobs` children run at once, each single-threaded.) --serve reads one case per line (plus "timeout",
+and "env" as the child's whole environment) and answers one result per line, until stdin closes.
 
 Each child is the real CLI path: `tunekit.cli.main(argv)` in a fresh process image with its own
 stdout/stderr (file descriptors 1 and 2), cwd and environment; its exit status is what the shell
@@ -48,11 +50,15 @@ def preload(warmup: list[str] | None) -> None:
 def _child(case: dict, out_fd: int, err_fd: int) -> None:
     code = 1
     try:
+        devnull = os.open(os.devnull, os.O_RDONLY)  # never the parent's stdin: --serve's requests come there
+        os.dup2(devnull, 0)
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
         sys.stdout = open(1, "w", closefd=False, buffering=1)
         sys.stderr = open(2, "w", closefd=False, buffering=1)
         os.chdir(case["cwd"])
+        if case.get("env_exact"):
+            os.environ.clear()
         os.environ.update(case.get("env") or {})
         if case.get("user") and os.getuid() == 0:
             import pwd
@@ -80,6 +86,9 @@ def _child(case: dict, out_fd: int, err_fd: int) -> None:
             code = 1
     finally:
         try:
+            import atexit
+
+            atexit._run_exitfuncs()  # what the interpreter runs at exit (wandb, logging), then no more
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
@@ -132,7 +141,23 @@ def run_all(cases: list[dict], jobs: int, timeout: float) -> list[dict]:
     return [results[case["id"]] for case in cases]
 
 
+def serve() -> None:
+    """One case per request line, run in a forked child; its result as one line. Ends at EOF."""
+    preload(None)
+    channel = sys.stdout
+    for line in sys.stdin:
+        case = json.loads(line)
+        child = Running(case)
+        while (result := child.poll(case.get("timeout", 600))) is None:
+            time.sleep(0.005)
+        channel.write(json.dumps(result) + "\n")
+        channel.flush()
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+        return
     request = json.load(sys.stdin)
     preload(request.get("warmup"))
     start = time.perf_counter()

@@ -25,9 +25,57 @@ def tiny_args(model_dir: Path, data: Path, out: Path, *extra: str) -> list[str]:
     ]
 
 
-def run_cli(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run the installed `tunekit` console script, the way a user does."""
+# Environment variables read when torch, triton, transformers or the kernels are imported: a command
+# whose environment differs from the fork server's in one of them gets a process of its own.
+IMPORT_TIME_ENV = ("TRITON_", "OMP_", "MKL_", "CUDA_", "PYTHON", "HF_", "TRANSFORMERS_", "TORCH", "LD_")
+
+
+class _ForkServer:
+    """tests/_cli_forker.py --serve: tunekit imported once; each command a forked child.
+
+    Saves the ~5 s import of torch, transformers, peft and hydra that every `tunekit` process pays
+    (most of a tiny-model CLI test). The child runs `tunekit.cli.main(argv)` in its own process
+    with its own cwd, environment and stdio, and exits as the console script does;
+    test_bad_input.py::test_forker_matches_the_console_script compares the two.
+    """
+
+    def __init__(self):
+        self.env = dict(os.environ)
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_cli_forker.py")), "--serve"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.env)
+
+    def serves(self, env: dict) -> bool:
+        keys = {k for k in {*env, *self.env} if k.startswith(IMPORT_TIME_ENV)}
+        return self.proc.poll() is None and all(env.get(k) == self.env.get(k) for k in keys)
+
+    def run(self, args: list[str], cwd: Path, env: dict, timeout: int) -> subprocess.CompletedProcess:
+        case = {"id": 0, "argv": list(args), "cwd": str(cwd), "env": env, "env_exact": True, "timeout": timeout}
+        self.proc.stdin.write(json.dumps(case) + "\n")
+        self.proc.stdin.flush()
+        result = json.loads(self.proc.stdout.readline())
+        cmd = [str(Path(sys.executable).with_name("tunekit")), *args]
+        if result["code"] == "timeout":
+            raise subprocess.TimeoutExpired(cmd, timeout, result["stdout"], result["stderr"])
+        return subprocess.CompletedProcess(cmd, result["code"], result["stdout"], result["stderr"])
+
+
+_server: _ForkServer | None = None
+
+
+def run_cli(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 600,
+            fresh: bool = False) -> subprocess.CompletedProcess:
+    """Run `tunekit ARGS` as a user does: its own process, cwd, environment, stdout and stderr.
+
+    By default the process is a fork of one that imported tunekit already (_ForkServer);
+    fresh=True, or TUNEKIT_TEST_FRESH_CLI=1 for the whole suite, starts the installed console script.
+    """
+    global _server
     full_env = {**os.environ, **(env or {})}
+    if not fresh and os.environ.get("TUNEKIT_TEST_FRESH_CLI") != "1":
+        if _server is None or _server.proc.poll() is not None:
+            _server = _ForkServer()
+        if _server.serves(full_env):
+            return _server.run(args, cwd, full_env, timeout)
     exe = Path(sys.executable).with_name("tunekit")
     return subprocess.run([str(exe), *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 

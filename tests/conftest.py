@@ -23,6 +23,12 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject.toml): one worker per core this process may use, at most 4. Each worker
+    is single-threaded (OMP_NUM_THREADS=1 above) and some tests start 2-3 processes of their own."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     from tunekit.model import default_model_dir as convert

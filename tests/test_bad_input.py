@@ -486,7 +486,7 @@ def test_forker_matches_the_console_script(results, world):
     for case_id in ("lr-inf", "model-bert"):
         case = next(c for c in CASES if c.id == case_id)
         places = {**places_of(world, case), "cwd": world["w"] / "cwds" / case.id}
-        r = run_cli(shlex.split(_fill(case.argv, places)), places["cwd"], env={"OMP_NUM_THREADS": "1"})
+        r = run_cli(shlex.split(_fill(case.argv, places)), places["cwd"], env={"OMP_NUM_THREADS": "1"}, fresh=True)
         assert (r.returncode, r.stderr.strip()) == (results[case.id]["code"], results[case.id]["stderr"].strip())
 
 
