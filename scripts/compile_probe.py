@@ -1,0 +1,55 @@
+#!/usr/bin/env python
+"""Probe: does torch.compile (inductor, CPU) over the decoder blocks speed up a qlora step?
+
+Not wired into `tunekit train` yet. Builds the same setup as `scripts/bench_train.py --config cpu`
+(default model, qlora, seq 256, micro-batch 8 x 2, padded) with tunekit's TrainRecipe, optionally
+compiles every decoder layer in place (`nn.Module.compile(dynamic=True)`: state_dict keys and
+saving unchanged), then times optimizer steps 2-4 after two warm-up steps (the first pays the
+compilation). Prints each step's loss so eager and compiled can be compared.
+
+    python scripts/compile_probe.py eager
+    python scripts/compile_probe.py compile
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    mode = argv[0] if argv else "eager"
+    if mode not in ("eager", "compile"):
+        raise SystemExit("usage: compile_probe.py eager|compile")
+    from bench_train import build_cfg
+    from tunekit.recipe import TrainRecipe
+
+    spec = {"recipe": "qlora", "steps": 8, "micro_batch_size": 8, "grad_accum": 2, "seq_len": 256,
+            "packing": "false", "model": None, "data": None, "set": []}
+    out = tempfile.mkdtemp(prefix="tunekit-compile-probe-")
+    r = TrainRecipe(build_cfg(spec, out), Path(out))
+    r.setup()
+    if mode == "compile":
+        model = r.model.base_model.model if hasattr(r.model, "base_model") else r.model
+        for layer in model.model.layers:
+            layer.compile(dynamic=True)
+    for step in range(2):
+        t0 = time.perf_counter()
+        m = r.train_step(step)
+        print(f"step {step}: {time.perf_counter() - t0:.1f} s, loss {m['loss']:.6f}", flush=True)
+    tokens, t0 = 0, time.perf_counter()
+    for step in range(2, 5):
+        m = r.train_step(step)
+        tokens += m["input_tokens"]
+        print(f"step {step}: loss {m['loss']:.6f}", flush=True)
+    print(f"{mode}: {tokens / (time.perf_counter() - t0):.1f} tokens/s over steps 2-4", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
