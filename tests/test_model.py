@@ -122,3 +122,13 @@ def test_default_model_converts_once_when_processes_race(tmp_path, monkeypatch):
     for t in threads:
         t.join()
     assert len(calls) == 1 and len(got) == 3 and len(set(got)) == 1
+
+
+def test_unwritable_model_cache_is_one_clear_error(tmp_path, monkeypatch):
+    from tunekit.model import default as default_module
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TUNEKIT_CACHE", str(blocker / "cache"))  # a folder under a file: cannot exist
+    with pytest.raises(TunekitError, match="cannot write its cache folder .*TUNEKIT_CACHE"):
+        default_module.default_model_dir()

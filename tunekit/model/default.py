@@ -57,8 +57,13 @@ def default_model_dir() -> Path:
         return target
     import fcntl
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{DEFAULT_NAME}.lock", "w") as lock:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(target.parent / f".{DEFAULT_NAME}.lock", "w")
+    except OSError as e:
+        raise TunekitError(f"default model: cannot write its cache folder {target.parent} ({e.strerror}); "
+                           "set TUNEKIT_CACHE to a writable folder, or pass model.path=DIR") from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
         if _converted(target):
             return target
@@ -90,7 +95,7 @@ def _convert(target: Path) -> Path:
         try:
             tmp.rename(target)
         except OSError:
-            if not (target / "model.safetensors").is_file():
+            if not _converted(target):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -101,4 +106,4 @@ def converted_default_dir() -> Path | None:
     """The converted default model folder if it exists already; None where the first run would
     convert it. For checks that must not start the ~30 s conversion."""
     target = cache_root() / "models" / DEFAULT_NAME
-    return target if (target / "config.json").is_file() and (target / "model.safetensors").is_file() else None
+    return target if _converted(target) else None
