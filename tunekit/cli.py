@@ -140,6 +140,10 @@ def parse_overrides(overrides: list[str], multirun: bool) -> list:
 
 def check_overrides(overrides: list[str]) -> None:
     """Compose every job of the command line (each point of a -m sweep) and validate it."""
+def is_multirun(argv: list[str]) -> bool:
+    return bool({"-m", "--multirun"} & set(argv))
+
+
 def compose_configs(overrides: list[str]) -> list:
     """Compose every job of the command line (each point of a -m sweep) and validate it.
 
@@ -153,7 +157,7 @@ def compose_configs(overrides: list[str]) -> list:
 
     mine = split_overrides(overrides)
     register_schema()
-    parsed = parse_overrides(mine, multirun=bool({"-m", "--multirun"} & set(overrides)))
+    parsed = parse_overrides(mine, multirun=is_multirun(overrides))
     try:
         jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
@@ -182,7 +186,7 @@ def sweep_dir_override(argv: list[str], configs: list) -> list[str]:
 
     The default output_dir (runs/<time>) is pinned to its value now: each job would otherwise
     read the clock when it starts, and a sweep would scatter over several runs/<time> folders."""
-    if not {"-m", "--multirun"} & set(argv) or any(a.startswith("hydra.sweep.dir=") for a in argv):
+    if not is_multirun(argv) or any(a.startswith("hydra.sweep.dir=") for a in argv):
         return []
     roots = {str(cfg.output_dir) for cfg in configs}
     root = roots.pop() if len(roots) == 1 else None
