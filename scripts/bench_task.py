@@ -64,8 +64,11 @@ def parse_args(argv=None):
     bad = [r for r in args.recipes if r not in RECIPES]
     if bad:
         p.error(f"--recipes: unknown {bad}; choose from {RECIPES}")
-    args.lr_factors = [float(f) for f in args.lr_factors.split(",")]
-    args.seeds = [int(x) for x in args.seeds.split(",")]
+    try:
+        args.lr_factors = [float(f) for f in args.lr_factors.split(",")]
+        args.seeds = [int(x) for x in args.seeds.split(",")]
+    except ValueError as e:
+        p.error(f"--lr-factors / --seeds: comma-separated numbers ({e})")
     every = [*args.recipes, "trl-qlora"]
     args.more_seeds_for = every if args.more_seeds_for == "all" else [m.strip() for m in args.more_seeds_for.split(",")]
     return args
