@@ -32,6 +32,7 @@ from transformers import AutoConfig
 
 from tunekit import TunekitError
 from tunekit import device as dev
+from tunekit import head_matmul
 from tunekit.checkpoint import (atomic_dir, atomic_write_text, cleanup_leftovers, find_resumable, latest_checkpoint,
                                 load_checkpoint, read_state, save_checkpoint)
 from tunekit.config import TrainConfig, plain
@@ -125,6 +126,7 @@ class TrainRecipe:
             self.lora_path = FusedDecision(plain(cfg.kernels.fused_lora), "peft", "trainer.strategy=fsdp")
         if self.lora_path.layers or plain(cfg.kernels.fused_lora) != "auto" or self.lora_path.checks:
             self._info(f"kernels: LoRA layers use {self.lora_path.path} ({self.lora_path.reason})")
+        self.head_math = self._choose_head_math()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         trains = {n for n, p in self.model.named_parameters() if p.requires_grad}
         saves = {n for n, _ in self.model.named_parameters() if self.method.owns(n)}
@@ -267,7 +269,8 @@ class TrainRecipe:
                    "wall_s": time.perf_counter() - start, "trainable_params": self.trainable_params,
                    "bits_per_param": self.bits_per_param, "world_size": self.acc.num_processes,
                    "device": self.facts.describe(), "compute_dtype": str(self.dtype).removeprefix("torch."),
-                   "kernels": self.lora_path.as_dict(), "ranks_in_sync": self._ranks_in_sync(),
+                   "kernels": self.lora_path.as_dict(), "head_matmul": self.head_math.as_dict(),
+                   "ranks_in_sync": self._ranks_in_sync(),
                    **({"fsdp": self.fsdp.summary(dev.peak_memory_mb(self.device))} if self.fsdp is not None else {}),
                    **(self.best.summary() if self.best else {})}
         if self.main:
@@ -326,6 +329,16 @@ class TrainRecipe:
         self._all_reduce_grads()
         loss = self.acc.reduce(loss_sum, reduction="sum").item() / max(n_trained, 1)
         return loss, n_trained, n_input
+
+    def _choose_head_math(self) -> head_matmul.HeadDecision:
+        mode = plain(self.cfg.kernels.head_matmul)
+        _, head = decoder_and_head(self.model)
+        if self.fsdp is not None:
+            return head_matmul.HeadDecision(mode, "fp32", "trainer.strategy=fsdp")
+        decision = head_matmul.choose(head, mode, self.facts)
+        if decision.math != "fp32" or decision.eps:
+            self._info(f"kernels: output head matmuls in {decision.math} math ({decision.reason})")
+        return decision
 
     def _forward(self, batch: dict):
         """Student's last hidden states (batch, seq, dim), its output head, the batch on device."""

@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tunekit.head_matmul import head_logits
+
 IGNORE = -100
 
 
@@ -43,5 +45,5 @@ def sft_loss_from_hidden(hidden: torch.Tensor, head: nn.Module, labels: torch.Te
     the largest single cost of a small model (49k x 576 for SmolLM2-135M).
     """
     rows, targets = select_trained(hidden, labels)
-    logits = head(rows.to(head.weight.dtype))
+    logits = head_logits(rows, head)  # head(rows), its matmuls in checked bf16 math where chosen
     return F.cross_entropy(logits.float(), targets, reduction="sum"), torch.tensor(targets.numel())
