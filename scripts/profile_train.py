@@ -8,11 +8,17 @@ attention, norms/elementwise/casts, the optimizer, and the rest.
 
     python scripts/profile_train.py                                   # default qlora, seq 256, micro 8 x 2
     python scripts/profile_train.py --set model.gradient_checkpointing=false --out benchmarks/profile-cpu-after.md
+    python scripts/profile_train.py --roofline --out benchmarks/roofline-cpu.md   # + the least time of each op
+
+--roofline records shapes, re-runs the profiled steps unprofiled for their wall time, and appends
+`scripts/roofline.py`'s analysis: every matmul shape timed alone, the rest bounded by bandwidth
+(with --out, its figures also go to the .json beside the markdown).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -54,6 +60,7 @@ def main(argv=None) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", type=Path, help="write the summary as markdown here")
+    p.add_argument("--roofline", action="store_true", help="append the roofline of the profiled steps")
     args = p.parse_args(argv)
 
     import torch
@@ -73,7 +80,7 @@ def main(argv=None) -> None:
         r.train_step(step)
     tokens = 0
     start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=args.roofline) as prof:
         for step in range(args.warmup, args.warmup + args.steps):
             tokens += r.train_step(step)["input_tokens"]
     wall = time.perf_counter() - start
@@ -96,10 +103,44 @@ def main(argv=None) -> None:
     for e in top:
         lines.append(f"| `{e.key}` | {e.count} | {e.self_cpu_time_total / 1e6:.2f} | "
                      f"{100 * e.self_cpu_time_total / total:.1f}% |")
+    if args.roofline:
+        summary, roof = roofline_lines(r, cfg, range(args.warmup, args.warmup + args.steps), prof.events())
+        lines += [""] + roof
+        if args.out:
+            args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
         args.out.write_text(text)
+
+
+def roofline_lines(r, cfg, steps: range, events) -> tuple[dict, list[str]]:
+    """Re-run the profiled steps unprofiled (same batches: the schedule is a function of the step; the
+    weights move on, which changes no shape), count their useful FLOPs as bench_train does, and hand
+    all of it to roofline.analyze."""
+    import torch
+    from transformers import AutoConfig
+
+    import roofline
+    from bench_train import lengths, matmul_peak, step_examples, useful_flops
+    from tunekit.model import resolve_model_path
+
+    model_dir = resolve_model_path(cfg.model.path)
+    flops = sum(useful_flops(model_dir, r.trainable_params, lengths(step_examples(r.train_data, r.schedule, step)),
+                             r.train_step(step)["trained_tokens"]) for step in steps)
+    wall = float("inf")
+    for _ in range(2):  # the better of two unprofiled passes: the first after profiling can run cold
+        start = time.perf_counter()
+        for step in steps:
+            r.train_step(step)
+        wall = min(wall, time.perf_counter() - start)
+    c = AutoConfig.from_pretrained(model_dir)
+    head = c.hidden_size // c.num_attention_heads
+    dims = {c.hidden_size, c.intermediate_size, c.num_key_value_heads * head, c.vocab_size, head,
+            c.num_attention_heads, int(getattr(cfg.method, "r", 0) or 0)}
+    peak = matmul_peak("bfloat16")["gflops"]
+    summary, lines = roofline.analyze(events, family, wall, flops, peak, dims, r.head_math.math)
+    return summary | {"torch": torch.__version__, "threads": torch.get_num_threads()}, lines
 
 
 if __name__ == "__main__":
