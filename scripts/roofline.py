@@ -254,7 +254,8 @@ def _lines(s: dict, rows: list[dict], rest_bytes: dict, rest_prof: dict, model_d
              f"- attention kernels (profiled): {s['attention_profiled_s']:.2f} s; everything else (elementwise, norms, "
              f"casts, the loss, the optimizer) moves {s['rest_gb']:.1f} GB",
              f"- eager dispatch: {s['kernels']} working ops at the cost of a tiny op called from Python here "
-             f"({1e6 * s['dispatch_s'] / max(s['kernels'], 1):.1f} us each): {s['dispatch_s']:.2f} s, not counted below",
+             f"({1e6 * s['dispatch_s'] / max(s['kernels'], 1):.1f} us each): {s['dispatch_s']:.2f} s, "
+             "not counted below",
              "", "| the rest's traffic moved at | its time | floor: matmuls alone + attention + the rest | "
              "MFU ceiling of this op sequence |", "|---|---:|---:|---:|"]
     for where, f in s["floors"].items():
