@@ -24,10 +24,9 @@ schemes that carry each fp32 value as two or three bf16 pieces drop terms of 2^-
 relative; fp32 itself rounds at 2^-24 per operation. Measured on the default model's head (dev
 VM, 32 random rows): strict fp32 2^-21.8 forward / 2^-21.4 backward (K = 49152), the bf16 math
 mode 2^-21.3 / 2^-20.7, a plain bf16 rounding 2^-9.3 / 2^-9.3. TOLERANCE = 2^-14 accepts every
-scheme of 14 or more bits and rejects plain bf16 by 26x. At the bound a logit moves by at most about 2^-14 of
-sqrt(sum_i (x_i w_i)^2) <= ||x|| ||w_row||, the largest value that logit could take: below 1e-4 of
-the logits' own scale. The measured effect on the default run's losses is in
-benchmarks/cpu-speed.md.
+scheme of 14 or more bits and rejects plain bf16 by 26x. At the bound a logit's error is typically
+2^-14 times sqrt(sum_i (x_i w_i)^2) <= ||x|| ||w_row||, the largest value that logit could take.
+The measured effect on the default run's losses is in benchmarks/cpu-speed.md.
 """
 
 from __future__ import annotations
@@ -65,7 +64,7 @@ def wanted(mode: str, facts: dev.DeviceFacts, head_dtype: torch.dtype, torch_has
     if mode != "auto":
         return False, "kernels.head_matmul=fp32"
     if facts.type != "cpu":
-        return False, f"{facts.describe()}: the GPU's head runs in the model's own dtype"
+        return False, f"{facts.describe()}: the switch is oneDNN's, for CPU matmuls"
     if not facts.cpu_bf16:
         return False, f"{facts.describe()} has no native bf16"
     if head_dtype != torch.float32:
@@ -136,7 +135,7 @@ class _HeadLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         with bf16_math():
             y = torch.nn.functional.linear(x, weight, bias)
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x if weight.requires_grad else None, weight)  # x only for W's gradient
         ctx.has_bias = bias is not None
         return y
 

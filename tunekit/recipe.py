@@ -335,6 +335,8 @@ class TrainRecipe:
         _, head = decoder_and_head(self.model)
         if self.fsdp is not None:
             return head_matmul.HeadDecision(mode, "fp32", "trainer.strategy=fsdp")
+        if not isinstance(self.objective, SFTObjective):  # the distillation loss applies both heads itself
+            return head_matmul.HeadDecision(mode, "fp32", f"objective={self.cfg.objective}")
         decision = head_matmul.choose(head, mode, self.facts)
         if decision.math != "fp32" or decision.eps:
             self._info(f"kernels: output head matmuls in {decision.math} math ({decision.reason})")
