@@ -29,12 +29,15 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
-# The longest modules, longest first (serial seconds measured on the 2-core VM: export ~100, fsdp
-# ~55, doctor ~55, distributed ~40, recipes ~35, bad input ~30, bench_train ~30, plan_measured
-# ~30). Workers take whole modules in collection order, so these start first and the short ones
-# fill in after them instead of one worker finishing a long module alone at the end.
+# The longest modules, longest first (serial seconds measured on the 2-core VM, 2026-11-22: export
+# ~125, fsdp ~62, doctor ~58, distributed ~45, taskeval ~40, bad input ~38, plan_measured ~32,
+# bench_train ~31, resume ~30, recipes ~25, default_model ~17, methods ~16). Workers take whole
+# modules in this order (pyproject.toml turns off xdist's own reordering, which sorts modules by
+# their number of tests), so the long ones start first and the short ones fill in after them
+# instead of one worker finishing a long module alone at the end.
 LONGEST_FIRST = ("test_export.py", "test_fsdp.py", "kernel_ops/test_doctor.py", "test_distributed.py",
-                 "test_recipes.py", "test_bad_input.py", "test_bench_train.py", "test_plan_measured.py")
+                 "test_taskeval.py", "test_bad_input.py", "test_plan_measured.py", "test_bench_train.py",
+                 "test_resume.py", "test_recipes.py", "test_default_model.py", "test_methods.py")
 
 
 def pytest_collection_modifyitems(config, items):
