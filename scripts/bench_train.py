@@ -69,6 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--data", help="training data file (default: tunekit's default data)")
     p.add_argument("--trl-defaults", action="store_true", help="baseline with TRL's own precision choices (see top)")
     p.add_argument("--peak-tflops", type=float, help="device bf16 peak for MFU (default: H100/H200 989)")
+    p.add_argument("--peak-reps", type=int, default=10,
+                   help="timed products per shape and dtype when measuring the CPU's matmul peak")
     p.add_argument("--out", type=Path, help="output path without suffix (default benchmarks/train-<device>-<config>)")
     p.add_argument("--child", help=argparse.SUPPRESS)  # one run, as JSON
     args = p.parse_args(argv)
@@ -467,7 +469,7 @@ def main(argv=None) -> int:
     model = args.model or (random_llama(args.config, CONFIGS[args.config]["llama"]) if gpu else None)
     # The CPU's ceiling is measured here, before the runs and again after them (a drift between the
     # two means the machine was not quiet); a GPU's is its datasheet's dense bf16 figure.
-    measured = {"before": {d: matmul_peak(d) for d in ("bfloat16", "float32")}}
+    measured = {"before": {d: matmul_peak(d, args.peak_reps) for d in ("bfloat16", "float32")}}
     print("matmul peak (GFLOP/s): " + ", ".join(f"{d} {v['gflops']:.0f}" for d, v in measured["before"].items()),
           flush=True)
     peak = args.peak_tflops or (next((v for k, v in PEAK_TFLOPS.items() if k in device_name()), None) if gpu
@@ -514,7 +516,7 @@ def main(argv=None) -> int:
                 "first_loss_abs_diff": abs(tk["first_losses"][0] - b["first_losses"][0])}
                 for s, b in block["systems"].items() if s != "tunekit"}
         result["results"][mode] = block
-    measured["after"] = {d: matmul_peak(d) for d in ("bfloat16", "float32")}
+    measured["after"] = {d: matmul_peak(d, args.peak_reps) for d in ("bfloat16", "float32")}
     result["matmul_peak_gflops"] = measured
     dev = re.sub(r"[^a-z0-9]+", "-", result["device"].lower().removeprefix("nvidia ")).strip("-") if gpu else "cpu"
     out = args.out or REPO / "benchmarks" / f"train-{dev}-{args.config}"

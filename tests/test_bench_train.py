@@ -26,16 +26,19 @@ def test_both_systems_run_and_agree(tiny_model_dir, tiny_data, tmp_path):
     out = tmp_path / "bench"
     proc = _run("--model", str(tiny_model_dir), "--data", str(tiny_data), "--steps", "2", "--reps", "1",
                 "--warmup", "1", "--micro-batch-size", "4", "--grad-accum", "2", "--seq-len", "64",
-                "--packing", "on", "--out", str(out))
+                "--packing", "on", "--peak-reps", "2", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.with_suffix(".json").read_text())
     assert out.with_suffix(".md").read_text().startswith("# Training benchmark")
     assert set(result["versions"]) >= {"torch", "transformers", "peft", "bitsandbytes", "trl", "tunekit"}
     assert result["device"] and result["settings"]["steps"] == 2
+    # the CPU's own matmul peak, measured before and after the runs: MFU's denominator
+    peaks = result["matmul_peak_gflops"]
+    assert all(peaks[when][d]["gflops"] > 0 for when in ("before", "after") for d in ("bfloat16", "float32"))
     block = result["results"]["on"]
     for system in ("tunekit", "trl"):
         s = block["systems"][system]
-        for key in ("tokens_per_s", "trained_tokens_per_s", "median_step_s", "peak_rss_mib", "first_losses"):
+        for key in ("tokens_per_s", "trained_tokens_per_s", "median_step_s", "peak_rss_mib", "first_losses", "mfu"):
             assert key in s, (system, key)
         (run,) = block["runs"][system]
         assert len(run["step_times_s"]) == 2 and len(run["losses"]) == 2
