@@ -3,7 +3,7 @@
     python tests/_cli_forker.py < request.json > results.json      # a batch (the bad-input catalogue)
     python tests/_cli_forker.py --serve                             # one case per stdin line (run_cli)
 
-request: {"cases": [{"id", "argv", "cwd", "env": {...}, "user": null | "nobody"}, ...],
+request: {"cases": [{"id", "argv", "cwd", "env": {...}, "user": null | "nobody", "input": null | text}, ...],
           "warmup": [overrides of one good train command] | null, "jobs": 2, "timeout": 120}
 results: [{"id", "code", "stdout", "stderr", "seconds"}, ...] in the cases' order
 (`jobs` children run at once, each single-threaded.) --serve reads one case per line (plus "timeout",
@@ -50,10 +50,17 @@ def preload(warmup: list[str] | None) -> None:
 def _child(case: dict, out_fd: int, err_fd: int) -> None:
     code = 1
     try:
-        devnull = os.open(os.devnull, os.O_RDONLY)  # never the parent's stdin: --serve's requests come there
-        os.dup2(devnull, 0)
+        # never the parent's stdin (--serve's requests come there): the case's "input", or nothing
+        if case.get("input") is not None:
+            stdin = tempfile.TemporaryFile()
+            stdin.write(case["input"].encode())
+            stdin.seek(0)
+            os.dup2(stdin.fileno(), 0)
+        else:
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
+        sys.stdin = open(0, "r", closefd=False)
         sys.stdout = open(1, "w", closefd=False, buffering=1)
         sys.stderr = open(2, "w", closefd=False, buffering=1)
         os.chdir(case["cwd"])

@@ -48,8 +48,10 @@ class _ForkServer:
         keys = {k for k in {*env, *self.env} if k.startswith(IMPORT_TIME_ENV)}
         return self.proc.poll() is None and all(env.get(k) == self.env.get(k) for k in keys)
 
-    def run(self, args: list[str], cwd: Path, env: dict, timeout: int) -> subprocess.CompletedProcess:
-        case = {"id": 0, "argv": list(args), "cwd": str(cwd), "env": env, "env_exact": True, "timeout": timeout}
+    def run(self, args: list[str], cwd: Path, env: dict, timeout: int,
+            input: str | None = None) -> subprocess.CompletedProcess:
+        case = {"id": 0, "argv": list(args), "cwd": str(cwd), "env": env, "env_exact": True, "timeout": timeout,
+                "input": input}
         self.proc.stdin.write(json.dumps(case) + "\n")
         self.proc.stdin.flush()
         result = json.loads(self.proc.stdout.readline())
@@ -63,21 +65,24 @@ _server: _ForkServer | None = None
 
 
 def run_cli(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 600,
-            fresh: bool = False) -> subprocess.CompletedProcess:
+            fresh: bool = False, whole_env: bool = False, input: str | None = None) -> subprocess.CompletedProcess:
     """Run `tunekit ARGS` as a user does: its own process, cwd, environment, stdout and stderr.
 
-    By default the process is a fork of one that imported tunekit already (_ForkServer);
-    fresh=True, or TUNEKIT_TEST_FRESH_CLI=1 for the whole suite, starts the installed console script.
+    `env` adds to this process's environment, or with whole_env=True is the whole of it (to run
+    without a variable); `input` is the command's stdin (none by default). By default the process is a fork of one that imported tunekit already
+    (_ForkServer); fresh=True, or TUNEKIT_TEST_FRESH_CLI=1 for the whole suite, starts the
+    installed console script.
     """
     global _server
-    full_env = {**os.environ, **(env or {})}
+    full_env = dict(env or {}) if whole_env else {**os.environ, **(env or {})}
     if not fresh and os.environ.get("TUNEKIT_TEST_FRESH_CLI") != "1":
         if _server is None or _server.proc.poll() is not None:
             _server = _ForkServer()
         if _server.serves(full_env):
-            return _server.run(args, cwd, full_env, timeout)
+            return _server.run(args, cwd, full_env, timeout, input)
     exe = Path(sys.executable).with_name("tunekit")
-    return subprocess.run([str(exe), *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([str(exe), *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,
+                          input=input, stdin=None if input is not None else subprocess.DEVNULL)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -6,9 +6,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -121,9 +118,8 @@ def test_lora_recipe_with_wandb_offline(tiny_model_dir, tiny_data, tmp_path):
     # no API key, no ~/.netrc, WANDB_MODE unset: tunekit must pick offline by itself
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env["HOME"] = str(tmp_path)
-    r = subprocess.run([str(Path(sys.executable).with_name("tunekit")), "train", "recipe=lora", "tracker=wandb",
-                        *tiny_args(tiny_model_dir, tiny_data, out)], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = run_cli(["train", "recipe=lora", "tracker=wandb", *tiny_args(tiny_model_dir, tiny_data, out)], tmp_path,
+                env=env, whole_env=True)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "wandb sync" in r.stderr
     runs = list((out / "wandb").glob("offline-run-*"))

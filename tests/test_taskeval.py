@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from _helpers import scaled_tiny_model, read_jsonl
+from _helpers import read_jsonl, run_cli, scaled_tiny_model
 
 CPU = torch.device("cpu")
 COLOURS = ["red", "green", "blue"]
@@ -369,16 +369,11 @@ def test_unmixable_batches_are_refused_in_one_line(mix, message, runs):
 def test_chat_through_the_cli_streams_with_history(runs, tmp_path):
     """`tunekit chat RUN` with piped input: each reply is the model's greedy answer to the whole
     conversation so far (prompt tuning: the soft prompt first); /reset starts over."""
-    import subprocess
-    import sys
-
     from tunekit.generate import encode_messages, stop_token_ids
     from tunekit.trained import load_tokenizer_for, load_trained, open_source
 
     run = runs["prompt_tuning"]
-    exe = Path(sys.executable).with_name("tunekit")
-    r = subprocess.run([str(exe), "chat", str(run), "--max-new-tokens", "5"], input="Hi\nWhat colour?\n/reset\nHi\n",
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    r = run_cli(["chat", str(run), "--max-new-tokens", "5"], tmp_path, input="Hi\nWhat colour?\n/reset\nHi\n")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "chatting with" in r.stderr and "history cleared" in r.stderr
     src = open_source(run)
