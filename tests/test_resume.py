@@ -146,5 +146,8 @@ def test_sigterm_behaves_like_ctrl_c(tiny_model_dir, tiny_data, tmp_path):
     assert "tunekit: error: interrupted by SIGTERM; the last checkpoint is step-" in err and "trainer.resume=true" in err
     assert "Traceback" not in err
     assert not [p for p in run.rglob(".*") if ".tmp" in p.name or p.name.endswith(".old")]
-    r = run_cli(["train", *args, "trainer.resume=true"], tmp_path)
-    assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-2000:]
+    # resumed for one more step past its last checkpoint (the other 30-odd of the 40 would only add time)
+    last = max(int(p.name.removeprefix("step-")) for p in (run / "checkpoints").glob("step-*"))
+    r = run_cli(["train", *args, "trainer.resume=true", f"trainer.max_steps={last + 1}"], tmp_path)
+    assert r.returncode == 0 and "resumed from" in r.stderr and f"step {last}" in r.stderr, r.stderr[-2000:]
+    assert [row["step"] for row in read_jsonl(run / "metrics.jsonl") if "loss" in row][-1] == last + 1
