@@ -9,6 +9,12 @@ compilation). Prints each step's loss so eager and compiled can be compared.
 
     python scripts/compile_probe.py eager
     python scripts/compile_probe.py compile
+    python scripts/compile_probe.py eager --residual bf16    # norms, embedding, head in bf16 (see below)
+
+`--residual bf16` casts the frozen fp32 parameters that prepare_model_for_kbit_training leaves
+(norms, embedding, output head) to bf16 after setup, so the residual stream, the norms and the
+LoRA sums run in bf16: the op sequence a bf16 stream would give, to see what it is worth. It is
+not tunekit's math (first-step losses then differ from peft + TRL's), only a measurement.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     mode = argv[0] if argv else "eager"
-    if mode not in ("eager", "compile"):
-        raise SystemExit("usage: compile_probe.py eager|compile")
+    residual = argv[argv.index("--residual") + 1] if "--residual" in argv else "fp32"
+    if mode not in ("eager", "compile") or residual not in ("fp32", "bf16"):
+        raise SystemExit("usage: compile_probe.py eager|compile [--residual fp32|bf16]")
+    import torch
     from bench_train import build_cfg
     from tunekit.recipe import TrainRecipe
 
@@ -34,8 +42,12 @@ def main(argv=None) -> int:
     out = tempfile.mkdtemp(prefix="tunekit-compile-probe-")
     r = TrainRecipe(build_cfg(spec, out), Path(out))
     r.setup()
+    model = r.model.base_model.model if hasattr(r.model, "base_model") else r.model
+    if residual == "bf16":
+        for p in model.parameters():
+            if p.dtype == torch.float32 and not p.requires_grad:
+                p.data = p.data.to(torch.bfloat16)
     if mode == "compile":
-        model = r.model.base_model.model if hasattr(r.model, "base_model") else r.model
         for layer in model.model.layers:
             layer.compile(dynamic=True)
     for step in range(2):
@@ -47,7 +59,7 @@ def main(argv=None) -> int:
         m = r.train_step(step)
         tokens += m["input_tokens"]
         print(f"step {step}: loss {m['loss']:.6f}", flush=True)
-    print(f"{mode}: {tokens / (time.perf_counter() - t0):.1f} tokens/s over steps 2-4", flush=True)
+    print(f"{mode}, residual {residual}: {tokens / (time.perf_counter() - t0):.1f} tokens/s over steps 2-4", flush=True)
     return 0
 
 
