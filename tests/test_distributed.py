@@ -20,7 +20,10 @@ def launch_two_ranks(args: list[str], cwd: Path, port: int, timeout: int = 300) 
     launch = [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
               "--main_process_port", str(port), "-m", "tunekit.cli", "train", *args]
-    return subprocess.run(launch, cwd=cwd, env={**os.environ, "ACCELERATE_USE_CPU": "true"},
+    # PYTHONFAULTHANDLER: a rank that dies on a signal prints every thread's Python stack. Seen once in
+    # a full suite run (2026-11-22), never alone (0 of 33 launches beside CPU hogs): rank 1 of an FSDP
+    # run aborting at its very end ("terminate called without an active exception", exit -6).
+    return subprocess.run(launch, cwd=cwd, env={**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONFAULTHANDLER": "1"},
                           capture_output=True, text=True, timeout=timeout)
 
 
