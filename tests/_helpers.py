@@ -44,6 +44,11 @@ class _ForkServer:
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_cli_forker.py")), "--serve"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.env)
 
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # --serve ends when its stdin closes
+            self.proc.wait(timeout=60)
+
     def serves(self, env: dict) -> bool:
         keys = {k for k in {*env, *self.env} if k.startswith(IMPORT_TIME_ENV)}
         return self.proc.poll() is None and all(env.get(k) == self.env.get(k) for k in keys)
@@ -76,7 +81,12 @@ def run_cli(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 
     global _server
     full_env = dict(env or {}) if whole_env else {**os.environ, **(env or {})}
     if not fresh and os.environ.get("TUNEKIT_TEST_FRESH_CLI") != "1":
-        if _server is None or _server.proc.poll() is not None:
+        # A new server where this process's own environment moved since the server started (an
+        # in-process `tunekit.cli.main` sets HF_HUB_DISABLE_PROGRESS_BARS, for one): otherwise every
+        # later command would miss the server and pay a fresh import.
+        if _server is None or not _server.serves(dict(os.environ)):
+            if _server is not None:
+                _server.close()
             _server = _ForkServer()
         if _server.serves(full_env):
             return _server.run(args, cwd, full_env, timeout, input)
