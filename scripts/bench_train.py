@@ -68,7 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--model", help="model folder (default: the config's model)")
     p.add_argument("--data", help="training data file (default: tunekit's default data)")
     p.add_argument("--trl-defaults", action="store_true", help="baseline with TRL's own precision choices (see top)")
-    p.add_argument("--peak-tflops", type=float, help="device bf16 peak for MFU (default: H100/H200 989)")
+    p.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: GPU: H100/H200 dense bf16 989; "
+                   "CPU: measured in this run, in the dtype the base computes in)")
     p.add_argument("--peak-reps", type=int, default=10,
                    help="timed products per shape and dtype when measuring the CPU's matmul peak")
     p.add_argument("--out", type=Path, help="output path without suffix (default benchmarks/train-<device>-<config>)")
@@ -185,7 +186,8 @@ def run_tunekit(spec: dict, cfg, out_dir: str) -> dict:
     r.tracker.close()
     return {"step_times_s": times, "losses": losses, "tokens": counts, "trainable_params": r.trainable_params,
             "lengths": [lengths(step_examples(r.train_data, r.schedule, s)) for s in range(t.max_steps)],
-            "adapter_dtype": str(r.params[0].dtype), "optimizer": type(r.optimizer).__name__}
+            "adapter_dtype": str(r.params[0].dtype), "compute_dtype": str(r.dtype).removeprefix("torch."),
+            "optimizer": type(r.optimizer).__name__}
 
 
 # ---------------------------------------------------------------------------- system: TRL (+ Liger)
@@ -292,6 +294,7 @@ def run_trl(spec: dict, cfg, out_dir: str, liger: bool) -> dict:
     return {"step_times_s": record["times"], "losses": record["losses"],
             "tokens": [token_counts(s) for s in steps], "lengths": [lengths(s) for s in steps],
             "trainable_params": sum(p.numel() for p in params), "adapter_dtype": str(params[0].dtype),
+            "compute_dtype": str(dtype).removeprefix("torch."),
             "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
             "loss_normalised_per_step": bool(trainer.model_accepts_loss_kwargs)}
 
@@ -337,7 +340,8 @@ def useful_flops(model_dir: str, trainable: int, micro: list[int], n_trained: in
 def matmul_peak(dtype_name: str, reps: int = 10) -> dict:
     """This machine's own matmul ceiling, measured in this run: the best GFLOP/s of torch.mm over
     a square 2048^3 product and the default model's widest projection shape (4096 x 576 @ 576 x
-    1536), median of `reps` after warm-up. On the CPU, MFU is reported against the bf16 figure."""
+    1536), median of `reps` after warm-up. On the CPU, MFU is reported against the figure of the
+    dtype the runs' base computes in (model.dtype=auto: bf16 where the CPU has it natively)."""
     import torch
 
     dtype = getattr(torch, dtype_name)
@@ -357,6 +361,15 @@ def matmul_peak(dtype_name: str, reps: int = 10) -> dict:
             times.append(time.perf_counter() - t)
         best[f"{m}x{k}x{n}"] = 2 * m * k * n / statistics.median(times) / 1e9
     return {"gflops": max(best.values()), "by_shape": best}
+
+
+def peak_dtypes(gpu: bool) -> tuple[str, ...]:
+    """The dtypes whose matmul peak a CPU run measures: fp32, and bf16 where the CPU has it natively."""
+    if gpu:
+        return ("bfloat16", "float32")
+    from tunekit.device import cpu_has_bf16
+
+    return ("bfloat16", "float32") if cpu_has_bf16() else ("float32",)
 
 
 def random_llama(name: str, llama: dict) -> str:
@@ -427,12 +440,17 @@ def markdown(result: dict) -> str:
              "Versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items() if v), ""]
     peaks = result.get("matmul_peak_gflops")
     if peaks:
+        short = {"bfloat16": "bf16", "float32": "fp32"}
         lines += ["Matmul peak measured in this run (GFLOP/s, best of 2048^3 and 4096x576x1536; MFU is "
-                  "against the bf16 figure before the runs): " + "; ".join(
-                      f"{when}: bf16 {p['bfloat16']['gflops']:.0f}, fp32 {p['float32']['gflops']:.0f}"
+                  "against the figure before the runs, in the dtype the base computes in; bf16 is measured "
+                  "only where the CPU has it natively): " + "; ".join(
+                      f"{when}: " + ", ".join(f"{short.get(d, d)} {v['gflops']:.0f}" for d, v in p.items())
                       for when, p in peaks.items()), ""]
     for mode, block in result["results"].items():
+        source = block.get("mfu_peak", {})
         lines += [f"## packing {mode}", "",
+                  *([f"MFU against {source['tflops'] * 1e3:.0f} GFLOP/s ({source['source']}).", ""]
+                    if source.get("tflops") else []),
                   "| system | tokens/s | trained tokens/s | median step (s) | peak memory (MiB) | MFU | first losses |",
                   "|---|---|---|---|---|---|---|"]
         for system, s in block["systems"].items():
@@ -468,12 +486,24 @@ def main(argv=None) -> int:
             args.systems.remove("trl-liger")
     model = args.model or (random_llama(args.config, CONFIGS[args.config]["llama"]) if gpu else None)
     # The CPU's ceiling is measured here, before the runs and again after them (a drift between the
-    # two means the machine was not quiet); a GPU's is its datasheet's dense bf16 figure.
-    measured = {"before": {d: matmul_peak(d, args.peak_reps) for d in ("bfloat16", "float32")}}
+    # two means the machine was not quiet); a GPU's is its datasheet's dense bf16 figure. bf16 only
+    # where the CPU has it natively: emulated, it runs ~100x slower than fp32 (a 2-core AVX2 EPYC:
+    # 1.2 against 170 GFLOP/s), a minute per measurement and no ceiling any run computes at.
+    dtypes = peak_dtypes(gpu)
+    measured = {"before": {d: matmul_peak(d, args.peak_reps) for d in dtypes}}
     print("matmul peak (GFLOP/s): " + ", ".join(f"{d} {v['gflops']:.0f}" for d, v in measured["before"].items()),
           flush=True)
-    peak = args.peak_tflops or (next((v for k, v in PEAK_TFLOPS.items() if k in device_name()), None) if gpu
-                                else measured["before"]["bfloat16"]["gflops"] / 1e3)
+    datasheet = args.peak_tflops or (next((v for k, v in PEAK_TFLOPS.items() if k in device_name()), None)
+                                     if gpu else None)
+
+    def peak_for(run: dict) -> tuple[float | None, str]:
+        """MFU's denominator (TFLOP/s) for a run, and where it comes from."""
+        if datasheet:
+            return datasheet, "given" if args.peak_tflops else "datasheet dense bf16"
+        d = run["compute_dtype"]
+        if d not in measured["before"]:  # a dtype forced with --set model.dtype=...
+            measured["before"][d] = matmul_peak(d, args.peak_reps)
+        return measured["before"][d]["gflops"] / 1e3, f"measured {d} matmul peak"
     modes = ["off", "on"] if args.packing == "both" else [args.packing]
     result = {"config": args.config, "device": device_name(), "versions": versions(), "metric_notes": {
         "tokens_per_s": "non-padding input tokens per second over the steps after warmup, all reps",
@@ -481,7 +511,7 @@ def main(argv=None) -> int:
         "loss": "mean token loss of each optimizer step over its response tokens"},
         "settings": {k: getattr(args, k) for k in ("steps", "reps", "warmup", "micro_batch_size", "grad_accum",
                                                     "seq_len", "recipe", "set", "trl_defaults", "systems")}
-        | {"model": model or "default (SmolLM2-135M-Instruct)", "data": args.data or "default", "peak_tflops": peak},
+        | {"model": model or "default (SmolLM2-135M-Instruct)", "data": args.data or "default"},
         "results": {}}
     for mode in modes:
         runs: dict[str, list[dict]] = {s: [] for s in args.systems}
@@ -507,7 +537,9 @@ def main(argv=None) -> int:
                 med = statistics.median(run["step_times_s"][args.warmup:])
                 print(f"packing {mode} rep {rep} {system}: median step {med:.3f} s, losses "
                       f"{[round(x, 4) for x in run['losses'][:3]]} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        block = {"runs": runs, "systems": {s: summarize(r, args.warmup, peak) for s, r in runs.items()}}
+        peak, source = peak_for(next(iter(runs.values()))[0])
+        block = {"runs": runs, "mfu_peak": {"tflops": peak, "source": source},
+                 "systems": {s: summarize(r, args.warmup, peak) for s, r in runs.items()}}
         if "tunekit" in runs:
             tk = block["systems"]["tunekit"]
             mem_key = "cuda_max_allocated_mib" if "cuda_max_allocated_mib" in tk else "peak_rss_mib"
@@ -516,7 +548,7 @@ def main(argv=None) -> int:
                 "first_loss_abs_diff": abs(tk["first_losses"][0] - b["first_losses"][0])}
                 for s, b in block["systems"].items() if s != "tunekit"}
         result["results"][mode] = block
-    measured["after"] = {d: matmul_peak(d, args.peak_reps) for d in ("bfloat16", "float32")}
+    measured["after"] = {d: matmul_peak(d, args.peak_reps) for d in measured["before"]}
     result["matmul_peak_gflops"] = measured
     dev = re.sub(r"[^a-z0-9]+", "-", result["device"].lower().removeprefix("nvidia ")).strip("-") if gpu else "cpu"
     out = args.out or REPO / "benchmarks" / f"train-{dev}-{args.config}"

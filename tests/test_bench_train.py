@@ -32,10 +32,18 @@ def test_both_systems_run_and_agree(tiny_model_dir, tiny_data, tmp_path):
     assert out.with_suffix(".md").read_text().startswith("# Training benchmark")
     assert set(result["versions"]) >= {"torch", "transformers", "peft", "bitsandbytes", "trl", "tunekit"}
     assert result["device"] and result["settings"]["steps"] == 2
-    # the CPU's own matmul peak, measured before and after the runs: MFU's denominator
+    # the CPU's own matmul peak, measured before and after the runs (bf16 only where it is native):
+    # MFU's denominator is the figure of the dtype the base computed in
+    from tunekit.device import cpu_has_bf16
+
     peaks = result["matmul_peak_gflops"]
-    assert all(peaks[when][d]["gflops"] > 0 for when in ("before", "after") for d in ("bfloat16", "float32"))
+    dtypes = {"bfloat16", "float32"} if cpu_has_bf16() else {"float32"}
+    assert all(set(peaks[when]) == dtypes for when in ("before", "after")), peaks
+    assert all(p["gflops"] > 0 for when in ("before", "after") for p in peaks[when].values())
     block = result["results"]["on"]
+    computed = block["runs"]["tunekit"][0]["compute_dtype"]
+    assert computed == ("bfloat16" if cpu_has_bf16() else "float32")  # the tiny model's model.dtype=auto
+    assert block["mfu_peak"]["tflops"] == pytest.approx(peaks["before"][computed]["gflops"] / 1e3)
     for system in ("tunekit", "trl"):
         s = block["systems"][system]
         for key in ("tokens_per_s", "trained_tokens_per_s", "median_step_s", "peak_rss_mib", "first_losses", "mfu"):

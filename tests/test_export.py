@@ -118,7 +118,11 @@ def test_merged_nf4_weights_are_fresh_dequantized_base_plus_delta(runs, tiny_mod
     out = tmp_path / "merged"
     export(runs["qlora"], "merged", out, dtype="fp32", merge_into="dequantized", eval_batches=1)
     merged = load_file(str(out / "model.safetensors"))
-    base = load_base_model(str(tiny_model_dir), "nf4", torch.bfloat16, torch.device("cpu"))
+    from tunekit.export.run import open_run
+
+    # the compute dtype the export's base takes on this machine (bf16 with native bf16, else fp32):
+    # dequantize_4bit rounds the NF4 values into it, so the reference must use the same one
+    base = load_base_model(str(tiny_model_dir), "nf4", open_run(runs["qlora"]).dtype, torch.device("cpu"))
     adapter = load_file(str(runs["qlora"] / "adapter" / "adapter_model.safetensors"))
     cfg = json.loads((runs["qlora"] / "adapter" / "adapter_config.json").read_text())
     scale = cfg["lora_alpha"] / cfg["r"]
