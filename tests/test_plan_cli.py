@@ -13,6 +13,7 @@ from tunekit.cli import compose_configs, main
 from tunekit.device import DeviceFacts
 from tunekit.plan import GiB
 from tunekit.plan.choose import choose
+from tunekit.plan.shape import PROJECTIONS
 
 CPU = DeviceFacts("cpu", cpu_bf16=True)
 A100_80 = DeviceFacts("cuda", 0, (8, 0), "A100", 80 * GiB)
@@ -195,3 +196,21 @@ def test_ranks_choose_from_the_least_free_memory_and_a_resumed_run_keeps_its_cho
     resumed = _cfg("trainer.micro_batch_size=auto", "model.gradient_checkpointing=auto", "trainer.resume=true")
     resolve_memory_settings(resumed, torch.device("cpu"), output_dir=run)
     assert (resumed.trainer.micro_batch_size, resumed.model.gradient_checkpointing) == (2, True)
+
+
+def test_the_plan_counts_the_dense_copy_the_trainer_keeps():
+    """tunekit.fused keeps a CPU run's 4-bit base dequantized in its compute dtype where that copy is
+    at most an eighth of memory (bf16 on a CPU with native bf16, fp32 elsewhere): the planner counts
+    the same bytes under "base weights", and nothing where the trainer keeps none."""
+    from tunekit.plan.inputs import planner_inputs
+
+    cfg = _cfg()
+    shape, _ = planner_inputs(cfg, CPU)
+    weights = shape.num_layers * sum(i * o for p in PROJECTIONS for i, o in [shape.projection(p)])
+    for cpu_bf16, size in ((True, 2), (False, 4)):
+        roomy = DeviceFacts("cpu", cpu_bf16=cpu_bf16, total_memory=8 * size * weights)
+        assert planner_inputs(cfg, roomy)[1].dense_cache_bytes == size * weights
+        small = DeviceFacts("cpu", cpu_bf16=cpu_bf16, total_memory=8 * size * weights - 1)
+        assert planner_inputs(cfg, small)[1].dense_cache_bytes == 0
+    assert planner_inputs(_cfg("kernels.fused_lora=off"), roomy)[1].dense_cache_bytes == 0  # peft keeps none
+    assert planner_inputs(cfg, A100_80)[1].dense_cache_bytes == 0  # the GPU dequantizes in the kernel

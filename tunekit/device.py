@@ -171,13 +171,13 @@ def fused_kernel_support(facts: DeviceFacts, dtype: torch.dtype, triton_installe
                            "cannot compile bf16 there (use model.dtype=fp32 or kernels.fused_lora=off)")
         if interpreting:
             return False, "TRITON_INTERPRET=1 is set: Triton would interpret, not compile, on the GPU"
-        return True, f"{facts.describe()}, {_dtype_name(dtype)}"
+        return True, f"{facts.describe()}, {dtype_name(dtype)}"
     if facts.type == "cpu" and interpreting:
         return True, "cpu under TRITON_INTERPRET=1 (numpy interpreter: for tests, not speed)"
     return False, f"the Triton kernels run on CUDA only (this is {facts.describe()})"
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
 
 
@@ -224,12 +224,12 @@ def available_memory_bytes(device: torch.device) -> Optional[int]:
 
 
 def dense_cache_fits(dense_bytes: int, facts: DeviceFacts) -> bool:
-    """Whether a CPU run may keep a dequantized (bf16) copy of its 4-bit base for speed.
+    """Whether a CPU run may keep a dequantized copy (in the compute dtype) of its 4-bit base for speed.
 
     A plain function of the model's size and the machine's memory, so that `tunekit plan` and
     the trainer decide alike and a resumed run decides as the first one did: at most an eighth of
-    physical memory (the 135M default model: 0.2 GB; an 8B base: 16 GB, which stays 4-bit on a
-    machine of less than 128 GB). Never on a GPU, where 4-bit exists to save that memory and the
+    physical memory (the 135M default model: 0.2 GB in bf16, 0.4 GB in fp32; an 8B base: 16 GB in
+    bf16, which stays 4-bit on a machine of less than 128 GB). Never on a GPU, where 4-bit exists to save that memory and the
     fused kernel dequantizes in registers.
     """
     return facts.type == "cpu" and facts.total_memory is not None and dense_bytes <= facts.total_memory // 8

@@ -254,7 +254,7 @@ def prove_kernel(layers: list[tuple[str, nn.Module]], dtype: torch.dtype, facts:
         speed = f", {peft / fused:.2f}x peft's speed"
     else:
         speed = (" (speed not compared: the interpreter is for tests)" if path == "fused"
-                 else " (bf16 instead of fp32 LoRA matmuls)")
+                 else " (bf16 instead of fp32 LoRA matmuls)" if dtype == torch.bfloat16 else "")
     worst = max(c.max_rel_err for c in checks)
     return True, f"checked against its reference on {len(checks)} layer shapes (max rel. err {worst:.1e}){speed}", checks
 
@@ -263,8 +263,8 @@ def choose_lora_path(model: nn.Module, mode: str, facts: dev.DeviceFacts, dtype:
     """Decide, prove and apply the LoRA path for `model`; returns the decision for the log and summary.
 
     mode: auto (CUDA: the Triton kernel where it runs, passes its checks and is faster; CPU: the
-    compute-dtype LoRA when the base computes in bf16, checked; else peft) | on (the Triton kernel
-    or a clear error) | off (peft).
+    compute-dtype LoRA, checked, when the base computes in bf16 or an fp32 base fits dequantized
+    in memory; else peft) | on (the Triton kernel or a clear error) | off (peft).
     """
     layers = lora_4bit_layers(model)
     set_path([m for _, m in layers], "peft")  # peft's forward unless tunekit's earns its place below
@@ -298,20 +298,29 @@ def choose_lora_path(model: nn.Module, mode: str, facts: dev.DeviceFacts, dtype:
 
 
 def _cpu_path(model, layers, mode: str, facts: dev.DeviceFacts, dtype: torch.dtype, why: str) -> FusedDecision:
-    """auto off CUDA: the Triton kernel is out (only an interpreter runs it there); LoRA in bf16
-    pays where the base computes in bf16, and with an fp32 base it would be peft's own math."""
-    if dtype != torch.bfloat16:
-        return FusedDecision(mode, "peft", f"the base computes in {dtype}, so peft's fp32 LoRA is as fast ({why})")
+    """auto off CUDA: the Triton kernel is out (only an interpreter runs it there). Two things pay
+    on a CPU: the LoRA matmuls in bf16 where the base computes in bf16, and, in bf16 or fp32, the
+    frozen base kept dequantized where memory allows (tunekit.device.dense_cache_fits) instead of
+    dequantized twice per layer per micro-batch. An fp32 base without room for that copy gains
+    nothing over peft's own fp32 math, so peft stays."""
+    if dtype not in (torch.bfloat16, torch.float32):
+        return FusedDecision(mode, "peft", f"the base computes in {dtype} ({why})")
+    dense = sum(m.base_layer.in_features * m.base_layer.out_features for _, m in layers) * dtype.itemsize
+    fits = dev.dense_cache_fits(dense, facts)
+    if dtype == torch.float32 and not fits:
+        return FusedDecision(mode, "peft", "the base computes in fp32 and a dequantized copy of it would take more "
+                             f"than an eighth of memory, so peft's fp32 LoRA is as fast ({why})")
     trusted, reason, checks = prove_kernel(layers, dtype, facts, path="torch")
     if not trusted:
         return FusedDecision(mode, "peft", reason + "; using peft + bitsandbytes", checks=checks)
     set_path([m for _, m in layers], "torch")
     from tunekit.lora_compute import cache_dense
 
-    dense = sum(m.base_layer.in_features * m.base_layer.out_features * 2 for _, m in layers)
     cached = ""
-    if dev.dense_cache_fits(dense, facts):
+    if fits:
         kept = sum(cache_dense(m.base_layer, dtype) for _, m in layers)
-        cached = f"; the 4-bit base also kept dequantized in bf16 ({kept / 2**20:.0f} MiB, dequantized once)"
-    return FusedDecision(mode, "torch", f"LoRA matmuls in bf16 on {facts.describe()}{cached}, {reason}",
+        cached = (f"; the 4-bit base also kept dequantized in {dev.dtype_name(dtype)} ({kept / 2**20:.0f} MiB, "
+                  "dequantized once)")
+    what = "LoRA matmuls in bf16" if dtype == torch.bfloat16 else "peft's fp32 LoRA math"
+    return FusedDecision(mode, "torch", f"{what} on {facts.describe()}{cached}, {reason}",
                          layers=len(layers), checks=checks)

@@ -157,6 +157,50 @@ def test_torch_path_keeps_a_dense_copy_where_memory_allows(tiny_model_dir, tmp_p
     assert not any(hasattr(m, CACHE_ATTR) for m in model.modules())
 
 
+def test_fp32_base_keeps_a_dense_copy_where_memory_allows(tiny_model_dir):
+    """A CPU without native bf16 computes the base in fp32 (model.dtype=auto). There the torch path
+    is peft's own fp32 math; what it adds is the base dequantized once instead of twice per layer
+    per micro-batch. So: with room for the fp32 copy, the torch path with that copy, the base's
+    output equal to bitsandbytes' bit for bit (the same fp32 dequantization, then the same linear:
+    checked with B = 0), and logits and gradients within fp32 rounding of peft's; without room, peft."""
+    from tunekit.fused import lora_4bit_layers
+    from tunekit.lora_compute import CACHE_ATTR
+
+    torch.manual_seed(4)
+    model = _qlora_tiny(tiny_model_dir, torch.float32)  # non-zero B: the LoRA branch counts
+    x = torch.randint(0, 2000, (2, 9))
+    ref_logits, ref_grads = _logits_and_grads(model, x)
+    dense = sum(m.base_layer.in_features * m.base_layer.out_features * 4 for _, m in lora_4bit_layers(model))
+    no_bf16 = dict(cpu_bf16=False)
+    small = dev.DeviceFacts("cpu", total_memory=8 * dense - 1, **no_bf16)
+    decision = choose_lora_path(model, "auto", small, torch.float32)
+    assert decision.path == "peft" and "peft's fp32 LoRA is as fast" in decision.reason
+
+    roomy = dev.DeviceFacts("cpu", total_memory=8 * dense, **no_bf16)
+    decision = choose_lora_path(model, "auto", roomy, torch.float32)
+    assert decision.path == "torch" and "kept dequantized in fp32" in decision.reason
+    kept = [getattr(m, CACHE_ATTR) for m in model.modules() if hasattr(m, CACHE_ATTR)]
+    assert len(kept) == 14 and all(t.dtype == torch.float32 for t in kept)
+    logits, grads = _logits_and_grads(model, x)
+    assert grads.keys() == ref_grads.keys()
+    # Same products as peft; the LoRA sum is taken as y + s * (xa B^T) in one op where peft scales
+    # first, and dx's two terms are added in another order: each may differ by an fp32 rounding
+    # (2^-24 relative) per op, carried through at most 2 x 14 layers (the bound of
+    # test_fused_model_matches_peft: 2e-4). A lost or transposed term is off by O(1).
+    for name, got, want in [("logits", logits, ref_logits), *((n, grads[n], ref_grads[n]) for n in grads)]:
+        err = ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+        assert err <= 2e-4, f"{name}: relative error {err:.3g}"
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.zero_()
+        dense_out = model(input_ids=x).logits
+        choose_lora_path(model, "off", roomy, torch.float32)  # back to peft: the copy goes
+        assert not any(hasattr(m, CACHE_ATTR) for m in model.modules())
+        assert torch.equal(dense_out, model(input_ids=x).logits)
+
+
 def test_modes(tiny_model_dir, monkeypatch):
     model = _qlora_tiny(tiny_model_dir, torch.float32)
     off = choose_lora_path(model, "off", CPU_FACTS, torch.float32)

@@ -59,9 +59,10 @@ def planner_inputs(cfg, facts: DeviceFacts, teacher_shape: Optional[ModelShape] 
         grad_accum=t.grad_accum, seq_len=cfg.data.max_seq_len, packing=cfg.data.packing,
         optimizer=_value(t.optimizer), dropout_mask_bytes=1 if facts.type == "cuda" else 4,
     )
-    if (facts.type == "cpu" and setup.quantize == "nf4" and setup.method == "lora" and dtype == torch.bfloat16
-            and _value(cfg.kernels.fused_lora) == "auto"):
-        dense = 2 * student.num_layers * sum(i * o for p in setup.lora_targets for i, o in [student.projection(p)])
+    if (facts.type == "cpu" and setup.quantize == "nf4" and setup.method == "lora"
+            and dtype in (torch.bfloat16, torch.float32) and _value(cfg.kernels.fused_lora) == "auto"):
+        # tunekit.fused._cpu_path's rule: the base kept dequantized in its compute dtype
+        dense = setup.compute_bytes * student.num_layers * sum(i * o for p in setup.lora_targets for i, o in [student.projection(p)])
         if dense_cache_fits(dense, facts):
             setup = replace(setup, dense_cache_bytes=dense)
     if distill:
