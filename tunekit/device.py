@@ -229,8 +229,8 @@ def dense_cache_fits(dense_bytes: int, facts: DeviceFacts) -> bool:
     A plain function of the model's size and the machine's memory, so that `tunekit plan` and
     the trainer decide alike and a resumed run decides as the first one did: at most an eighth of
     physical memory (the 135M default model: 0.2 GB in bf16, 0.4 GB in fp32; an 8B base: 16 GB in
-    bf16, which stays 4-bit on a machine of less than 128 GB). Never on a GPU, where 4-bit exists to save that memory and the
-    fused kernel dequantizes in registers.
+    bf16, which stays 4-bit on a machine of less than 128 GB). Never on a GPU, where 4-bit exists
+    to save that memory and the fused kernel dequantizes in registers.
     """
     return facts.type == "cpu" and facts.total_memory is not None and dense_bytes <= facts.total_memory // 8
 
