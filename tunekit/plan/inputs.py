@@ -62,7 +62,8 @@ def planner_inputs(cfg, facts: DeviceFacts, teacher_shape: Optional[ModelShape] 
     if (facts.type == "cpu" and setup.quantize == "nf4" and setup.method == "lora"
             and dtype in (torch.bfloat16, torch.float32) and _value(cfg.kernels.fused_lora) == "auto"):
         # tunekit.fused._cpu_path's rule: the base kept dequantized in its compute dtype
-        dense = setup.compute_bytes * student.num_layers * sum(i * o for p in setup.lora_targets for i, o in [student.projection(p)])
+        weights = sum(i * o for p in setup.lora_targets for i, o in [student.projection(p)])
+        dense = setup.compute_bytes * student.num_layers * weights
         if dense_cache_fits(dense, facts):
             setup = replace(setup, dense_cache_bytes=dense)
     if distill:
