@@ -8,6 +8,9 @@ request: {"cases": [{"id", "argv", "cwd", "env": {...}, "user": null | "nobody",
 results: [{"id", "code", "stdout", "stderr", "seconds"}, ...] in the cases' order
 (`jobs` children run at once, each single-threaded.) --serve reads one case per line (plus "timeout",
 and "env" as the child's whole environment) and answers one result per line, until stdin closes.
+A --serve case with "ranks": [env, env, ...] is one distributed run: a child per rank, each with
+its own whole environment (what a launcher gives a rank: RANK, WORLD_SIZE, MASTER_PORT, ...),
+writing to the same stdout and stderr, as `accelerate launch` ranks do (tests/_helpers.py).
 
 Each child is the real CLI path: `tunekit.cli.main(argv)` in a fresh process image with its own
 stdout/stderr (file descriptors 1 and 2), cwd and environment; its exit status is what the shell
@@ -67,6 +70,10 @@ def _child(case: dict, out_fd: int, err_fd: int) -> None:
         if case.get("env_exact"):
             os.environ.clear()
         os.environ.update(case.get("env") or {})
+        if os.environ.get("PYTHONFAULTHANDLER"):  # read at interpreter start, which a fork skips
+            import faulthandler
+
+            faulthandler.enable()
         if case.get("user") and os.getuid() == 0:
             import pwd
 
@@ -103,27 +110,50 @@ def _child(case: dict, out_fd: int, err_fd: int) -> None:
 
 
 class Running:
-    """One forked child: its pid, captured output files and start time."""
+    """One forked child, or one per rank of a distributed case: pids, captured output, start time."""
+
+    # A rank that failed leaves the others waiting in a collective: as torchrun's agent does, stop
+    # them, after a grace period in which they may still report their own error.
+    GRACE_S = 20.0
 
     def __init__(self, case: dict):
         self.case = case
         self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         self.start = time.perf_counter()
-        self.pid = os.fork()
-        if self.pid == 0:
-            _child(case, self.out.fileno(), self.err.fileno())
+        self.codes: dict[int, int] = {}
+        self.failed: tuple[float, int] | None = None  # (when, exit status) of the first rank that failed
+        self.pids = []
+        for env in case.get("ranks") or [case.get("env")]:
+            pid = os.fork()
+            if pid == 0:
+                _child({**case, "env": env}, self.out.fileno(), self.err.fileno())
+            self.pids.append(pid)
+
+    def _kill_running(self) -> None:
+        for pid in self.pids:
+            if pid not in self.codes:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                self.codes[pid] = -9
 
     def poll(self, timeout: float) -> dict | None:
-        done, status = os.waitpid(self.pid, os.WNOHANG)
-        if done:
-            code = os.waitstatus_to_exitcode(status)
-        elif time.perf_counter() - self.start > timeout:
-            os.kill(self.pid, 9)
-            os.waitpid(self.pid, 0)
+        for pid in self.pids:
+            if pid not in self.codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    self.codes[pid] = os.waitstatus_to_exitcode(status)
+                    if self.codes[pid] != 0 and self.failed is None:
+                        self.failed = (time.perf_counter(), self.codes[pid])
+        now = time.perf_counter()
+        if now - self.start > timeout:
+            self._kill_running()
             code = "timeout"
+        elif len(self.codes) == len(self.pids) or (self.failed is not None and now - self.failed[0] > self.GRACE_S):
+            self._kill_running()
+            code = self.failed[1] if self.failed else 0  # a distributed run: its first failed rank's status
         else:
             return None
-        seconds = time.perf_counter() - self.start
+        seconds = now - self.start
         self.out.seek(0)
         self.err.seek(0)
         result = {"id": self.case["id"], "code": code, "stdout": self.out.read().decode("utf-8", "replace"),

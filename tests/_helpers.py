@@ -53,14 +53,15 @@ class _ForkServer:
         keys = {k for k in {*env, *self.env} if k.startswith(IMPORT_TIME_ENV)}
         return self.proc.poll() is None and all(env.get(k) == self.env.get(k) for k in keys)
 
-    def run(self, args: list[str], cwd: Path, env: dict, timeout: int,
-            input: str | None = None) -> subprocess.CompletedProcess:
+    def run(self, args: list[str], cwd: Path, env: dict, timeout: int, input: str | None = None,
+            ranks: list[dict] | None = None, cmd: list[str] | None = None) -> subprocess.CompletedProcess:
+        """One command; with `ranks` (each rank's whole environment), one child per rank."""
         case = {"id": 0, "argv": list(args), "cwd": str(cwd), "env": env, "env_exact": True, "timeout": timeout,
-                "input": input}
+                "input": input, "ranks": ranks}
         self.proc.stdin.write(json.dumps(case) + "\n")
         self.proc.stdin.flush()
         result = json.loads(self.proc.stdout.readline())
-        cmd = [str(Path(sys.executable).with_name("tunekit")), *args]
+        cmd = cmd or [str(Path(sys.executable).with_name("tunekit")), *args]
         if result["code"] == "timeout":
             raise subprocess.TimeoutExpired(cmd, timeout, result["stdout"], result["stderr"])
         return subprocess.CompletedProcess(cmd, result["code"], result["stdout"], result["stderr"])
@@ -69,30 +70,111 @@ class _ForkServer:
 _server: _ForkServer | None = None
 
 
+def _fork_server() -> _ForkServer | None:
+    """This process's fork server (None where TUNEKIT_TEST_FRESH_CLI=1 asks for real processes)."""
+    global _server
+    if os.environ.get("TUNEKIT_TEST_FRESH_CLI") == "1":
+        return None
+    # A new server where this process's own environment moved since the server started (an
+    # in-process `tunekit.cli.main` sets HF_HUB_DISABLE_PROGRESS_BARS, for one): otherwise every
+    # later command would miss the server and pay a fresh import.
+    if _server is None or not _server.serves(dict(os.environ)):
+        if _server is not None:
+            _server.close()
+        _server = _ForkServer()
+    return _server
+
+
 def run_cli(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 600,
             fresh: bool = False, whole_env: bool = False, input: str | None = None) -> subprocess.CompletedProcess:
     """Run `tunekit ARGS` as a user does: its own process, cwd, environment, stdout and stderr.
 
     `env` adds to this process's environment, or with whole_env=True is the whole of it (to run
-    without a variable); `input` is the command's stdin (none by default). By default the process is a fork of one that imported tunekit already
-    (_ForkServer); fresh=True, or TUNEKIT_TEST_FRESH_CLI=1 for the whole suite, starts the
-    installed console script.
+    without a variable); `input` is the command's stdin (none by default). By default the process
+    is a fork of one that imported tunekit already (_ForkServer); fresh=True, or
+    TUNEKIT_TEST_FRESH_CLI=1 for the whole suite, starts the installed console script.
     """
-    global _server
     full_env = dict(env or {}) if whole_env else {**os.environ, **(env or {})}
-    if not fresh and os.environ.get("TUNEKIT_TEST_FRESH_CLI") != "1":
-        # A new server where this process's own environment moved since the server started (an
-        # in-process `tunekit.cli.main` sets HF_HUB_DISABLE_PROGRESS_BARS, for one): otherwise every
-        # later command would miss the server and pay a fresh import.
-        if _server is None or not _server.serves(dict(os.environ)):
-            if _server is not None:
-                _server.close()
-            _server = _ForkServer()
-        if _server.serves(full_env):
-            return _server.run(args, cwd, full_env, timeout, input)
+    server = None if fresh else _fork_server()
+    if server is not None and server.serves(full_env):
+        return server.run(args, cwd, full_env, timeout, input)
     exe = Path(sys.executable).with_name("tunekit")
     return subprocess.run([str(exe), *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,
                           input=input, stdin=None if input is not None else subprocess.DEVNULL)
+
+
+# ---------------------------------------------------------------- two ranks
+# `accelerate launch` on the CPU (TRAPS.md: `--cpu` alone runs one process; ACCELERATE_USE_CPU with
+# --multi_gpu runs gloo ranks).
+LAUNCH_FLAGS = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                "--dynamo_backend", "no"]
+# PYTHONFAULTHANDLER: a rank that dies on a signal prints every thread's Python stack. Seen once in
+# a full suite run (2026-11-22), never alone (0 of 33 launches beside CPU hogs): rank 1 of an FSDP
+# run aborting at its very end ("terminate called without an active exception", exit -6).
+LAUNCH_ENV = {"ACCELERATE_USE_CPU": "true", "PYTHONFAULTHANDLER": "1"}
+DUMP_ENV = "import json, os, sys; json.dump(dict(os.environ), open(sys.argv[1] + os.environ['RANK'], 'w'))"
+_rank_env: list[dict] | None = None
+
+
+def launcher_rank_env() -> list[dict]:
+    """What `accelerate launch LAUNCH_FLAGS` adds to or changes in each rank's environment.
+
+    Read from a real launch of a script that only writes its environment (~4 s, once per process),
+    so that a forked rank gets exactly what this accelerate and torch give a launched one: RANK,
+    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, ACCELERATE_* (mixed precision, dynamo), TORCHELASTIC_*.
+    """
+    global _rank_env
+    if _rank_env is None:
+        import tempfile
+
+        env = {**os.environ, **LAUNCH_ENV}
+        with tempfile.TemporaryDirectory() as workdir:
+            script, dump = Path(workdir) / "dump_env.py", Path(workdir) / "rank-env-"
+            script.write_text(DUMP_ENV)
+            proc = subprocess.run([str(Path(sys.executable).with_name("accelerate")), "launch", *LAUNCH_FLAGS,
+                                   "--main_process_port", str(_free_port()), str(script), str(dump)],
+                                  cwd=workdir, env=env, capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            ranks = [json.loads(Path(f"{dump}{rank}").read_text()) for rank in range(2)]
+        _rank_env = [{k: v for k, v in r.items() if env.get(k) != v and k not in ("_", "PATH")} for r in ranks]
+        assert [r["RANK"] for r in _rank_env] == ["0", "1"] and all(r["WORLD_SIZE"] == "2" for r in _rank_env)
+    return _rank_env
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_two_ranks(args: list[str], cwd: Path, port: int, timeout: int = 300,
+                     real: bool = False) -> subprocess.CompletedProcess:
+    """`accelerate launch LAUNCH_FLAGS -m tunekit.cli train ARGS`: two gloo ranks on the CPU.
+
+    By default each rank is a fork of the fork server (as run_cli's commands are) with the
+    environment the real launcher gives that rank (launcher_rank_env), both writing to one stdout
+    and stderr: the same two `tunekit.cli.main` processes without two ~8 s imports of torch,
+    transformers, peft and bitsandbytes. One difference, on purpose: no launcher process, so rank 0
+    hosts the rendezvous store itself (TORCHELASTIC_USE_AGENT_STORE dropped), as in any launch
+    without torchrun's agent. real=True (one test does), or TUNEKIT_TEST_FRESH_CLI=1, runs the
+    real launcher.
+    """
+    env = {**os.environ, **LAUNCH_ENV}
+    cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", *LAUNCH_FLAGS,
+           "--main_process_port", str(port), "-m", "tunekit.cli", "train", *args]
+    # PYTHONFAULTHANDLER is read at interpreter start: the forked child turns it on itself
+    server = None if real else _fork_server()
+    if server is not None and server.serves({k: v for k, v in env.items() if k != "PYTHONFAULTHANDLER"}):
+        ranks = []
+        for added in launcher_rank_env():
+            rank = {**env, **added, "MASTER_PORT": str(port)}
+            for key in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE"):
+                rank.pop(key, None)
+            ranks.append(rank)
+        return server.run(["train", *args], cwd, env, timeout, ranks=ranks, cmd=cmd)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def read_jsonl(path: Path) -> list[dict]:

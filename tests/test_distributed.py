@@ -1,30 +1,17 @@
-"""Two real gloo ranks on the CPU through `accelerate launch` (TRAPS.md: `--cpu` alone runs one)."""
+"""Two real gloo ranks on the CPU, as `accelerate launch` starts them (TRAPS.md: `--cpu` alone runs one).
+
+The first test goes through the real launcher; the others fork the two ranks with the environment
+that launcher gives them (tests/_helpers.py: launch_two_ranks)."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from _helpers import read_jsonl, run_cli, tiny_args
-
-
-def launch_two_ranks(args: list[str], cwd: Path, port: int, timeout: int = 300) -> subprocess.CompletedProcess:
-    # the venv's own launcher: CI runs tests without activating the venv, so PATH may lack it
-    launch = [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_port", str(port), "-m", "tunekit.cli", "train", *args]
-    # PYTHONFAULTHANDLER: a rank that dies on a signal prints every thread's Python stack. Seen once in
-    # a full suite run (2026-11-22), never alone (0 of 33 launches beside CPU hogs): rank 1 of an FSDP
-    # run aborting at its very end ("terminate called without an active exception", exit -6).
-    return subprocess.run(launch, cwd=cwd, env={**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONFAULTHANDLER": "1"},
-                          capture_output=True, text=True, timeout=timeout)
+from _helpers import launch_two_ranks, read_jsonl, run_cli, tiny_args
 
 
 def test_two_ranks_match_one_process(tiny_model_dir, tiny_data, tmp_path):
@@ -34,7 +21,7 @@ def test_two_ranks_match_one_process(tiny_model_dir, tiny_data, tmp_path):
     # order may differ (bf16 would add rounding that depends on how examples group into micro-batches)
     common = ["recipe=qlora", "method.dropout=0", "trainer.micro_batch_size=2", "model.dtype=fp32"]
     two = tmp_path / "two"
-    r = launch_two_ranks(tiny_args(tiny_model_dir, tiny_data, two, *common), tmp_path, 29517)
+    r = launch_two_ranks(tiny_args(tiny_model_dir, tiny_data, two, *common), tmp_path, 29517, real=True)
     assert r.returncode == 0, r.stderr[-3000:]
     one = tmp_path / "one"
     r1 = run_cli(["train", *tiny_args(tiny_model_dir, tiny_data, one, *common, "trainer.grad_accum=4")], tmp_path)

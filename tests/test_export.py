@@ -487,9 +487,12 @@ def test_default_model_qlora_merged_and_gguf(default_model_dir, tmp_path):
     # only one before the bf16 math mode): the measurements above are of that delta. With the bf16-math head
     # the 2 steps land elsewhere in that same bf16 noise, and this tiny delta's fp16 merge then kept 60.7%
     # of the gain, so export rightly chose fp32: which dtype passes is noise at 2 steps.
+    # trainer.eval_samples=0: no sample answers (nothing here reads them; on the 4-bit peft path each
+    # generated token dequantizes every weight: 20 of this run's 27 s on a 2-core AVX2 VM).
     r = run_cli(["train", "recipe=qlora", f"output_dir={run}", "trainer.max_steps=2", "trainer.micro_batch_size=2",
                  "trainer.grad_accum=1", "trainer.eval_every=2", "trainer.save_every=2", "data.max_val_examples=4",
-                 "data.max_seq_len=128", "kernels.fused_lora=off", "trainer.lr=2e-4", "kernels.head_matmul=fp32"],
+                 "data.max_seq_len=128", "kernels.fused_lora=off", "trainer.lr=2e-4", "kernels.head_matmul=fp32",
+                 "trainer.eval_samples=0"],
                 tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     report = export(run, "merged", tmp_path / "auto", merge_into="dequantized", eval_batches=2)

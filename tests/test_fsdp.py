@@ -12,8 +12,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file
 
-from _helpers import read_jsonl, run_cli, tiny_args
-from test_distributed import launch_two_ranks
+from _helpers import launch_two_ranks, read_jsonl, run_cli, tiny_args
 from tunekit import TunekitError
 from tunekit.fsdp import Sharded, check_config, decoder_layers, outer_units, packed_checksum
 
