@@ -18,6 +18,9 @@ On a GPU it is what CI cannot do (no CI machine has one):
 On a CPU the same flow runs under Triton's interpreter (TRITON_INTERPRET=1): a functional check of
 every step (the test suite runs it on a tiny model), with no meaning for speed.
 
+Each command of a check runs in a child process of its own (tunekit.children): a fresh interpreter
+where a GPU is visible; on a CPU-only machine a fork of one process that imported the stack once.
+
     tunekit doctor                          # default model and data, 20 steps
     tunekit doctor --model DIR --data F.jsonl --steps 10 --out doctor-report trainer.micro_batch_size=4
 """
@@ -30,7 +33,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -38,6 +40,7 @@ import time
 from pathlib import Path
 
 from tunekit import TunekitError, __version__
+from tunekit.children import Launcher, start_method
 from tunekit.cliparse import Parser
 
 # Two runs of the same data differ only by the LoRA layers' arithmetic (fused tiles vs cuBLAS /
@@ -61,16 +64,13 @@ def _versions() -> dict:
     return out
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "tunekit.cli", *args]
-
-
 class Doctor:
     def __init__(self, model: str | None, data: str | None, steps: int, out: Path, env: dict,
-                 overrides: list[str] | None = None):
+                 overrides: list[str] | None = None, start: str = "fresh"):
         self.model, self.data, self.steps, self.out = model, data, steps, out
         self.overrides = list(overrides or [])
         self.env = env
+        self.children = Launcher(env, start)
         self.report: dict = {"checks": {}}
         self.log_dir = out / "logs"
 
@@ -86,9 +86,15 @@ class Doctor:
             args.append(f"data.path={self.data}")
         return args
 
-    def _run(self, name: str, cmd: list[str], timeout: int = 3600) -> subprocess.CompletedProcess:
-        r = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout)
-        (self.log_dir / f"{name}.log").write_text(f"$ {' '.join(cmd)}\n\n{r.stdout}\n{r.stderr}")
+    def _run(self, name: str, args: list[str], timeout: int = 3600) -> subprocess.CompletedProcess:
+        """`tunekit <args>` in a child process; its output also goes to logs/<name>.log."""
+        out, err = self.log_dir / f"{name}.stdout", self.log_dir / f"{name}.stderr"
+        code = self.children.run(args, out, err, timeout)
+        r = subprocess.CompletedProcess(args, code, out.read_text(errors="replace"), err.read_text(errors="replace"))
+        out.unlink()
+        err.unlink()
+        (self.log_dir / f"{name}.log").write_text(
+            f"$ {' '.join(self.children.command(args))}\n\n{r.stdout}\n{r.stderr}")
         return r
 
     def _record(self, name: str, ok: bool, **figures) -> bool:
@@ -160,7 +166,7 @@ class Doctor:
         for fused in ("on", "off"):
             run = self.out / f"run-fused-{fused}"
             start = time.time()
-            r = self._run(f"train-fused-{fused}", _cli(*self._train_args(run, fused)))
+            r = self._run(f"train-fused-{fused}", self._train_args(run, fused))
             runs[fused] = run
             summary = json.loads((run / "summary.json").read_text()) if r.returncode == 0 else {}
             self._record(f"train fused={fused}", r.returncode == 0, wall_s=round(time.time() - start, 1),
@@ -182,15 +188,16 @@ class Doctor:
         run = self.out / "run-resumed"
         args = self._train_args(run, "on")
         first = run / "checkpoints" / f"step-{max(1, self.steps // 2):06d}"
-        with open(self.log_dir / "resume-killed.log", "w") as log:
-            proc = subprocess.Popen(_cli(*args), env=self.env, stdout=log, stderr=log)
-            while not first.exists() and proc.poll() is None:
-                time.sleep(0.02)
-            killed = proc.poll() is None
-            if killed:
-                proc.send_signal(signal.SIGKILL)
-            proc.wait()
-        r = self._run("resume", _cli(*args, "trainer.resume=true"))
+        log = self.log_dir / "resume-killed.log"
+        log.write_text(f"$ {' '.join(self.children.command(args))}\n\n")
+        proc = self.children.start(args, log, log)
+        while not first.exists() and proc.poll() is None:
+            time.sleep(0.02)
+        killed = proc.poll() is None
+        if killed:
+            proc.kill()
+        proc.wait()
+        r = self._run("resume", [*args, "trainer.resume=true"])
         if r.returncode != 0 or not (full / "adapter").is_dir():
             self._record("resume", False, error=_last_line(r.stderr))
             return
@@ -210,7 +217,7 @@ class Doctor:
             return
         out = self.out / "export-merged"
         shutil.rmtree(out, ignore_errors=True)
-        r = self._run("export", _cli("export", str(self.resumed), "--format", "merged", "--out", str(out)))
+        r = self._run("export", ["export", str(self.resumed), "--format", "merged", "--out", str(out)])
         report = json.loads((out / "fidelity.json").read_text()) if r.returncode == 0 else {}
         self._record("export", r.returncode == 0, kl_mean=report.get("fidelity", {}).get("kl_mean"),
                      error=_last_line(r.stderr) if r.returncode else None)
@@ -227,8 +234,10 @@ class Doctor:
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "tunekit.cli",
                *self._train_args(run, "auto", "trainer.grad_accum=1")]
         one = self.out / "run-one-rank"
-        r2 = self._run("two-ranks", cmd)
-        r1 = self._run("one-rank", _cli(*self._train_args(one, "auto", "trainer.grad_accum=2")))
+        # the launcher starts its ranks as fresh processes itself (only ever on a GPU machine)
+        r2 = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=3600)
+        (self.log_dir / "two-ranks.log").write_text(f"$ {' '.join(cmd)}\n\n{r2.stdout}\n{r2.stderr}")
+        r1 = self._run("one-rank", self._train_args(one, "auto", "trainer.grad_accum=2"))
         if r2.returncode or r1.returncode:
             self._record("two ranks", False, error=_last_line((r2.stderr if r2.returncode else r1.stderr)))
             return
@@ -295,7 +304,8 @@ def main(argv: list[str]) -> None:
         os.environ["TRITON_INTERPRET"] = env["TRITON_INTERPRET"] = "1"  # the only way the fused path runs on a CPU: functional, not fast
         print("[doctor] no GPU: the fused kernel runs under Triton's interpreter (a functional check; "
               "speed figures mean nothing)", flush=True)
-    doctor = Doctor(args.model, args.data, args.steps, out, env, args.overrides)
+    doctor = Doctor(args.model, args.data, args.steps, out, env, args.overrides,
+                    start=start_method(dev.cuda_device_count()))
     doctor.environment()
     doctor.kernels()
     doctor.training()

@@ -1,0 +1,28 @@
+"""A stand-in for `tunekit.cli` in tests/test_children.py: says what it was given, then ends as told.
+
+    python -m _child_probe exit 3 | exit "a message" | raise | sleep SECONDS
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main(argv: list[str]) -> None:
+    print(json.dumps({"argv": argv, "sys_argv_rest": sys.argv[1:], "cwd": os.getcwd(),
+                      "env": {k: v for k, v in os.environ.items() if k.startswith("PROBE_")}}), flush=True)
+    print("probe: to stderr", file=sys.stderr, flush=True)
+    what = argv[0]
+    if what == "sleep":
+        time.sleep(float(argv[1]))
+    elif what == "exit":
+        sys.exit(int(argv[1]) if argv[1].lstrip("-").isdigit() else argv[1])
+    elif what == "raise":
+        raise RuntimeError("probe: boom")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
