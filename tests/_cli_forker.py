@@ -7,7 +7,8 @@ request: {"cases": [{"id", "argv", "cwd", "env": {...}, "user": null | "nobody",
           "warmup": [overrides of one good train command] | null, "jobs": 2, "timeout": 120}
 results: [{"id", "code", "stdout", "stderr", "seconds"}, ...] in the cases' order
 (`jobs` children run at once, each single-threaded.) --serve reads one case per line (plus "timeout",
-and "env" as the child's whole environment) and answers one result per line, until stdin closes.
+and "env" as the child's whole environment) and answers one result per line, until stdin closes;
+a line {"batch": request} runs a whole request there (its results: one line).
 A --serve case with "ranks": [env, env, ...] is one distributed run: a child per rank, each with
 its own whole environment (what a launcher gives a rank: RANK, WORLD_SIZE, MASTER_PORT, ...),
 writing to the same stdout and stderr, as `accelerate launch` ranks do (tests/_helpers.py).
@@ -178,12 +179,27 @@ def run_all(cases: list[dict], jobs: int, timeout: float) -> list[dict]:
     return [results[case["id"]] for case in cases]
 
 
+def run_batch(request: dict) -> list[dict]:
+    """A whole request (the catalogue): warm the caches on its good command line, then every case."""
+    preload(request.get("warmup"))
+    start = time.perf_counter()
+    results = run_all(request["cases"], max(1, int(request.get("jobs", 1))), request.get("timeout", 120))
+    for r in results[:1]:  # the batch's wall time rides on its first result (the batch's caller shows it)
+        r["batch_seconds"] = round(time.perf_counter() - start, 1)
+    return results
+
+
 def serve() -> None:
-    """One case per request line, run in a forked child; its result as one line. Ends at EOF."""
+    """One case per request line, run in a forked child; its result as one line. Ends at EOF.
+    A line {"batch": request} runs a whole request as a batch does; its results come as one line."""
     preload(None)
     channel = sys.stdout
     for line in sys.stdin:
         case = json.loads(line)
+        if "batch" in case:
+            channel.write(json.dumps(run_batch(case["batch"])) + "\n")
+            channel.flush()
+            continue
         child = Running(case)
         while (result := child.poll(case.get("timeout", 600))) is None:
             time.sleep(0.005)
@@ -195,12 +211,7 @@ def main() -> None:
     if sys.argv[1:] == ["--serve"]:
         serve()
         return
-    request = json.load(sys.stdin)
-    preload(request.get("warmup"))
-    start = time.perf_counter()
-    results = run_all(request["cases"], max(1, int(request.get("jobs", 1))), request.get("timeout", 120))
-    print(f"{len(results)} cases in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    json.dump(results, sys.stdout)
+    json.dump(run_batch(json.load(sys.stdin)), sys.stdout)
 
 
 if __name__ == "__main__":

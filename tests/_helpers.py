@@ -67,10 +67,20 @@ class _ForkServer:
         return subprocess.CompletedProcess(cmd, result["code"], result["stdout"], result["stderr"])
 
 
+    def batch(self, request: dict) -> list[dict]:
+        """A whole _cli_forker request (the bad-input catalogue), run by this server: no import of its own."""
+        self.proc.stdin.write(json.dumps({"batch": request}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the fork server ended (exit {self.proc.wait()}) during a batch")
+        return json.loads(line)
+
+
 _server: _ForkServer | None = None
 
 
-def _fork_server() -> _ForkServer | None:
+def fork_server() -> _ForkServer | None:
     """This process's fork server (None where TUNEKIT_TEST_FRESH_CLI=1 asks for real processes)."""
     global _server
     if os.environ.get("TUNEKIT_TEST_FRESH_CLI") == "1":
@@ -95,7 +105,7 @@ def run_cli(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 
     TUNEKIT_TEST_FRESH_CLI=1 for the whole suite, starts the installed console script.
     """
     full_env = dict(env or {}) if whole_env else {**os.environ, **(env or {})}
-    server = None if fresh else _fork_server()
+    server = None if fresh else fork_server()
     if server is not None and server.serves(full_env):
         return server.run(args, cwd, full_env, timeout, input)
     exe = Path(sys.executable).with_name("tunekit")
@@ -165,7 +175,7 @@ def launch_two_ranks(args: list[str], cwd: Path, port: int, timeout: int = 300,
     cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", *LAUNCH_FLAGS,
            "--main_process_port", str(port), "-m", "tunekit.cli", "train", *args]
     # PYTHONFAULTHANDLER is read at interpreter start: the forked child turns it on itself
-    server = None if real else _fork_server()
+    server = None if real else fork_server()
     if server is not None and server.serves({k: v for k, v in env.items() if k != "PYTHONFAULTHANDLER"}):
         ranks = []
         for added in launcher_rank_env():
