@@ -363,6 +363,13 @@ def matmul_peak(dtype_name: str, reps: int = 10) -> dict:
     return {"gflops": max(best.values()), "by_shape": best}
 
 
+def forced_dtype(sets: list[str]) -> str | None:
+    """The compute dtype a `--set model.dtype=bf16|fp32` forces on the runs (None: auto decides)."""
+    names = {"bf16": "bfloat16", "fp32": "float32"}
+    forced = [names.get(v) for k, _, v in (s.partition("=") for s in sets) if k.strip() == "model.dtype"]
+    return forced[-1] if forced else None  # the last one wins, as in tunekit's own overrides
+
+
 def peak_dtypes(gpu: bool) -> tuple[str, ...]:
     """The dtypes whose matmul peak a CPU run measures: fp32, and bf16 where the CPU has it natively."""
     if gpu:
@@ -489,7 +496,8 @@ def main(argv=None) -> int:
     # two means the machine was not quiet); a GPU's is its datasheet's dense bf16 figure. bf16 only
     # where the CPU has it natively: emulated, it runs ~100x slower than fp32 (a 2-core AVX2 EPYC:
     # 1.2 against 170 GFLOP/s), a minute per measurement and no ceiling any run computes at.
-    dtypes = peak_dtypes(gpu)
+    # and the dtype a --set model.dtype=... forces, so that its figure too comes from before the runs
+    dtypes = tuple(dict.fromkeys([*peak_dtypes(gpu), *filter(None, [forced_dtype(args.set)])]))
     measured = {"before": {d: matmul_peak(d, args.peak_reps) for d in dtypes}}
     print("matmul peak (GFLOP/s): " + ", ".join(f"{d} {v['gflops']:.0f}" for d, v in measured["before"].items()),
           flush=True)
@@ -501,9 +509,13 @@ def main(argv=None) -> int:
         if datasheet:
             return datasheet, "given" if args.peak_tflops else "datasheet dense bf16"
         d = run["compute_dtype"]
-        if d not in measured["before"]:  # a dtype forced with --set model.dtype=...
-            measured["before"][d] = matmul_peak(d, args.peak_reps)
-        return measured["before"][d]["gflops"] / 1e3, f"measured {d} matmul peak"
+        if d in measured["before"]:
+            return measured["before"][d]["gflops"] / 1e3, f"measured {d} matmul peak"
+        # a dtype nothing above foresaw (a recipe's own default): measured now, between the runs, and filed so
+        during = measured.setdefault("between runs", {})
+        if d not in during:
+            during[d] = matmul_peak(d, args.peak_reps)
+        return during[d]["gflops"] / 1e3, f"measured {d} matmul peak, between the runs"
     modes = ["off", "on"] if args.packing == "both" else [args.packing]
     result = {"config": args.config, "device": device_name(), "versions": versions(), "metric_notes": {
         "tokens_per_s": "non-padding input tokens per second over the steps after warmup, all reps",
@@ -548,7 +560,8 @@ def main(argv=None) -> int:
                 "first_loss_abs_diff": abs(tk["first_losses"][0] - b["first_losses"][0])}
                 for s, b in block["systems"].items() if s != "tunekit"}
         result["results"][mode] = block
-    measured["after"] = {d: matmul_peak(d, args.peak_reps) for d in measured["before"]}
+    every = {**measured["before"], **measured.get("between runs", {})}
+    measured["after"] = {d: matmul_peak(d, args.peak_reps) for d in every}
     result["matmul_peak_gflops"] = measured
     dev = re.sub(r"[^a-z0-9]+", "-", result["device"].lower().removeprefix("nvidia ")).strip("-") if gpu else "cpu"
     out = args.out or REPO / "benchmarks" / f"train-{dev}-{args.config}"

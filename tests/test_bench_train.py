@@ -72,3 +72,17 @@ def test_gpu_config_without_cuda_fails_in_one_line():
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "CUDA" in lines[0] and "gpu-1b" in lines[0], proc.stderr
+
+
+def test_a_forced_dtype_is_named_before_the_runs():
+    """`--set model.dtype=...` decides which matmul peak MFU divides by: it is measured with the others,
+    before the runs (auto, or no such override: the CPU's own rule, nothing forced)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_train_script", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # stdlib imports only at the top: no torch here
+    assert bench.forced_dtype([]) is None and bench.forced_dtype(["trainer.lr=1e-4"]) is None
+    assert bench.forced_dtype(["model.dtype=auto"]) is None
+    assert bench.forced_dtype(["model.dtype=bf16"]) == "bfloat16"
+    assert bench.forced_dtype(["model.dtype=bf16", "trainer.lr=1e-4", "model.dtype=fp32"]) == "float32"
