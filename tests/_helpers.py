@@ -66,7 +66,6 @@ class _ForkServer:
             raise subprocess.TimeoutExpired(cmd, timeout, result["stdout"], result["stderr"])
         return subprocess.CompletedProcess(cmd, result["code"], result["stdout"], result["stderr"])
 
-
     def batch(self, request: dict) -> list[dict]:
         """A whole _cli_forker request (the bad-input catalogue), run by this server: no import of its own."""
         self.proc.stdin.write(json.dumps({"batch": request}) + "\n")
