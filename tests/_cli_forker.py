@@ -33,6 +33,8 @@ import tempfile
 import time
 import traceback
 
+from tunekit.children import exit_status
+
 
 def preload(warmup: list[str] | None) -> None:
     """Import everything a command imports; validate one good command line to fill the caches
@@ -89,13 +91,7 @@ def _child(case: dict, out_fd: int, err_fd: int) -> None:
             main(case["argv"])
             code = 0
         except SystemExit as e:  # as the interpreter maps it
-            if e.code is None:
-                code = 0
-            elif isinstance(e.code, int):
-                code = e.code
-            else:
-                print(e.code, file=sys.stderr)
-                code = 1
+            code = exit_status(e)
         except BaseException:
             traceback.print_exc()
             code = 1

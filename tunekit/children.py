@@ -36,7 +36,7 @@ def start_method(cuda_devices: int) -> str:
     return "fresh" if cuda_devices > 0 else "forkserver"
 
 
-def _exit_code(e: SystemExit) -> int:
+def exit_status(e: SystemExit) -> int:
     """The status the interpreter gives a SystemExit: None -> 0, an int as is, anything else
     (a message) is printed to stderr -> 1."""
     if e.code is None:
@@ -81,7 +81,7 @@ def _forked_main(module: str, args: list[str], env: dict, cwd: str, out: str, er
             importlib.import_module(module).main(args)
             code = 0
         except SystemExit as e:
-            code = _exit_code(e)
+            code = exit_status(e)
         except BaseException:  # noqa: BLE001 - print it and exit 1, as `python -m` would
             traceback.print_exc()
             code = 1
