@@ -95,6 +95,15 @@ def test_merged_export_via_cli_loads_without_tunekit(runs, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "bfloat16"
     assert not leftovers(tmp_path)
+    # where this CPU emulates bf16, the check computed the export's linears in fp32 and says so
+    from tunekit.device import cpu_emulated_dtypes
+
+    note = json.loads((out / "fidelity.json").read_text())["fidelity"].get("half_linears")
+    if torch.bfloat16 in cpu_emulated_dtypes():
+        assert note == "bfloat16 linears computed as fp32 matmuls, rounded once to bfloat16 (emulated on this CPU)"
+        assert note in r.stdout
+    else:
+        assert note is None and "linears computed as fp32" not in r.stdout
 
     res = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_TUNEKIT, str(out), str(tmp_path / "logits.pt")],
                          capture_output=True, text=True, timeout=300)

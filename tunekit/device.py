@@ -51,14 +51,31 @@ class DeviceFacts:
         return "cpu" + (" (native bf16)" if self.cpu_bf16 else "")
 
 
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 def cpu_has_bf16(cpuinfo: Optional[str] = None) -> bool:
     """Native bf16 on this CPU (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
+    cpuinfo = _cpuinfo() if cpuinfo is None else cpuinfo
     return "avx512_bf16" in cpuinfo or "amx_bf16" in cpuinfo
+
+
+def cpu_has_fp16(cpuinfo: Optional[str] = None) -> bool:
+    """Native fp16 matmul on this CPU (AVX512-FP16 or AMX-FP16); elsewhere torch emulates it."""
+    cpuinfo = _cpuinfo() if cpuinfo is None else cpuinfo
+    return "avx512_fp16" in cpuinfo or "amx_fp16" in cpuinfo
+
+
+def cpu_emulated_dtypes(cpuinfo: Optional[str] = None) -> tuple[torch.dtype, ...]:
+    """The half dtypes whose matmuls torch emulates on this CPU: on one thread of an AVX2 EPYC a
+    256x576 @ 576x1536 linear took 62 ms in bf16, 42 ms in fp16, 9 ms in fp32 (the same operands upcast)."""
+    cpuinfo = _cpuinfo() if cpuinfo is None else cpuinfo
+    return tuple(d for d, native in ((torch.bfloat16, cpu_has_bf16(cpuinfo)), (torch.float16, cpu_has_fp16(cpuinfo)))
+                 if not native)
 
 
 def _physical_memory() -> Optional[int]:

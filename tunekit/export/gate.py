@@ -102,6 +102,8 @@ def table(label: str, report: dict) -> str:
     lines += [f"  {name:<11}{loss:>9.4f}{ppl:>11.4g}  {note}".rstrip() for name, loss, ppl, note in rows]
     lines.append(f"  gain kept {kept} of {f['gain']:.4f} nats/token   KL(trained||exported) {f['kl_mean']:.2e}   "
                  f"max |logit diff| {f['max_abs_logit_diff']:.3f}   top-1 {100 * f['top1_agreement']:.2f}%")
+    if "half_linears" in f:
+        lines.append(f"  {f['half_linears']}")
     if "kl_vs_exact_merge" in f:
         lines.append(f"  KL(exact fp32 merge||exported) {f['kl_vs_exact_merge']:.2e}")
     if report["accepted"]:
