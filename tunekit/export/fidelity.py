@@ -96,6 +96,7 @@ def _linear_in_fp32(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor])
            for i in range(0, w.shape[0], rows)]
     return (out[0] if len(out) == 1 else torch.cat(out, -1)).to(x.dtype)
 
+
 Logits = Callable[[dict], torch.Tensor]  # batch -> (batch, seq, vocab) fp32
 
 
