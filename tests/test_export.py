@@ -117,6 +117,16 @@ def test_merged_export_via_cli_loads_without_tunekit(runs, tmp_path):
     assert (got["logits"] - want).abs().max() < 0.05
 
 
+def test_adapter_of_a_bf16_run_reloads_exactly(tiny_model_dir, tiny_data, tmp_path):
+    """model.dtype=bf16 (emulated on a CPU without native bf16, where the check computes half linears
+    in fp32): the trained reference and the reloaded adapter run the same kernels, so the same
+    adapter compares exactly. A mismatch of kernels shows as whole bf16 ulps of the logits (measured
+    0.008 here when only the candidate ran in fp32); 1e-4 is far below one."""
+    run = _train("lora", tiny_model_dir, tiny_data, tmp_path / "run", "model.dtype=bf16")
+    report = export(run, "adapter", tmp_path / "adapter", eval_batches=2)
+    assert report["accepted"] and report["fidelity"]["max_abs_logit_diff"] < 1e-4, report["fidelity"]
+
+
 def test_merged_nf4_weights_are_fresh_dequantized_base_plus_delta(runs, tiny_model_dir, tmp_path):
     """W_merged == dequant(NF4 codes, read afresh) + (alpha/r) B A, i.e. merged into the base the
     adapter trained against, in fp32, never into a re-quantized or CPU-repacked weight (TRAPS.md)."""

@@ -135,8 +135,13 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
     lap("held_out_data")
     log.info("exporting %s (method %s, base %s%s) as %s to %s", run.run_dir, run.cfg.method.name, run.model_path,
              ", 4-bit NF4" if run.quantize == "nf4" else "", fmt, out)
+    # Where this CPU emulates a half dtype, every forward of the export (reference and candidates
+    # alike) computes its half linears in fp32: one kernel on both sides of each comparison, so an
+    # identical adapter still reloads exactly (bf16 kernels alone differ by KL ~4e-3 on SmolLM2).
+    emulated = cpu_emulated_dtypes()
     # One load of the base: its loss, then (same storage) the trained model's logits and loss.
-    ref, trained = measure_reference(load_base(run), lambda base: apply_and_load(run, base), batches)
+    with HalfLinearsInFp32(emulated):
+        ref, trained = measure_reference(load_base(run), lambda base: apply_and_load(run, base), batches)
     lap("load_and_measure_trained")
     merged, nll_merge_base = None, None
     if fmt != "adapter":
@@ -147,7 +152,8 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
             artifacts.free()
             base = load_original_base(run)
             if run.quantize == "nf4":
-                nll_merge_base = token_nll(base, batches)
+                with HalfLinearsInFp32(emulated):
+                    nll_merge_base = token_nll(base, batches)
             merged = run.method.merge(apply_and_load(run, base))
         trained = None
         lap("merge")
@@ -184,8 +190,7 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
                 exported = artifacts.reload_gguf_transformers(tmp / out.name)
                 exported_tok = artifacts.reload_tokenizer(tmp, gguf_file=out.name)
         lap("reload")
-        # where this CPU emulates the export's half dtype: the same numbers up to summation order, ~7x faster
-        with HalfLinearsInFp32(cpu_emulated_dtypes()) as half:
+        with HalfLinearsInFp32(emulated) as half:  # the same numbers up to summation order, ~7x faster
             fid = compare(ref, exported, nll_merge_base)
         if half.seen:
             fid["half_linears"] = half.describe()
@@ -209,7 +214,8 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
     def exact_merge_reference():
         """The merged fp32 model's own logits (measured once, on demand)."""
         if not exact:
-            exact.append(measure_reference(merged, lambda m: m, batches)[0])
+            with HalfLinearsInFp32(emulated):
+                exact.append(measure_reference(merged, lambda m: m, batches)[0])
         return exact[0]
 
     def build(tmp: Path) -> dict:
