@@ -164,6 +164,54 @@ def test_smooth_and_two_panel_plot(tmp_path):
     assert Image.open(tmp_path / "two.png").size == (1200, 400)  # the task metric's own panel
 
 
+def test_loss_curve_is_redrawn_when_old_and_always_at_the_end(tmp_path, monkeypatch):
+    """An evaluation redraws loss_curve.png only once the last drawing is REDRAW_AFTER_S old; close()
+    always draws, and abort() draws what was logged since the last drawing."""
+    import tunekit.tracking as tracking
+
+    clock = [1000.0]
+    monkeypatch.setattr(tracking.time, "monotonic", lambda: clock[0])
+    drawn = []
+    monkeypatch.setattr(tracking, "plot_losses", lambda rows, out: drawn.append([r["step"] for r in rows]))
+
+    for run in "abcd":
+        (tmp_path / run).mkdir()
+
+    def evaluate(tracker, step):
+        tracker.step({"step": step, "loss": 3.0, "tokens_per_s": 1.0})
+        tracker.eval({"step": step, "val_loss": 2.0, "val_ppl": 7.4})
+
+    t = tracking.Tracker(tmp_path / "a", 10, 0, "none", "p", None, {})
+    evaluate(t, 1)
+    clock[0] += t.REDRAW_AFTER_S - 1
+    evaluate(t, 2)
+    assert drawn == []  # two evaluations inside the first 30 s: no drawing yet
+    clock[0] += 1
+    evaluate(t, 3)
+    assert drawn == [[1, 1, 2, 2, 3, 3]]
+    evaluate(t, 4)
+    assert len(drawn) == 1  # just drawn
+    t.close()
+    assert len(drawn) == 2 and drawn[-1][-1] == 4
+
+    drawn.clear()
+    stopped = tracking.Tracker(tmp_path / "b", 10, 0, "none", "p", None, {})
+    stopped.abort()
+    assert drawn == []  # nothing logged, nothing to draw
+    stopped = tracking.Tracker(tmp_path / "c", 10, 0, "none", "p", None, {})
+    evaluate(stopped, 1)
+    stopped.abort()
+    assert drawn == [[1, 1]]
+
+    def full_disk(rows, out):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tracking, "plot_losses", full_disk)
+    failing = tracking.Tracker(tmp_path / "d", 10, 0, "none", "p", None, {})
+    evaluate(failing, 1)
+    failing.abort()  # the run's own error is the one reported, not the drawing's
+
+
 def test_best_keeper_keeps_the_best_and_survives_resume(tmp_path):
     from tunekit import TunekitError
     from tunekit.taskeval.training import BestKeeper, resolve_best_metric
