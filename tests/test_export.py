@@ -321,13 +321,18 @@ def test_gguf_quantized_by_llama_cpp(wide_run, qtype, ggml_type, bits, tmp_path)
 def test_gguf_without_llama_cpp_falls_back_to_transformers(runs, tmp_path, monkeypatch, caplog):
     """Where llama.cpp cannot be imported: one line says so, transformers' reader checks f16/f32;
     a quantized type (which needs llama.cpp's quantizer) is one clear error, nothing written."""
+    import gguf
+
     import tunekit.export.llamacpp as lc
 
     monkeypatch.setattr(lc, "unavailable", lambda: "llama-cpp-python is not usable here (ImportError: test)")
+    parses, real = [], gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda path, mode="r": parses.append(path) or real(path, mode))
     out = tmp_path / "model.gguf"
     with caplog.at_level("WARNING", logger="tunekit"):
         report = export(runs["lora"], "gguf", out, eval_batches=1)
     assert report["accepted"] and report["checked_by"].startswith("transformers")
+    assert len(parses) == 1  # transformers' loads of the config, weights and tokenizer share one parse
     assert report["fidelity"]["tokenizer_agreement"] == 1.0
     warned = [r.getMessage() for r in caplog.records if "llama" in r.getMessage()]
     assert len(warned) == 1 and "transformers' reader" in warned[0]

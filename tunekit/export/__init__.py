@@ -187,8 +187,9 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
                 model = llamacpp.LlamaCppModel(tmp / out.name, n_ctx, _threads())
                 exported, exported_tok = model.logits, llamacpp.LlamaCppTokenizer(model)
             else:
-                exported = artifacts.reload_gguf_transformers(tmp / out.name)
-                exported_tok = artifacts.reload_tokenizer(tmp, gguf_file=out.name)
+                with artifacts.gguf_parsed_once():
+                    exported = artifacts.reload_gguf_transformers(tmp / out.name)
+                    exported_tok = artifacts.reload_tokenizer(tmp, gguf_file=out.name)
         lap("reload")
         with HalfLinearsInFp32(emulated) as half:  # the same numbers up to summation order, ~7x faster
             fid = compare(ref, exported, nll_merge_base)

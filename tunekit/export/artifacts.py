@@ -8,6 +8,7 @@ fp16, then fp32 costs one write and one reload each, not one rebuild each.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -140,10 +141,33 @@ def write_gguf_file(run: Run, merged: nn.Module, tokenizer, path: Path, dtype: s
         f16.unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """Within it, transformers' GGUF loader parses each file once. It builds a gguf.GGUFReader for
+    the config, again for the weights and again for the tokenizer, and each parse of a 49k-token
+    vocabulary takes ~4 s on a 2-core CPU (the fallback check's largest cost): hand all three the
+    same reader. The reader is only read from; it is dropped when the block ends."""
+    import gguf
+
+    real, parsed = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in parsed:
+            parsed[key] = real(path, mode)
+        return parsed[key]
+
+    gguf.GGUFReader = reader  # transformers imports it from gguf inside each call
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+        parsed.clear()
+
+
 def reload_gguf_transformers(path: Path) -> nn.Module:
     """transformers' GGUF loader (an independent reader: dequantizes, undoes the q/k interleave);
     the fallback check where llama.cpp is not available."""
-    import contextlib
     import io
 
     from transformers import AutoModelForCausalLM
