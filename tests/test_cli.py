@@ -72,3 +72,22 @@ def test_a_sweep_keeps_hydras_record_in_its_output_dir():
     assert sweep_dir_override(["-m", "output_dir=a,b"], [Cfg(output_dir="a"), Cfg(output_dir="b")]) == []
     assert sweep_dir_override(["-m", "hydra.sweep.dir=x"], one) == []  # the user's choice stands
     assert sweep_dir_override(["-m"], [Cfg(output_dir="runs/a b")]) == []  # would need quoting: left alone
+
+
+def test_a_single_run_trains_the_config_it_checked_and_sweeps_go_through_hydra(tiny_model_dir, tiny_data,
+                                                                                tmp_path, monkeypatch):
+    import hydra
+
+    import tunekit.cli as cli
+
+    trained, hydra_runs = [], []
+    monkeypatch.setattr(cli, "_train", lambda cfg, out: trained.append((cfg, out)))
+    monkeypatch.setattr(hydra, "main", lambda **kw: lambda job: lambda: hydra_runs.append(kw))
+    base = ["recipe=lora", f"model.path={tiny_model_dir}", f"data.path={tiny_data}", "trainer.max_steps=7"]
+    main(["train", *base, f"output_dir={tmp_path / 'one'}"])
+    ((cfg, out),) = trained
+    assert out == tmp_path / "one" and cfg.trainer.max_steps == 7 and not hydra_runs
+    for extra in (["-m", "seed=1,2"], ["hydra.job.chdir=true"], ["--cfg", "job"]):
+        main(["train", *base, *extra])
+        assert len(hydra_runs) == 1 and len(trained) == 1, extra  # Hydra's entry point runs these
+        hydra_runs.clear()
