@@ -498,8 +498,10 @@ def test_default_model_qlora_merged_and_gguf(default_model_dir, tmp_path):
 
     After 2 steps the LoRA delta (~1e-4) is below bf16's resolution of the base weights: a bf16
     merge loses most of it (measured: KL 6.7e-3, the fraction kept -26% +- 51% on 57 held-out
-    tokens), so without --dtype export refuses bf16 and widens on its own; an explicit bf16 is
-    refused with the reason. The rebuilt trained model is the one training evaluated. llama.cpp
+    tokens), so without --dtype export refuses bf16 and widens on its own (an explicit --dtype that
+    the gate refuses raises and writes nothing: test_refusal_writes_nothing_unless_forced, on the
+    tiny model; here it would be a second export of the same numbers, 13 s). The rebuilt trained
+    model is the one training evaluated. llama.cpp
     then loads the f16 GGUF of the real architecture (9 heads / 3 kv heads of 64, tied head)."""
     run = tmp_path / "run"
     # kernels.fused_lora=off: export rebuilds the trained model with peft's forward (what a consumer
@@ -527,9 +529,6 @@ def test_default_model_qlora_merged_and_gguf(default_model_dir, tmp_path):
     val_ppl = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "val_ppl" in line][-1]["val_ppl"]
     assert abs(f["ppl_trained"] / val_ppl - 1) < 1e-3  # the rebuilt model is the model training evaluated
     assert f["ppl_trained"] < f["ppl_base"]
-    with pytest.raises(TunekitError, match="export refused: merged bf16"):
-        export(run, "merged", tmp_path / "bf16", dtype="bf16", merge_into="dequantized", eval_batches=2)
-    assert not (tmp_path / "bf16").exists()
 
     need_llama_cpp()
     report = export(run, "gguf", tmp_path / "model.gguf", merge_into="dequantized", eval_batches=2)
