@@ -27,7 +27,7 @@ import traceback
 from pathlib import Path
 
 # Imported once by the fork server (what `tunekit train` and `tunekit export` import on their way;
-# matplotlib.pyplot: the loss curve a run draws at each evaluation, ~0.6 s of imports and fonts).
+# matplotlib.pyplot: the loss curve every run draws, ~0.6 s of imports and fonts).
 PRELOAD = ["torch", "transformers", "peft", "accelerate", "bitsandbytes", "hydra", "tunekit.cli", "tunekit.recipe",
            "tunekit.config", "tunekit.data", "tunekit.methods", "tunekit.model", "tunekit.export", "tunekit.fused",
            "matplotlib.pyplot"]

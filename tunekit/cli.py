@@ -82,6 +82,8 @@ FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "-
 
 
 HYDRA_FLAGS = PASSTHROUGH | FLAGS_WITH_VALUE | {"--multirun", "-m", "--run", "-r", "--resolve", "--version"}
+# Words of a train command line that are Hydra's own (flags, hydra.* keys), not tunekit's overrides.
+HYDRA_WORDS = ("-", "hydra.", "hydra/", "+hydra", "~hydra")
 
 
 def check_flags(argv: list[str]) -> None:
@@ -105,7 +107,7 @@ def split_overrides(argv: list[str]) -> list[str]:
             skip = False
         elif arg in FLAGS_WITH_VALUE:
             skip = True
-        elif not arg.startswith(("-", "hydra.", "hydra/", "+hydra", "~hydra")):
+        elif not arg.startswith(HYDRA_WORDS):
             out.append(arg)
     return out
 
@@ -270,7 +272,7 @@ def run_train(argv: list[str]) -> None:
     check_flags(argv)
     if not PASSTHROUGH.intersection(argv):
         configs = check_overrides(argv)
-        if not any(arg.startswith(("-", "hydra.", "hydra/", "+hydra", "~hydra")) for arg in argv):
+        if not any(arg.startswith(HYDRA_WORDS) for arg in argv):
             (cfg,) = configs  # without -m, one job
             _train(cfg, Path(cfg.output_dir))
             return
