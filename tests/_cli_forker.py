@@ -6,6 +6,8 @@
 request: {"cases": [{"id", "argv", "cwd", "env": {...}, "user": null | "nobody", "input": null | text}, ...],
           "warmup": [overrides of one good train command] | null, "jobs": 2, "timeout": 120}
 results: [{"id", "code", "stdout", "stderr", "seconds"}, ...] in the cases' order
+(a case's optional "signal_when": [path, signum] sends it that signal once the path exists, as a
+scheduler stopping a job would.)
 (`jobs` children run at once, each single-threaded.) --serve reads one case per line (plus "timeout",
 and "env" as the child's whole environment) and answers one result per line, until stdin closes;
 a line {"batch": request} runs a whole request there (its results: one line).
@@ -132,6 +134,7 @@ class Running:
         self.start = time.perf_counter()
         self.codes: dict[int, int] = {}
         self.failed: tuple[float, int] | None = None  # (when, exit status) of the first rank that failed
+        self.signal_when = case.get("signal_when")  # [path, signum]: sent once, when the path appears
         self.pids = []
         for env in case.get("ranks") or [case.get("env")]:
             pid = os.fork()
@@ -147,6 +150,11 @@ class Running:
                 self.codes[pid] = -9
 
     def poll(self, timeout: float) -> dict | None:
+        if self.signal_when and os.path.exists(self.signal_when[0]):
+            for pid in self.pids:
+                if pid not in self.codes:
+                    os.kill(pid, self.signal_when[1])
+            self.signal_when = None
         for pid in self.pids:
             if pid not in self.codes:
                 done, status = os.waitpid(pid, os.WNOHANG)

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,10 +57,12 @@ class _ForkServer:
         return self.proc.poll() is None and all(env.get(k) == self.env.get(k) for k in keys)
 
     def run(self, args: list[str], cwd: Path, env: dict, timeout: int, input: str | None = None,
-            ranks: list[dict] | None = None, cmd: list[str] | None = None) -> subprocess.CompletedProcess:
+            ranks: list[dict] | None = None, cmd: list[str] | None = None,
+            signal_when: tuple[Path, int] | None = None) -> subprocess.CompletedProcess:
         """One command; with `ranks` (each rank's whole environment), one child per rank."""
         case = {"id": 0, "argv": list(args), "cwd": str(cwd), "env": env, "env_exact": True, "timeout": timeout,
-                "input": input, "ranks": ranks}
+                "input": input, "ranks": ranks,
+                "signal_when": [str(signal_when[0]), int(signal_when[1])] if signal_when else None}
         self.proc.stdin.write(json.dumps(case) + "\n")
         self.proc.stdin.flush()
         result = json.loads(self.proc.stdout.readline())
@@ -97,21 +100,39 @@ def fork_server() -> _ForkServer | None:
 
 
 def run_cli(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 600,
-            fresh: bool = False, whole_env: bool = False, input: str | None = None) -> subprocess.CompletedProcess:
+            fresh: bool = False, whole_env: bool = False, input: str | None = None,
+            signal_when: tuple[Path, int] | None = None) -> subprocess.CompletedProcess:
     """Run `tunekit ARGS` as a user does: its own process, cwd, environment, stdout and stderr.
 
     `env` adds to this process's environment, or with whole_env=True is the whole of it (to run
-    without a variable); `input` is the command's stdin (none by default). By default the process
+    without a variable); `input` is the command's stdin (none by default); `signal_when=(path,
+    signum)` sends the command that signal once `path` exists (a scheduler stopping a job, as soon
+    as it has a checkpoint), and not at all if it ends first. By default the process
     is a fork of one that imported tunekit already (_ForkServer); fresh=True, or
     TUNEKIT_TEST_FRESH_CLI=1 for the whole suite, starts the installed console script.
     """
     full_env = dict(env or {}) if whole_env else {**os.environ, **(env or {})}
     server = None if fresh else fork_server()
     if server is not None and server.serves(full_env):
-        return server.run(args, cwd, full_env, timeout, input)
+        return server.run(args, cwd, full_env, timeout, input, signal_when=signal_when)
     exe = Path(sys.executable).with_name("tunekit")
-    return subprocess.run([str(exe), *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,
-                          input=input, stdin=None if input is not None else subprocess.DEVNULL)
+    if signal_when is None:
+        return subprocess.run([str(exe), *args], cwd=cwd, env=full_env, capture_output=True, text=True,
+                              timeout=timeout, input=input, stdin=None if input is not None else subprocess.DEVNULL)
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:  # no pipe to fill while waiting
+        proc = subprocess.Popen([str(exe), *args], cwd=cwd, env=full_env, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=err, text=True)
+        deadline = time.time() + timeout
+        while not Path(signal_when[0]).exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        if proc.poll() is None:
+            proc.send_signal(signal_when[1])
+        proc.wait(timeout=max(1.0, deadline - time.time()))
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
 
 
 # ---------------------------------------------------------------- two ranks

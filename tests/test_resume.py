@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -134,15 +130,11 @@ def test_sigterm_behaves_like_ctrl_c(tiny_model_dir, tiny_data, tmp_path):
     run = tmp_path / "run"
     args = tiny_args(tiny_model_dir, tiny_data, run, *COMMON, "trainer.max_steps=40", "trainer.save_every=1",
                      "trainer.eval_every=40")
-    exe = Path(sys.executable).with_name("tunekit")
-    proc = subprocess.Popen([str(exe), "train", *args], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ})
-    deadline = time.time() + 300
-    while not (run / "checkpoints" / "step-000001").exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err[-2000:]
+    # SIGTERM once the first checkpoint is there (in a fork of the suite's fork server, as every CLI
+    # test; TUNEKIT_TEST_FRESH_CLI=1 signals the console script instead)
+    r = run_cli(["train", *args], tmp_path, timeout=300, signal_when=(run / "checkpoints" / "step-000001", signal.SIGTERM))
+    err = r.stderr
+    assert r.returncode == 143, err[-2000:]
     assert "tunekit: error: interrupted by SIGTERM; the last checkpoint is step-" in err and "trainer.resume=true" in err
     assert "Traceback" not in err
     assert not [p for p in run.rglob(".*") if ".tmp" in p.name or p.name.endswith(".old")]
