@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -119,8 +120,6 @@ def run_cli(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 
     if signal_when is None:
         return subprocess.run([str(exe), *args], cwd=cwd, env=full_env, capture_output=True, text=True,
                               timeout=timeout, input=input, stdin=None if input is not None else subprocess.DEVNULL)
-    import tempfile
-
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:  # no pipe to fill while waiting
         proc = subprocess.Popen([str(exe), *args], cwd=cwd, env=full_env, stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=err, text=True)
@@ -129,7 +128,12 @@ def run_cli(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 
             time.sleep(0.02)
         if proc.poll() is None:
             proc.send_signal(signal_when[1])
-        proc.wait(timeout=max(1.0, deadline - time.time()))
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.kill()  # as subprocess.run does on a timeout
+            proc.wait()
+            raise
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
@@ -157,8 +161,6 @@ def launcher_rank_env() -> list[dict]:
     """
     global _rank_env
     if _rank_env is None:
-        import tempfile
-
         env = {**os.environ, **LAUNCH_ENV}
         with tempfile.TemporaryDirectory() as workdir:
             script, dump = Path(workdir) / "dump_env.py", Path(workdir) / "rank-env-"

@@ -132,7 +132,8 @@ def test_sigterm_behaves_like_ctrl_c(tiny_model_dir, tiny_data, tmp_path):
                      "trainer.eval_every=40")
     # SIGTERM once the first checkpoint is there (in a fork of the suite's fork server, as every CLI
     # test; TUNEKIT_TEST_FRESH_CLI=1 signals the console script instead)
-    r = run_cli(["train", *args], tmp_path, timeout=300, signal_when=(run / "checkpoints" / "step-000001", signal.SIGTERM))
+    first = run / "checkpoints" / "step-000001"
+    r = run_cli(["train", *args], tmp_path, timeout=300, signal_when=(first, signal.SIGTERM))
     err = r.stderr
     assert r.returncode == 143, err[-2000:]
     assert "tunekit: error: interrupted by SIGTERM; the last checkpoint is step-" in err and "trainer.resume=true" in err
