@@ -11,6 +11,12 @@ the plan covers with a stated margin, see benchmarks/plan-cpu.md). Predicted: th
 minus the state that lives across steps (weights, trainable parameters, optimizer state), which
 test_plan.py checks byte for byte.
 
+One measured step after the warm-up: a second repeats the first on the same batch, and their live
+peaks differed by at most 1.6 MiB (1.7%) in benchmarks/plan-cpu-suite.json, 13.5 MiB (0.8%) on the
+default model (plan-cpu.json) and 1.9 MiB (3.4%) in a suite run on the 2-core AVX2 VM, against a 15%
+bound. A step that kept memory (a leak) shows in the first one already: the baseline is read after
+the warm-up step. Alone on that VM the test took 70.2 s with 2 measured steps, 59.7 s with 1.
+
 15% is the issue's bound; the model counts the saved tensors exactly (test_plan.py), so what
 is left is transient working sets (the loss's gradients, a block's backward buffers) that the
 plan bounds from above, and the allocator's rounding. Measured errors: +3% to +16% here (the
@@ -33,7 +39,7 @@ from _helpers import REPO
 def test_planned_step_memory_is_within_15_percent_of_measured(tmp_path, default_model_dir):
     out = tmp_path / "plan-cpu-suite"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_plan.py"), "--configs", "suite",
-                           "--allocator", "live", "--steps", "2", "--work", str(tmp_path / "work"), "--out", str(out)],
+                           "--allocator", "live", "--steps", "1", "--work", str(tmp_path / "work"), "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
