@@ -19,11 +19,13 @@ def test_doctor_runs_the_fused_path_end_to_end(tiny_model_dir, tiny_data, tmp_pa
     out = tmp_path / "report"
     # small batches and no recomputation: every LoRA layer runs in Triton's (slow) interpreter. One
     # 2-token sample per evaluation: greedy answers still run through the fused layers, but the
-    # default 3 x 48 tokens took 36 of a fused run's 42 s here (each token: 14 kernel calls).
+    # default 3 x 48 tokens took 36 of a fused run's 42 s here (each token: 14 kernel calls). Two
+    # held-out rows, one evaluation batch: every batch is 14 interpreted launches of ~70 ms, and the
+    # doctor evaluates 6 times across its three fused runs (the fused=on run: 418 -> 376 launches).
     r = run_cli(["doctor", "--model", str(tiny_model_dir), "--data", str(tiny_data), "--steps", "4",
                  "--out", str(out), "trainer.micro_batch_size=2", "trainer.grad_accum=2", "data.max_seq_len=64",
-                 "data.val_fraction=0.1", "model.gradient_checkpointing=false", "trainer.lr=1e-3",
-                 "trainer.eval_samples=1", "trainer.eval_max_new_tokens=2"],
+                 "data.val_fraction=0.1", "data.max_val_examples=2", "model.gradient_checkpointing=false",
+                 "trainer.lr=1e-3", "trainer.eval_samples=1", "trainer.eval_max_new_tokens=2"],
                 tmp_path, env={"TRITON_INTERPRET": "1"})
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     report = json.loads((out / "report.json").read_text())
