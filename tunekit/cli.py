@@ -143,8 +143,6 @@ def parse_overrides(overrides: list[str], multirun: bool) -> list:
     return parsed
 
 
-def check_overrides(overrides: list[str]) -> None:
-    """Compose every job of the command line (each point of a -m sweep) and validate it."""
 def is_multirun(argv: list[str]) -> bool:
     return bool({"-m", "--multirun"} & set(argv))
 
