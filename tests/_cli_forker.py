@@ -89,9 +89,12 @@ def _no_torch_library_teardown_at_exit() -> None:
 
     import torch.library
 
+    del_library = getattr(torch.library, "_del_library", None)  # private: a later torch may drop it
+    if del_library is None:
+        return
     for finalizer in list(weakref.finalize._registry):  # noqa: SLF001 - no public way to list finalizers
         info = finalizer.peek()
-        if info is not None and info[1] is torch.library._del_library:
+        if info is not None and info[1] is del_library:
             finalizer.atexit = False
 
 
