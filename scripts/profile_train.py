@@ -138,8 +138,12 @@ def roofline_lines(r, cfg, steps: range, events) -> tuple[dict, list[str]]:
     head = c.hidden_size // c.num_attention_heads
     dims = {c.hidden_size, c.intermediate_size, c.num_key_value_heads * head, c.vocab_size, head,
             c.num_attention_heads, int(getattr(cfg.method, "r", 0) or 0)}
-    peak = matmul_peak("bfloat16")["gflops"]
-    summary, lines = roofline.analyze(events, family, wall, flops, peak, dims, r.head_math.math)
+    # MFU against the peak of the dtype the base computes in, as bench_train reports it: on a CPU
+    # without native bf16 that is fp32 (emulated bf16 runs at a fraction of it and is never chosen)
+    dtype = str(r.dtype).removeprefix("torch.")
+    peak = matmul_peak(dtype)["gflops"]
+    summary, lines = roofline.analyze(events, family, wall, flops, peak, dims, r.head_math.math,
+                                      peak_dtype={"bfloat16": "bf16", "float32": "fp32"}.get(dtype, dtype))
     return summary | {"torch": torch.__version__, "threads": torch.get_num_threads()}, lines
 
 

@@ -181,10 +181,11 @@ def tiny_op_seconds(calls: int = 20000) -> float:
 
 
 def analyze(events, family, step_wall_s: float, useful_flops: float, peak_gflops: float,
-            model_dims: set[int], fp32_math: str = "fp32") -> tuple[dict, list[str]]:
+            model_dims: set[int], fp32_math: str = "fp32", peak_dtype: str = "bf16") -> tuple[dict, list[str]]:
     """events: the profiler's FunctionEvents (record_shapes=True) over the profiled steps;
     family(name) -> the profile's op family; step_wall_s: the same steps' wall time unprofiled;
-    useful_flops: their useful FLOPs (bench_train.useful_flops); peak_gflops: the bf16 matmul peak;
+    useful_flops: their useful FLOPs (bench_train.useful_flops); peak_gflops: the matmul peak of
+    peak_dtype, the dtype the base computes in (bf16 on a CPU with native bf16, else fp32);
     model_dims: the model's widths (hidden, MLP, k/v, rank, vocab, heads): in the shape table every
     other dimension is a token count, shown as M; fp32_math: how the step ran its fp32 matmuls
     (the run's head_matmul decision), so that they are re-run the same way."""
@@ -223,7 +224,7 @@ def analyze(events, family, step_wall_s: float, useful_flops: float, peak_gflops
                "matmul_gflop": mm_flops / 1e9, "matmul_isolated_s": mm_iso,
                "matmul_isolated_gflops": mm_flops / mm_iso / 1e9, "attention_profiled_s": attn_s,
                "rest_gb": rest / 1e9, "copy_gbps": bw, "mfu_matmuls_only": useful_flops / mm_iso / peak,
-               "peak_gflops": peak_gflops, "kernels": kernels, "dispatch_s": kernels * tiny_op_seconds(),
+               "peak_gflops": peak_gflops, "peak_dtype": peak_dtype, "kernels": kernels, "dispatch_s": kernels * tiny_op_seconds(),
                "fp32_matmul_math": fp32_math, "floors": {}}
     for where, gbps in bw.items():  # the rest's traffic all in cache, or all from RAM
         floor = mm_iso + attn_s + rest / (gbps * 1e9)
@@ -243,7 +244,8 @@ def _lines(s: dict, rows: list[dict], rest_bytes: dict, rest_prof: dict, model_d
     pk = s["peak_gflops"]
     lines = ["## Roofline (`scripts/roofline.py`): the least time these ops take here", "",
              f"- fp32 matmuls (the output head's) ran and are re-run in {s['fp32_matmul_math']} math",
-             f"- bf16 matmul peak measured in this run: {pk:.0f} GFLOP/s; copy bandwidth: "
+             f"- {s['peak_dtype']} matmul peak measured in this run (the dtype the base computes in): {pk:.0f} GFLOP/s; "
+             "copy bandwidth: "
              + ", ".join(f"{k} {v:.1f} GB/s" for k, v in s["copy_gbps"].items()),
              f"- the profiled steps, re-run unprofiled: {s['step_wall_s']:.2f} s for {s['useful_gflop']:.0f} "
              f"useful GFLOP: **MFU {100 * s['mfu']:.1f}%**",

@@ -71,7 +71,7 @@ def test_analyze_floors_and_ceilings_are_consistent():
     events = _events(lambda: ((a @ b).float() * 2.0))
     flops = 2 * 64 * 32 * 48
     summary, lines = roofline.analyze(events, lambda name: "elementwise", step_wall_s=1.0, useful_flops=flops,
-                                      peak_gflops=100.0, model_dims={32, 48})
+                                      peak_gflops=100.0, model_dims={32, 48}, peak_dtype="fp32")
     assert summary["matmul_gflop"] == flops / 1e9
     assert summary["mfu"] == flops / 1.0 / 100e9
     # the cast and the multiply: 64x48 bf16 -> fp32 (6 bytes each), then fp32 * scalar (8 bytes each)
@@ -80,3 +80,6 @@ def test_analyze_floors_and_ceilings_are_consistent():
         assert f["floor_s"] >= summary["matmul_isolated_s"]
         assert f["mfu_ceiling"] <= summary["mfu_matmuls_only"]
     assert any("`mm` bf16 Mx32 @ 32x48" in line for line in lines)
+    # MFU is taken against the peak of the dtype the base computes in, and the report names it
+    assert summary["peak_dtype"] == "fp32"
+    assert any(line.startswith("- fp32 matmul peak measured in this run") for line in lines)
