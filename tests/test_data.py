@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tunekit.data import IGNORE, BatchSchedule, DataError, collate, load_splits, tokenize_rows
+from tunekit.data import (IGNORE, BatchSchedule, DataError, collate, eval_batches, eval_micro_batches, load_splits,
+                          tokenize_rows)
 from tunekit.data.formats import detect_format, read_rows
 from tunekit.data.tokenize import encode_chat, ensure_chat_template
 
@@ -212,3 +213,28 @@ def test_group_by_length_is_optimal_and_keeps_the_memory_bound():
         assert max(len(g) * lengths[g[0]] for g in groups) <= cap * lengths[0]
     # one long example no longer pads seven short ones to its length
     assert group_by_length([256] + [40] * 7, 8) == [[0], [1, 2, 3, 4, 5, 6, 7]]
+
+
+def test_held_out_micro_batches_keep_each_ranks_rows_and_cut_padding():
+    """The trainer's held-out micro-batches: the rows eval_batches gives each rank, each once, at most
+    micro_batch_size a batch, longest first, with no more padded positions than the fixed order;
+    packed runs (no padding to save) take consecutive runs of micro_batch_size."""
+    import random
+
+    rng = random.Random(0)
+    padded = lambda batches, lengths: sum(len(b) * max(lengths[i] for i in b) for b in batches)  # noqa: E731
+    for _ in range(50):
+        lengths = [rng.choice([rng.randint(5, 40), rng.randint(100, 300)]) for _ in range(rng.randint(1, 40))]
+        cap, world = rng.randint(1, 8), rng.randint(1, 3)
+        for rank in range(world):
+            fixed = eval_batches(len(lengths), cap, world, rank)
+            grouped = eval_micro_batches(lengths, cap, world, rank)
+            assert sorted(i for b in grouped for i in b) == sorted(i for b in fixed for i in b)
+            assert all(1 <= len(b) <= cap for b in grouped)
+            flat = [i for b in grouped for i in b]
+            assert [lengths[i] for i in flat] == sorted((lengths[i] for i in flat), reverse=True)
+            assert padded(grouped, lengths) <= padded(fixed, lengths)
+            packed = eval_micro_batches(lengths, cap, world, rank, min_padding=False)
+            assert [len(b) for b in packed] == [len(b) for b in fixed] and [i for b in packed for i in b] == flat
+    # one long row no longer pads the short ones that share its batch in the fixed order
+    assert eval_micro_batches([40, 256, 40, 40], 4, 1, 0) == [[1], [0, 2, 3]]

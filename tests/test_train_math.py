@@ -56,6 +56,32 @@ def test_accumulation_equals_one_big_batch(tiny_model_dir, tiny_data, tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)  # fp32: summation order only
 
 
+def test_held_out_loss_does_not_depend_on_how_rows_are_grouped(tiny_model_dir, tiny_data, tmp_path, monkeypatch):
+    """evaluate() groups the held-out rows by length (tunekit.data.eval_micro_batches); the loss is a
+    sum over rows with padding masked, so it must equal the fixed order's up to fp32 summation order:
+    each row's token losses are the same ops on the same values (a different M may re-block a matmul:
+    a few 2^-24 relative per value), then summed in another order over the 160 held-out trained tokens
+    (at most 160 * 2^-24 ~ 1e-5 relative, ~sqrt(160) * 2^-24 ~ 8e-7 typically; 2e-5 bounds both). The
+    partition itself (every row once, no padding counted) is test_data's; a dropped row moved this
+    loss by 2.6e-5 on the random tiny model, whose tokens all cost about ln(vocab)."""
+    import tunekit.recipe as recipe_module
+    from tunekit.data import eval_batches, eval_micro_batches
+
+    r = _recipe(tiny_model_dir, tiny_data, tmp_path, 4, 1)
+    r.probe = None  # the sample answers are not what this compares
+    lengths = [len(e["input_ids"]) for e in r.val_data]
+    fixed = eval_batches(len(lengths), 4, 1, 0)
+    grouped = eval_micro_batches(lengths, 4, 1, 0)
+    padded = lambda batches: sum(len(b) * max(lengths[i] for i in b) for b in batches)  # noqa: E731
+    assert padded(grouped) < padded(fixed)  # the two orders really batch differently here
+    loss_grouped = r.evaluate(0)["val_loss"]
+    monkeypatch.setattr(recipe_module, "eval_micro_batches",
+                        lambda lengths, size, world, rank, min_padding=True: eval_batches(len(lengths), size, world, rank))
+    loss_fixed = r.evaluate(0)["val_loss"]
+    assert loss_grouped == pytest.approx(loss_fixed, rel=2e-5)
+    r.tracker.close()
+
+
 def test_mean_of_means_would_differ(tiny_model_dir, tiny_data, tmp_path):
     """Guard that the test above can fail: per-micro-batch means weight tokens unequally."""
     r = _recipe(tiny_model_dir, tiny_data, tmp_path, 2, 4)

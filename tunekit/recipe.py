@@ -37,7 +37,7 @@ from tunekit import head_matmul
 from tunekit.checkpoint import (atomic_dir, atomic_write_text, cleanup_leftovers, find_resumable, latest_checkpoint,
                                 load_checkpoint, read_state, save_checkpoint)
 from tunekit.config import TrainConfig, plain
-from tunekit.data import BatchSchedule, IGNORE, collate, collate_packed, count_tokens, eval_batches, load_splits
+from tunekit.data import BatchSchedule, IGNORE, collate, collate_packed, count_tokens, eval_micro_batches, load_splits
 from tunekit.fsdp import quant_storage
 from tunekit.fused import FusedDecision, choose_lora_path
 from tunekit.objective import DistillObjective, SFTObjective, check_same_vocabulary, model_inputs
@@ -397,8 +397,9 @@ class TrainRecipe:
         names = list(self.objective.eval_names)
         sums = {name: torch.zeros((), device=self.device, dtype=torch.float64) for name in names}
         tokens = torch.zeros((), device=self.device, dtype=torch.float64)
-        batches = eval_batches(len(self.val_data), self.cfg.trainer.micro_batch_size,
-                               self.acc.num_processes, self.acc.process_index)
+        lengths = [len(e["input_ids"]) for e in self.val_data]
+        batches = eval_micro_batches(lengths, self.cfg.trainer.micro_batch_size, self.acc.num_processes,
+                                     self.acc.process_index, min_padding=not self.cfg.data.packing)
         # FSDP: every forward gathers weights from all ranks, so each rank runs as many as the busiest
         # (the extra ones on a held-out row, not counted)
         extra = self.fsdp.missing_forwards(len(batches)) if self.fsdp is not None else 0

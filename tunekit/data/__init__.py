@@ -7,14 +7,15 @@ import random
 from pathlib import Path
 from typing import Optional
 
-from tunekit.data.batching import BatchSchedule, collate, collate_packed, count_tokens, eval_batches
+from tunekit.data.batching import (BatchSchedule, collate, collate_packed, count_tokens, eval_batches,
+                                   eval_micro_batches)
 from tunekit.data.formats import DEFAULT_DATA_DIR, DataError, detect_format, iter_examples, read_rows, row_char_limit
 from tunekit.data.tokenize import IGNORE, encode_example, ensure_chat_template
 
 log = logging.getLogger(__name__)
 
 __all__ = ["BatchSchedule", "DataError", "IGNORE", "collate", "collate_packed", "count_tokens", "eval_batches",
-           "load_splits", "tokenize_rows"]
+           "eval_micro_batches", "load_splits", "tokenize_rows"]
 
 
 def tokenize_rows(rows: list[dict], fmt: str, path, tokenizer, max_len: int, why: str = "") -> list[dict]:
