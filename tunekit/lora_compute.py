@@ -76,12 +76,15 @@ class LoRA4bitCompute(torch.autograd.Function):
         if dropout_p > 0:
             keep = torch.empty_like(xc).bernoulli_(1.0 - dropout_p)
             xl = xc * keep / (1.0 - dropout_p)
-        Ac, Bc = A.to(dtype), B.to(dtype)
-        xa = xl @ Ac.t()  # (tokens, r)
+        xa = xl @ A.to(dtype).t()  # (tokens, r)
         # The sum is taken in x's dtype (fp32 under k-bit training), as peft adds its fp32 LoRA
         # output to the base's: early in training the LoRA term is ~1e-4 of the output, and a sum
-        # rounded to bf16 (steps of 2^-8) would drop it from the forward pass.
-        y = y.to(x.dtype).add_(xa @ Bc.t(), alpha=scaling)
+        # rounded to bf16 (steps of 2^-8) would drop it from the forward pass. The scaling is folded
+        # into B, an (out, r) copy, not passed as add_(..., alpha=): torch 2.13's inductor drops
+        # that alpha from the sum of a matmul product (torch.compile over these layers halved every
+        # LoRA term at alpha/r = 2). For a power-of-two scaling, as every recipe's 32/16, both forms
+        # give the same bits.
+        y = y.to(x.dtype).add_(xa @ (B * scaling).to(dtype).t())
         ctx.save_for_backward(xl, xa, A, B, keep)
         ctx.base_layer, ctx.scaling, ctx.dropout_p, ctx.in_dtype = base_layer, scaling, dropout_p, x.dtype
         return y

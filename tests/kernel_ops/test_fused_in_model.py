@@ -318,3 +318,42 @@ def test_a_lora_term_below_bf16_resolution_survives(tiny_model_dir, path):
         got = got - layer(x)
         B.copy_(saved)
     assert _rel_l2(got, want) <= 2**-6, f"LoRA term off by {_rel_l2(got, want):.3g} of itself"
+
+
+def test_the_torch_path_computes_the_same_under_torch_compile(tiny_model_dir):
+    """torch.compile (inductor) over a LoRA layer on tunekit's CPU path must compute what eager does.
+    torch 2.13's inductor drops `alpha` from `y.add_(a @ b, alpha=s)`: compiled decoder layers once
+    ran every LoRA term at scaling 1 (a compile probe's losses moved by 0.7% after one step, read as
+    rounding). alpha/r = 3 here, not a power of two, so a dropped or misplaced scaling shows.
+
+    fp32 throughout: inductor may fuse and reorder the elementwise work and the products' sums run
+    over K <= 64 terms, so outputs and gradients agree to a few 2^-24 of their scale (1e-5 allows 64
+    of them); a scaling of 1 instead of 3 is off by 2/3 of the LoRA term (with add_'s alpha: 9.4 on
+    outputs of up to 14). Compiling costs ~5 s here, ~15 s with inductor's cache cold."""
+    model = get_method("lora").apply(load_base_model(str(tiny_model_dir), "nf4", torch.float32, CPU),
+                                     MethodConfig(r=4, alpha=12, dropout=0.0))
+    decision = choose_lora_path(model, "auto", dev.DeviceFacts("cpu", total_memory=2**34), torch.float32)
+    assert decision.path == "torch", decision.reason
+    layer = next(m for n, m in model.named_modules() if n.endswith("q_proj") and hasattr(m, "lora_A"))
+    assert float(layer.scaling["default"]) == 3.0
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        layer.lora_B["default"].weight.copy_(torch.randn(layer.lora_B["default"].weight.shape, generator=g))
+    x = torch.randn(2, 5, layer.in_features, generator=g)
+    dy = torch.randn(2, 5, layer.out_features, generator=g)
+
+    def run(fn):
+        layer.zero_grad(set_to_none=True)
+        xs = x.clone().requires_grad_()
+        y = fn(xs)
+        y.backward(dy)
+        return [y.detach(), xs.grad, layer.lora_A["default"].weight.grad, layer.lora_B["default"].weight.grad]
+
+    eager = run(layer)
+    torch._dynamo.reset()
+    try:
+        compiled = run(torch.compile(layer, dynamic=False))
+    finally:
+        torch._dynamo.reset()
+    for got, want, what in zip(compiled, eager, ("y", "dx", "dA", "dB")):
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), what
