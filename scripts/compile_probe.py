@@ -11,6 +11,11 @@ compilation). Prints each step's loss so eager and compiled can be compared.
     python scripts/compile_probe.py compile
     python scripts/compile_probe.py eager --residual bf16    # norms, embedding, head in bf16 (see below)
 
+Before 2026-11-24 the compiled layers computed every LoRA term at scaling 1 instead of alpha/r
+(torch 2.13's inductor drops `alpha` from `add_(a @ b, alpha=s)`, which lora_compute used), so this
+probe's compiled losses parted from eager's after step 0; benchmarks/cpu-speed.md has the
+correction and the figures with the fix (compiled and eager losses equal to 2e-6 in fp32).
+
 `--residual bf16` casts the frozen fp32 parameters that prepare_model_for_kbit_training leaves
 (norms, embedding, output head) to bf16 after setup, so the residual stream, the norms and the
 LoRA sums run in bf16: the op sequence a bf16 stream would give, to see what it is worth. It is

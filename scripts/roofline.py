@@ -224,7 +224,8 @@ def analyze(events, family, step_wall_s: float, useful_flops: float, peak_gflops
                "matmul_gflop": mm_flops / 1e9, "matmul_isolated_s": mm_iso,
                "matmul_isolated_gflops": mm_flops / mm_iso / 1e9, "attention_profiled_s": attn_s,
                "rest_gb": rest / 1e9, "copy_gbps": bw, "mfu_matmuls_only": useful_flops / mm_iso / peak,
-               "peak_gflops": peak_gflops, "peak_dtype": peak_dtype, "kernels": kernels, "dispatch_s": kernels * tiny_op_seconds(),
+               "peak_gflops": peak_gflops, "peak_dtype": peak_dtype, "kernels": kernels,
+               "dispatch_s": kernels * tiny_op_seconds(),
                "fp32_matmul_math": fp32_math, "floors": {}}
     for where, gbps in bw.items():  # the rest's traffic all in cache, or all from RAM
         floor = mm_iso + attn_s + rest / (gbps * 1e9)
@@ -244,8 +245,8 @@ def _lines(s: dict, rows: list[dict], rest_bytes: dict, rest_prof: dict, model_d
     pk = s["peak_gflops"]
     lines = ["## Roofline (`scripts/roofline.py`): the least time these ops take here", "",
              f"- fp32 matmuls (the output head's) ran and are re-run in {s['fp32_matmul_math']} math",
-             f"- {s['peak_dtype']} matmul peak measured in this run (the dtype the base computes in): {pk:.0f} GFLOP/s; "
-             "copy bandwidth: "
+             f"- {s['peak_dtype']} matmul peak measured in this run (the dtype the base computes in): "
+             f"{pk:.0f} GFLOP/s; copy bandwidth: "
              + ", ".join(f"{k} {v:.1f} GB/s" for k, v in s["copy_gbps"].items()),
              f"- the profiled steps, re-run unprofiled: {s['step_wall_s']:.2f} s for {s['useful_gflop']:.0f} "
              f"useful GFLOP: **MFU {100 * s['mfu']:.1f}%**",

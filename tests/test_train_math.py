@@ -75,8 +75,10 @@ def test_held_out_loss_does_not_depend_on_how_rows_are_grouped(tiny_model_dir, t
     padded = lambda batches: sum(len(b) * max(lengths[i] for i in b) for b in batches)  # noqa: E731
     assert padded(grouped) < padded(fixed)  # the two orders really batch differently here
     loss_grouped = r.evaluate(0)["val_loss"]
-    monkeypatch.setattr(recipe_module, "eval_micro_batches",
-                        lambda lengths, size, world, rank, min_padding=True: eval_batches(len(lengths), size, world, rank))
+    def fixed_order(lengths, size, world, rank, min_padding=True):
+        return eval_batches(len(lengths), size, world, rank)
+
+    monkeypatch.setattr(recipe_module, "eval_micro_batches", fixed_order)
     loss_fixed = r.evaluate(0)["val_loss"]
     assert loss_grouped == pytest.approx(loss_fixed, rel=2e-5)
     r.tracker.close()
