@@ -171,6 +171,8 @@ CASES = [
     train("recipe-empty", "recipe=''", "recipe:"),
     train("data-fifo", f"data.path={D}/pipe.jsonl", "data.path: {w}/data/pipe.jsonl is not a regular file"),
     train("fused-unknown", "kernels.fused_lora=maybe", "kernels.fused_lora: Invalid value 'maybe'"),
+    train("compile-with-fsdp", "kernels.compile=true trainer.strategy=fsdp", "kernels.compile: not with trainer.strategy=fsdp"),
+    train("compile-not-a-bool", "kernels.compile=sometimes", "kernels.compile"),
     train("tracker-group-unknown", "tracker=nope", "Could not find 'tracker/nope'"),
     train("tracker-name-unknown", "tracker.name=tensorboard", "tracker.name: unknown value 'tensorboard'"),
     train("tracker-project-empty", "tracker.project=''", "tracker.project: empty"),

@@ -179,6 +179,10 @@ class KernelsConfig:
     # the fp32 output head's two matmuls on a CPU with native bf16: oneDNN's bf16 math mode after a
     # check against fp64 (tunekit/head_matmul.py: 2.3x faster, error ~fp32's), or strict fp32
     head_matmul: HeadMatmul = HeadMatmul.auto
+    # the decoder layers' training forward through torch.compile (inductor), checked against eager
+    # on a copy of one layer before the first step (tunekit/compiled.py): 1.0-1.3x per step on the
+    # development CPUs after 30-50 s of compilation, so worth it for runs longer than the default
+    compile: bool = False
 
 
 @dataclass
@@ -333,6 +337,9 @@ def check_values(cfg: TrainConfig) -> None:
     if plain(cfg.kernels.fused_lora) == "on" and plain(m.quantize) != "nf4":
         raise TunekitError("kernels.fused_lora: on needs a 4-bit base (the kernel fuses NF4 dequantization into "
                            "LoRA's matmul); set model.quantize=nf4, or kernels.fused_lora=auto")
+    if cfg.kernels.compile and plain(t.strategy) == "fsdp":
+        raise TunekitError("kernels.compile: not with trainer.strategy=fsdp (FSDP2 wraps every decoder layer's "
+                           "forward itself); set kernels.compile=false, or trainer.strategy=ddp")
     if plain(t.strategy) == "fsdp":
         from tunekit.fsdp import check_config
 

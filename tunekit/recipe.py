@@ -33,7 +33,7 @@ from transformers import AutoConfig
 
 from tunekit import TunekitError
 from tunekit import device as dev
-from tunekit import head_matmul
+from tunekit import compiled, head_matmul
 from tunekit.checkpoint import (atomic_dir, atomic_write_text, cleanup_leftovers, find_resumable, latest_checkpoint,
                                 load_checkpoint, read_state, save_checkpoint)
 from tunekit.config import TrainConfig, plain
@@ -139,6 +139,10 @@ class TrainRecipe:
         self._info(f"method {cfg.method.name}: {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.3f}%)")
         self.trainable_params = trainable
         self.model.train()
+        self.compiled = compiled.CompileDecision(False, "kernels.compile=false")
+        if cfg.kernels.compile:  # config checks keep it from FSDP
+            self.compiled = compiled.apply(self.model, True, self.compile_check_inputs(), self.dtype)
+            self._info(f"kernels: {self.compiled.reason}")
         if self.fsdp is not None:  # from here on the trained tensors are shards; the optimizer steps them
             if self.resume_from is not None:  # the adapter goes into the whole tensors, before they are split
                 self.method.load(self.model, self.resume_from / "adapter")
@@ -166,6 +170,14 @@ class TrainRecipe:
                                 cfg.tracker.run_name, json.loads(json.dumps(asdict(cfg), default=str)))
                         if self.main else NullTracker())
         self._setup_task_eval()
+
+    def compile_check_inputs(self) -> dict:
+        """kernels.compile's check batch: real training rows cut to unequal lengths, collated as a
+        step collates them (padded and masked, or packed), on the device."""
+        rows = [{k: self.train_data[i][k][: compiled.CHECK_TOKENS - 8 * i] for k in ("input_ids", "labels")}
+                for i in range(min(compiled.CHECK_ROWS, len(self.train_data)))]
+        batch = self.collate(rows, self.tokenizer.pad_token_id)
+        return {k: v.to(self.device) for k, v in model_inputs(batch).items()}
 
     def _setup_task_eval(self) -> None:
         """Rank 0: sample answers / task metric at every evaluation, and keep_best (tunekit.taskeval.training).
@@ -271,6 +283,7 @@ class TrainRecipe:
                    "bits_per_param": self.bits_per_param, "world_size": self.acc.num_processes,
                    "device": self.facts.describe(), "compute_dtype": str(self.dtype).removeprefix("torch."),
                    "kernels": self.lora_path.as_dict(), "head_matmul": self.head_math.as_dict(),
+                   "compile": self.compiled.as_dict(),
                    "ranks_in_sync": self._ranks_in_sync(),
                    **({"fsdp": self.fsdp.summary(dev.peak_memory_mb(self.device))} if self.fsdp is not None else {}),
                    **(self.best.summary() if self.best else {})}

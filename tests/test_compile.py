@@ -1,0 +1,136 @@
+"""kernels.compile: decoder layers through torch.compile, checked against eager before step 1."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tunekit import TunekitError, compiled
+from tunekit.config import DataConfig, KernelsConfig, MethodConfig, ModelConfig, TrainConfig, TrainerConfig
+from tunekit.methods.adapter import decoder_layers
+from tunekit.recipe import TrainRecipe
+
+
+def _recipe(tiny_model_dir, tiny_data, out, compile_: bool) -> TrainRecipe:
+    cfg = TrainConfig(
+        output_dir=str(out), seed=0,
+        model=ModelConfig(path=str(tiny_model_dir), quantize="nf4", dtype="fp32"),
+        data=DataConfig(path=str(tiny_data), max_seq_len=64, val_fraction=0.2),
+        method=MethodConfig(r=4, alpha=12, dropout=0.0),  # scaling 3: not a power of two
+        trainer=TrainerConfig(max_steps=3, micro_batch_size=4, grad_accum=2, lr=1e-3, eval_samples=0),
+        kernels=KernelsConfig(compile=compile_),
+    )
+    r = TrainRecipe(cfg, out)
+    r.setup()
+    return r
+
+
+def test_compiled_training_takes_eager_steps_and_saves_the_same_adapter(tiny_model_dir, tiny_data, tmp_path,
+                                                                      monkeypatch):
+    """The wiring, through a training run: every layer routed through the compiler while autograd
+    records, evaluation eager, the same adapter saved. The compiler here is dynamo with the `eager`
+    backend: the same tracing, graphs and guards as inductor without AOTAutograd and code generation
+    (11 s instead of ~40-80 s on this tiny model); inductor itself is checked on a layer in the
+    tests below and before every compiled run. A compiled qlora run (fp32 compute)
+    against the eager one, 3 optimizer steps from the same start; step 0 has lora_B = 0, so steps 1-2
+    are the ones that see the LoRA branch's scaling (alpha/r = 3).
+    Tolerance (sized for a real compiler, which fuses and reorders fp32 arithmetic, ~1e-6 relative
+    per value; the eager backend replays the traced ops and should agree more closely): Adam at
+    lr 1e-3 turns a gradient difference into a parameter difference of at most
+    lr * (relative gradient difference) except where a gradient is near 0, which moves a parameter by
+    < 2 lr either way, so after 2 updates the losses stay within ~1e-4 relative (2e-4 allowed)."""
+    monkeypatch.setattr(compiled, "compile_fn", lambda fn: torch.compile(fn, backend="eager", dynamic=True))
+    runs = {}
+    for mode in (False, True):
+        r = _recipe(tiny_model_dir, tiny_data, tmp_path / str(mode), mode)
+        losses = [r.train_step(step)["loss"] for step in range(3)]
+        r.save_final()
+        runs[mode] = (r, losses)
+    (eager, eager_losses), (comp, comp_losses) = runs[False], runs[True]
+    assert not eager.compiled.on and comp.compiled.on and comp.compiled.layers == 2
+    assert comp.compiled.check["max_rel_diff"] <= compiled.TOL[torch.float32]
+    assert all(hasattr(layer, compiled.ATTR) for layer in decoder_layers(comp.model))
+    assert comp_losses == pytest.approx(eager_losses, rel=2e-4)
+    assert eager_losses[2] != pytest.approx(eager_losses[0], rel=1e-3)  # the steps really trained
+    # The saved adapter is the eager run's, tensor for tensor (same keys, values within training's drift)
+    a = load_file(eager.output_dir / "adapter" / "adapter_model.safetensors")
+    b = load_file(comp.output_dir / "adapter" / "adapter_model.safetensors")
+    assert sorted(a) == sorted(b) and len(a) == 2 * 7 * 2  # A and B of 7 projections in 2 layers
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-4 * float(a[k].abs().max()) + 1e-7)
+    # Evaluation runs eager (no grad): nothing more is traced, and the held-out loss is the eager model's
+    from torch._dynamo.utils import counters
+
+    traced = counters["frames"]["total"]
+    assert comp.evaluate(3)["val_loss"] == pytest.approx(eager.evaluate(3)["val_loss"], rel=2e-4)
+    assert counters["frames"]["total"] == traced > 0
+    for r, _ in runs.values():
+        r.tracker.close()
+
+
+@pytest.fixture(scope="module")
+def eager_recipe(tiny_model_dir, tiny_data, tmp_path_factory):
+    r = _recipe(tiny_model_dir, tiny_data, tmp_path_factory.mktemp("eager"), False)
+    yield r
+    r.tracker.close()
+
+
+def _check(r: TrainRecipe):
+    return compiled.check(r.model, decoder_layers(r.model)[0], r.compile_check_inputs(), torch.float32)
+
+
+def test_the_check_stops_a_compiler_whose_layer_computes_otherwise(eager_recipe, monkeypatch):
+    """A 'compiler' whose layer output is off by 1e-3 relative (10x the fp32 tolerance) stops the
+    run with a message that names the key; the layer under test is a copy, the model is untouched."""
+    def off_by_a_little(fn):
+        def run(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            return (out[0] * (1 + 1e-3), *out[1:]) if isinstance(out, tuple) else out * (1 + 1e-3)
+        return run
+
+    monkeypatch.setattr(compiled, "compile_fn", off_by_a_little)
+    with pytest.raises(TunekitError, match=r"kernels.compile: the compiled decoder layer differs from eager "
+                                           r"by 1\.00e-03 of its largest value in "):
+        _check(eager_recipe)
+    assert not any(hasattr(layer, compiled.ATTR) for layer in decoder_layers(eager_recipe.model))
+
+
+def test_the_check_stops_a_compiler_that_drops_the_trained_branchs_gradient(eager_recipe, monkeypatch):
+    """Right output, wrong gradients: the trained tensors' gradients are compared too."""
+    def no_grad_into_lora(fn):
+        def run(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            first = out[0] if isinstance(out, tuple) else out
+            halved = first.detach() + 0.5 * (first - first.detach())  # same values, half the gradient
+            return (halved, *out[1:]) if isinstance(out, tuple) else halved
+        return run
+
+    monkeypatch.setattr(compiled, "compile_fn", no_grad_into_lora)
+    with pytest.raises(TunekitError,
+                       match=r"differs from eager by 5\.00e-01 of its largest value in (input_grad|.*lora)"):
+        _check(eager_recipe)
+
+
+def test_a_compile_error_becomes_one_message(eager_recipe, monkeypatch):
+    def broken(fn):
+        def run(*args, **kwargs):
+            raise RuntimeError("InductorError: C++ compile error\nlong\ntraceback")
+        return run
+
+    monkeypatch.setattr(compiled, "compile_fn", broken)
+    with pytest.raises(TunekitError, match=r"kernels.compile: torch.compile failed on this build \(RuntimeError: "
+                                           r"InductorError: C\+\+ compile error\); run with kernels.compile=false"):
+        _check(eager_recipe)
+
+
+def test_the_real_compiler_passes_the_check_with_a_margin(eager_recipe):
+    """inductor on this machine: the layer copy's output and gradients within the fp32 tolerance, and
+    the check's random lora_B really reached the gradients compared (all of A's and B's)."""
+    assert eager_recipe.lora_path.path == "torch"  # the LoRA math of tunekit/lora_compute.py
+    result = _check(eager_recipe)
+    assert result["max_rel_diff"] <= compiled.TOL[torch.float32]
+    assert result["compared"] == 2 + 7 * 2  # output, input gradient, A and B of 7 projections
+    assert json.dumps(result)  # summary.json takes it as is
