@@ -1,11 +1,12 @@
 #!/usr/bin/env python
 """Probe: does torch.compile (inductor, CPU) over the decoder blocks speed up a qlora step?
 
-Not wired into `tunekit train` yet. Builds the same setup as `scripts/bench_train.py --config cpu`
-(default model, qlora, seq 256, micro-batch 8 x 2, padded) with tunekit's TrainRecipe, optionally
-compiles every decoder layer in place (`nn.Module.compile(dynamic=True)`: state_dict keys and
-saving unchanged), then times optimizer steps 2-4 after two warm-up steps (the first pays the
-compilation). Prints each step's loss so eager and compiled can be compared.
+Builds the same setup as `scripts/bench_train.py --config cpu` (default model, qlora, seq 256,
+micro-batch 8 x 2, padded) with tunekit's TrainRecipe, `compile` with kernels.compile=true
+(tunekit/compiled.py: the check, then every decoder layer's training forward compiled; until
+2026-11-24 this probe compiled the layers itself, with `nn.Module.compile(dynamic=True)`), then
+times optimizer steps 2-4 after two warm-up steps (the first pays the compilation). Prints each
+step's loss so eager and compiled can be compared.
 
     python scripts/compile_probe.py eager
     python scripts/compile_probe.py compile
@@ -43,7 +44,8 @@ def main(argv=None) -> int:
     from tunekit.recipe import TrainRecipe
 
     spec = {"recipe": "qlora", "steps": 8, "micro_batch_size": 8, "grad_accum": 2, "seq_len": 256,
-            "packing": "false", "model": None, "data": None, "set": []}
+            "packing": "false", "model": None, "data": None,
+            "set": ["kernels.compile=true"] if mode == "compile" else []}
     out = tempfile.mkdtemp(prefix="tunekit-compile-probe-")
     r = TrainRecipe(build_cfg(spec, out), Path(out))
     r.setup()
@@ -53,8 +55,7 @@ def main(argv=None) -> int:
             if p.dtype == torch.float32 and not p.requires_grad:
                 p.data = p.data.to(torch.bfloat16)
     if mode == "compile":
-        for layer in model.model.layers:
-            layer.compile(dynamic=True)
+        print(f"compile: {r.compiled.reason}", flush=True)
     for step in range(2):
         t0 = time.perf_counter()
         m = r.train_step(step)
