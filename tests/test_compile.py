@@ -134,3 +134,13 @@ def test_the_real_compiler_passes_the_check_with_a_margin(eager_recipe):
     assert result["max_rel_diff"] <= compiled.TOL[torch.float32]
     assert result["compared"] == 2 + 7 * 2  # output, input gradient, A and B of 7 projections
     assert json.dumps(result)  # summary.json takes it as is
+
+
+def test_a_layer_whose_forward_is_already_replaced_is_refused(eager_recipe, monkeypatch):
+    """The compiled path calls the layer class's forward; a forward set on the instance (accelerate's
+    offloading hooks do that) would be skipped, so it is refused before anything compiles."""
+    layer = decoder_layers(eager_recipe.model)[1]
+    monkeypatch.setattr(layer, "forward", layer.forward)
+    with pytest.raises(TunekitError, match=r"kernels.compile: decoder layer 1's forward is already replaced"):
+        compiled.apply(eager_recipe.model, True, eager_recipe.compile_check_inputs(), torch.float32)
+    assert not any(hasattr(m, compiled.ATTR) for m in decoder_layers(eager_recipe.model))

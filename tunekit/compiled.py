@@ -4,8 +4,9 @@ What it buys (benchmarks/cpu-speed.md): inductor fuses the elementwise chains be
 (the fp32 residual stream, RMSNorm, rotary, SiLU and the gate product, the LoRA sums), which eager
 PyTorch runs as separate passes over memory. On a 2-core Ice Lake VM (fp32 compute) a qlora step of
 the default model ran 1.00-1.33x faster through this module (four eager/compiled pairs on a noisy
-VM) at 16% less peak memory, after 30-40 s of checking and compiling; an earlier probe of the same
-ops on a bf16 CPU read 1.16-1.32x. A gain for long runs, about even for the default 60 steps, so it is off by default.
+VM) at 13-16% less peak memory, after 30-45 s of checking and compiling; an earlier probe of the
+same ops on a bf16 CPU read 1.16-1.32x. The default 60-step run ended 18 s later in wall time
+(break-even near 75 steps), so it is off by default.
 
 How:
 
@@ -201,6 +202,10 @@ def apply(model: nn.Module, enabled: bool, inputs: dict, dtype: torch.dtype) -> 
         layers = decoder_layers(model)
     except TunekitError as e:
         raise TunekitError(f"kernels.compile: {e}".replace("the adapter method needs", "compiling needs")) from e
+    wrapped = [i for i, layer in enumerate(layers) if "forward" in vars(layer)]
+    if wrapped:  # e.g. accelerate's offloading hooks: the compiled path calls the class's forward
+        raise TunekitError(f"kernels.compile: decoder layer {wrapped[0]}'s forward is already replaced by "
+                           f"something else (an offloading hook?); run with kernels.compile=false")
     # The last layer: its input requires grad, as every layer's but the first does in training
     result = check(model, layers[-1], inputs, dtype)
     compile_layers(layers)
