@@ -4,9 +4,10 @@ What it buys (benchmarks/cpu-speed.md): inductor fuses the elementwise chains be
 (the fp32 residual stream, RMSNorm, rotary, SiLU and the gate product, the LoRA sums), which eager
 PyTorch runs as separate passes over memory. On a 2-core Ice Lake VM (fp32 compute) a qlora step of
 the default model ran 1.00-1.33x faster through this module (four eager/compiled pairs on a noisy
-VM) at 13-16% less peak memory, after 30-45 s of checking and compiling; an earlier probe of the
-same ops on a bf16 CPU read 1.16-1.32x. The default 60-step run ended 18 s later in wall time
-(break-even near 75 steps), so it is off by default.
+VM) at 13-16% less peak memory, after 30-45 s of checking and compiling (~110 s on a machine's first
+compiled run, inductor's cache in /tmp/torchinductor_$USER empty); an earlier probe of the same ops
+on a bf16 CPU read 1.16-1.32x. The default 60-step run ended 18 s later in wall time (break-even
+near 75 steps warm, 175 cold), so it is off by default.
 
 How:
 
