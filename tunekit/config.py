@@ -181,7 +181,8 @@ class KernelsConfig:
     head_matmul: HeadMatmul = HeadMatmul.auto
     # the decoder layers' training forward through torch.compile (inductor), checked against eager
     # on a copy of one layer before the first step (tunekit/compiled.py): 1.0-1.3x per step on the
-    # development CPUs after 30-50 s of compilation, so worth it for runs longer than the default
+    # development CPUs after 40 s of checking and compiling (110 s with inductor's cache empty), so
+    # worth it for runs of a few hundred steps
     compile: bool = False
 
 
