@@ -145,5 +145,5 @@ def test_a_layer_whose_forward_is_already_replaced_is_refused(eager_recipe, monk
     layer = decoder_layers(eager_recipe.model)[1]
     monkeypatch.setattr(layer, "forward", layer.forward)
     with pytest.raises(TunekitError, match=r"kernels.compile: decoder layer 1's forward is already replaced"):
-        compiled.apply(eager_recipe.model, True, eager_recipe.compile_check_inputs(), torch.float32)
+        compiled.apply(eager_recipe.model, eager_recipe.compile_check_inputs(), torch.float32)
     assert not any(hasattr(m, compiled.ATTR) for m in decoder_layers(eager_recipe.model))

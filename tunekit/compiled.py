@@ -48,17 +48,18 @@ import torch
 import torch.nn as nn
 
 from tunekit import TunekitError
+from tunekit.fused import CHECK_TOL, rel_err
 from tunekit.methods.adapter import decoder_layers
 
 log = logging.getLogger(__name__)
 
-TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
-# The check's batch: real rows cut to 37 and 29 tokens. More than one row, and lengths that are
-# prime, because dynamo specialises a dimension of size 1 and one equal to a static width of the
-# model (a 32-token row against k_proj's 32 outputs made the sequence length a constant): the
-# check's graph is then the one the training steps reuse.
-CHECK_TOKENS = 37
-CHECK_ROWS = 2
+# The analysis in the module docstring gives the fused kernel's bounds (tunekit/fused.py): one table.
+TOL = CHECK_TOL
+# The check's batch: real rows cut to these lengths. More than one row, and lengths that are prime,
+# because dynamo specialises a dimension of size 1 and one equal to a static width of the model (a
+# 32-token row against k_proj's 32 outputs made the sequence length a constant): the check's graph
+# is then the one the training steps reuse.
+CHECK_LENGTHS = (37, 29)
 # True on a compiled layer (a plain attribute: never saved). A compiled layer's forward closes over
 # the layer itself, so a deep copy of it would still run the original: copy first (check() does).
 ATTR = "_tunekit_compiled"
@@ -78,11 +79,6 @@ class CompileDecision:
 def compile_fn(fn):
     """The compiler, one place (a test swaps it for a faulty one to see the check fail)."""
     return torch.compile(fn, dynamic=True)
-
-
-def _rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
-    scale = want.detach().abs().max().float().clamp_min(torch.finfo(torch.float32).tiny)
-    return float((got.detach().float() - want.detach().float()).abs().max() / scale)
 
 
 class _Captured(Exception):
@@ -159,12 +155,12 @@ def check(model: nn.Module, layer: nn.Module, inputs: dict, dtype: torch.dtype) 
             first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
             raise TunekitError(f"kernels.compile: torch.compile failed on this build ({type(e).__name__}: "
                                f"{first[:300]}); run with kernels.compile=false") from e
-    diffs = {"output": _rel_diff(got[0], want[0]), "input_grad": _rel_diff(got[1], want[1])}
+    diffs = {"output": rel_err(got[0], want[0]), "input_grad": rel_err(got[1], want[1])}
     if set(got[2]) != set(want[2]) or not want[2]:
         raise TunekitError(f"kernels.compile: the compiled layer computed gradients for {sorted(got[2])[:3]}, "
                            f"eager for {sorted(want[2])[:3]}; run with kernels.compile=false")
     for name in want[2]:
-        diffs[name] = _rel_diff(got[2][name], want[2][name])
+        diffs[name] = rel_err(got[2][name], want[2][name])
     tol = TOL.get(dtype, TOL[torch.bfloat16])
     worst = max(diffs, key=diffs.get)
     if not diffs[worst] <= tol:  # also catches NaN
@@ -195,10 +191,8 @@ def compile_layers(layers) -> None:
         layer.forward = forward
 
 
-def apply(model: nn.Module, enabled: bool, inputs: dict, dtype: torch.dtype) -> CompileDecision:
-    """kernels.compile: check the compiler on the last layer's copy, then compile every decoder layer."""
-    if not enabled:
-        return CompileDecision(False, "kernels.compile=false")
+def apply(model: nn.Module, inputs: dict, dtype: torch.dtype) -> CompileDecision:
+    """kernels.compile=true: check the compiler on the last layer's copy, then compile every decoder layer."""
     try:
         layers = decoder_layers(model)
     except TunekitError as e:

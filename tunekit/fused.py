@@ -134,7 +134,8 @@ class FusedDecision:
         return {**asdict(self), "checks": [asdict(c) for c in self.checks]}
 
 
-def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest absolute difference over the largest magnitude of `expected` (NaN stays NaN)."""
     a, e = actual.double(), expected.double()
     return ((a - e).abs().max() / e.abs().max().clamp_min(1e-30)).item()
 
@@ -176,7 +177,7 @@ def check_layer(layer: nn.Module, dtype: torch.dtype, tokens: int = CHECK_TOKENS
         # bitsandbytes computes the base in its compute dtype whatever x's dtype; x comes in as in training
         fused = run(lambda a, b, c: lora4bit_compute(a, layer.base_layer, b.float(), c.float(), scaling), dtype)
     twin = run(lambda a, b, c: lora_linear_reference(a, quant, b, c, scaling), torch.float32)
-    return max(_rel_err(f, t) for f, t in zip(fused, twin))
+    return max(rel_err(f, t) for f, t in zip(fused, twin))
 
 
 def _median_ms(step, device: torch.device, reps: int = 5) -> float:

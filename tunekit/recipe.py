@@ -141,7 +141,7 @@ class TrainRecipe:
         self.model.train()
         self.compiled = compiled.CompileDecision(False, "kernels.compile=false")
         if cfg.kernels.compile:  # config checks keep it from FSDP
-            self.compiled = compiled.apply(self.model, True, self.compile_check_inputs(), self.dtype)
+            self.compiled = compiled.apply(self.model, self.compile_check_inputs(), self.dtype)
             self._info(f"kernels: {self.compiled.reason}")
         if self.fsdp is not None:  # from here on the trained tensors are shards; the optimizer steps them
             if self.resume_from is not None:  # the adapter goes into the whole tensors, before they are split
@@ -174,8 +174,8 @@ class TrainRecipe:
     def compile_check_inputs(self) -> dict:
         """kernels.compile's check batch: real training rows cut to unequal lengths, collated as a
         step collates them (padded and masked, or packed), on the device."""
-        rows = [{k: self.train_data[i][k][: compiled.CHECK_TOKENS - 8 * i] for k in ("input_ids", "labels")}
-                for i in range(min(compiled.CHECK_ROWS, len(self.train_data)))]
+        rows = [{k: self.train_data[i][k][:n] for k in ("input_ids", "labels")}
+                for i, n in zip(range(len(self.train_data)), compiled.CHECK_LENGTHS)]
         batch = self.collate(rows, self.tokenizer.pad_token_id)
         return {k: v.to(self.device) for k, v in model_inputs(batch).items()}
 
