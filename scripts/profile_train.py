@@ -28,6 +28,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 FAMILIES = [  # (family, substrings of an op name), first match wins
+    # kernels.compile=true: an inductor graph's own time is its fused elementwise kernels (first: its
+    # name ends in a hash, which could hold another family's substring)
+    ("compiled regions (inductor's fused kernels)", ("## Call CompiledFxGraph",)),
+    ("torch.compile guards and wrappers", ("TorchDynamo", "CompiledFunction", "Torch-Compiled Region",
+                                          "Pregraph bytecode")),
     ("4-bit dequantize / gemm_4bit", ("bitsandbytes", "dequantize", "gemm_4bit", "4bit")),
     ("matmul (mm/addmm/bmm/linear)", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
                                       "aten::_weight_int", "mkldnn", "onednn")),
@@ -94,7 +99,10 @@ def main(argv=None) -> None:
              f"{args.grad_accum}, packing {args.packing}, overrides {' '.join(args.set) or '(none)'}", "",
              f"- {args.steps} profiled steps after {args.warmup} warm-up: {wall:.2f} s wall (with profiler "
              f"overhead), {tokens} input tokens, {tokens / wall:.1f} tokens/s; torch {torch.__version__}, "
-             f"{torch.get_num_threads()} threads", "",
+             f"{torch.get_num_threads()} threads",
+             f"- the operators' self time sums to {total / 1e6:.2f} s of those {wall:.2f} s; the rest is outside "
+             "every recorded operator: Python between them (module calls, the data collator, the training "
+             "loop) and the profiler's own cost", "",
              "| family | self CPU s | share |", "|---|---:|---:|"]
     for fam, t in sorted(by_family.items(), key=lambda kv: -kv[1]):
         lines.append(f"| {fam} | {t / 1e6:.2f} | {100 * t / total:.1f}% |")

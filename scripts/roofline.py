@@ -8,6 +8,11 @@ step is split into what bounds each part:
   the least time the step's matmuls take in this torch build (its GEMM library, this core count).
   Isolated runs are the favourable case (warm caches, no neighbours), so this is a floor.
 - attention (the CPU flash kernels, forward and backward): kept at its profiled self time.
+- compiled regions (`kernels.compile=true`: inductor's graphs, whose own time is their fused
+  elementwise kernels; the matmuls inside them are recorded as aten ops of their own and counted
+  above): kept at their profiled self time too, since the profiler records no shapes for them, so
+  their traffic cannot be bounded. torch.compile's guards and wrappers (dynamo's cache lookup,
+  CompiledFunction) are overhead, counted as zero like dispatch.
 - everything else (elementwise, norms, casts, copies, the loss, the optimizer): bounded by memory
   traffic. Each op's bytes are counted from its recorded inputs (plus one output the size of its
   largest input, except copy_ whose destination is an input), less its child ops' (a composite
@@ -44,6 +49,7 @@ MAYBE_NOOP = {"aten::to", "aten::contiguous", "aten::type_as", "aten::clone"}
 # gathers: read only the selected rows of their first operand, not all of it
 GATHERS = {"aten::index_select", "aten::embedding"}
 ATTENTION = "scaled_dot_product"
+COMPILED_REGION = "## Call CompiledFxGraph"  # one call of an inductor graph (its name ends in a hash)
 
 
 def _operands(e) -> tuple[list, list, str] | None:
@@ -190,7 +196,7 @@ def analyze(events, family, step_wall_s: float, useful_flops: float, peak_gflops
     other dimension is a token count, shown as M; fp32_math: how the step ran its fp32 matmuls
     (the run's head_matmul decision), so that they are re-run the same way."""
     mm_calls, mm_prof = defaultdict(int), defaultdict(float)
-    attn_s, rest_bytes, rest_prof = 0.0, defaultdict(float), defaultdict(float)
+    attn_s, compiled_s, rest_bytes, rest_prof = 0.0, 0.0, defaultdict(float), defaultdict(float)
     by_op = defaultdict(lambda: [0, 0, 0.0])  # name -> calls, bytes, profiled s
     kernels = 0  # ops that move data themselves: each is one dispatch in eager mode
     for e in events:
@@ -201,6 +207,8 @@ def analyze(events, family, step_wall_s: float, useful_flops: float, peak_gflops
                 mm_prof[key] += e.self_cpu_time_total / 1e6
         elif ATTENTION in e.name:
             attn_s += e.self_cpu_time_total / 1e6
+        elif e.name.startswith(COMPILED_REGION):
+            compiled_s += e.self_cpu_time_total / 1e6
         elif e.name.startswith(("aten::", "bitsandbytes::")):
             fam = family(e.name)
             rest_prof[fam] += e.self_cpu_time_total / 1e6
@@ -223,12 +231,13 @@ def analyze(events, family, step_wall_s: float, useful_flops: float, peak_gflops
     summary = {"step_wall_s": step_wall_s, "useful_gflop": useful_flops / 1e9, "mfu": useful_flops / step_wall_s / peak,
                "matmul_gflop": mm_flops / 1e9, "matmul_isolated_s": mm_iso,
                "matmul_isolated_gflops": mm_flops / mm_iso / 1e9, "attention_profiled_s": attn_s,
+               "compiled_profiled_s": compiled_s,
                "rest_gb": rest / 1e9, "copy_gbps": bw, "mfu_matmuls_only": useful_flops / mm_iso / peak,
                "peak_gflops": peak_gflops, "peak_dtype": peak_dtype, "kernels": kernels,
                "dispatch_s": kernels * tiny_op_seconds(),
                "fp32_matmul_math": fp32_math, "floors": {}}
     for where, gbps in bw.items():  # the rest's traffic all in cache, or all from RAM
-        floor = mm_iso + attn_s + rest / (gbps * 1e9)
+        floor = mm_iso + attn_s + compiled_s + rest / (gbps * 1e9)
         summary["floors"][where] = {"rest_s": rest / (gbps * 1e9), "floor_s": floor,
                                     "mfu_ceiling": useful_flops / floor / peak}
     return summary, _lines(summary, rows, rest_bytes, rest_prof, model_dims) + _op_lines(by_op)
@@ -254,12 +263,15 @@ def _lines(s: dict, rows: list[dict], rest_bytes: dict, rest_prof: dict, model_d
              f"{s['matmul_isolated_s']:.2f} s ({s['matmul_isolated_gflops']:.0f} GFLOP/s, "
              f"{100 * s['matmul_isolated_gflops'] / pk:.0f}% of peak): with nothing else in the step, "
              f"MFU {100 * s['mfu_matmuls_only']:.1f}%",
-             f"- attention kernels (profiled): {s['attention_profiled_s']:.2f} s; everything else (elementwise, norms, "
-             f"casts, the loss, the optimizer) moves {s['rest_gb']:.1f} GB",
+             f"- attention kernels (profiled): {s['attention_profiled_s']:.2f} s; "
+             + (f"compiled regions (inductor's fused kernels, profiled): {s['compiled_profiled_s']:.2f} s; "
+                if s["compiled_profiled_s"] else "")
+             + f"everything else (elementwise, norms, casts, the loss, the optimizer) moves {s['rest_gb']:.1f} GB",
              f"- eager dispatch: {s['kernels']} working ops at the cost of a tiny op called from Python here "
              f"({1e6 * s['dispatch_s'] / max(s['kernels'], 1):.1f} us each): {s['dispatch_s']:.2f} s, "
              "not counted below",
-             "", "| the rest's traffic moved at | its time | floor: matmuls alone + attention + the rest | "
+             "", "| the rest's traffic moved at | its time | floor: matmuls alone + attention "
+             + ("+ compiled regions " if s["compiled_profiled_s"] else "") + "+ the rest | "
              "MFU ceiling of this op sequence |", "|---|---:|---:|---:|"]
     for where, f in s["floors"].items():
         lines.append(f"| {where} copy bandwidth ({s['copy_gbps'][where]:.1f} GB/s) | {f['rest_s']:.2f} s | "

@@ -83,3 +83,38 @@ def test_analyze_floors_and_ceilings_are_consistent():
     # MFU is taken against the peak of the dtype the base computes in, and the report names it
     assert summary["peak_dtype"] == "fp32"
     assert any(line.startswith("- fp32 matmul peak measured in this run") for line in lines)
+
+
+def test_compiled_regions_count_at_their_profiled_time():
+    """kernels.compile=true: an inductor graph's call is one named region whose own time is its fused
+    kernels (the profiler records no shapes for it). The floor keeps that time as profiled, as for
+    attention; before, the region fell out of the analysis and the ceiling was too high."""
+    import time
+
+    from torch.profiler import record_function
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from profile_train import family
+
+    a = torch.randn(64, 32)
+    b = torch.randn(32, 48)
+
+    def step():
+        a @ b
+        # a hash that holds other families' keys ("4bit", "adam", "sdpa"): the region still counts as compiled
+        with record_function("## Call CompiledFxGraph f4bitadamsdpa ##"):
+            time.sleep(0.05)  # stands in for the fused kernels' work
+
+    events = _events(step)
+    summary, lines = roofline.analyze(events, family, step_wall_s=1.0, useful_flops=2 * 64 * 32 * 48,
+                                      peak_gflops=100.0, model_dims={32, 48}, peak_dtype="fp32")
+    assert 0.05 <= summary["compiled_profiled_s"] < 1.0
+    for f in summary["floors"].values():
+        assert f["floor_s"] >= summary["matmul_isolated_s"] + summary["compiled_profiled_s"]
+    assert any("compiled regions (inductor's fused kernels, profiled)" in line for line in lines)
+    assert family("## Call CompiledFxGraph f4bitadamsdpa ##") == "compiled regions (inductor's fused kernels)"
+    assert family("TorchDynamo Cache Lookup") == family("CompiledFunctionBackward") == \
+        "torch.compile guards and wrappers"
+    # an eager profile has no region, and its report says nothing of one
+    summary, lines = roofline.analyze(_events(lambda: a @ b), family, 1.0, 2 * 64 * 32 * 48, 100.0, {32, 48})
+    assert summary["compiled_profiled_s"] == 0 and not any("compiled regions" in line for line in lines)
