@@ -11,6 +11,11 @@ step's loss so eager and compiled can be compared.
     python scripts/compile_probe.py eager
     python scripts/compile_probe.py compile
     python scripts/compile_probe.py eager --residual bf16    # norms, embedding, head in bf16 (see below)
+    python scripts/compile_probe.py check --recipe lora --dtype bf16   # the check alone, every tensor
+
+`check` runs setup only (kernels.compile=true: the check on the last layer, then compiling) and
+prints, for every compared tensor, the compiled-vs-eager difference and, in half precision, both
+sides' distance from the layer run in fp32 (tunekit/compiled.py's `judge` sees the same figures).
 
 Before 2026-11-24 the compiled layers computed every LoRA term at scaling 1 instead of alpha/r
 (torch 2.13's inductor drops `alpha` from `add_(a @ b, alpha=s)`, which lora_compute used), so this
@@ -37,8 +42,12 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     mode = argv[0] if argv else "eager"
     residual = argv[argv.index("--residual") + 1] if "--residual" in argv else "fp32"
+    if mode == "check":
+        return check(argv[argv.index("--recipe") + 1] if "--recipe" in argv else "qlora",
+                     argv[argv.index("--dtype") + 1] if "--dtype" in argv else "auto")
     if mode not in ("eager", "compile") or residual not in ("fp32", "bf16"):
-        raise SystemExit("usage: compile_probe.py eager|compile [--residual fp32|bf16]")
+        raise SystemExit("usage: compile_probe.py eager|compile [--residual fp32|bf16] | "
+                         "check [--recipe R] [--dtype auto|bf16|fp32]")
     import torch
     from bench_train import build_cfg
     from tunekit.recipe import TrainRecipe
@@ -66,6 +75,32 @@ def main(argv=None) -> int:
         tokens += m["input_tokens"]
         print(f"step {step}: loss {m['loss']:.6f}", flush=True)
     print(f"{mode}, residual {residual}: {tokens / (time.perf_counter() - t0):.1f} tokens/s over steps 2-4", flush=True)
+    return 0
+
+
+def check(recipe: str, dtype: str) -> int:
+    from bench_train import build_cfg
+    from tunekit import compiled
+    from tunekit.recipe import TrainRecipe
+
+    seen = {}
+    judge = compiled.judge
+
+    def spy(diffs, near, tol):
+        seen.update(diffs=diffs, near=near, tol=tol)
+        return judge(diffs, near, tol)
+
+    compiled.judge = spy
+    spec = {"recipe": recipe, "steps": 2, "micro_batch_size": 8, "grad_accum": 2, "seq_len": 256,
+            "packing": "false", "model": None, "data": None, "set": ["kernels.compile=true", f"model.dtype={dtype}"]}
+    out = tempfile.mkdtemp(prefix="tunekit-compile-probe-")
+    r = TrainRecipe(build_cfg(spec, out), Path(out))
+    r.setup()
+    print(f"recipe {recipe}, compute {r.dtype}: {r.compiled.reason}")
+    print("| tensor | compiled vs eager | compiled vs fp32 | eager vs fp32 |\n|---|---:|---:|---:|")
+    for name, d in seen["diffs"].items():
+        far = " | ".join(f"{v:.2e}" for v in seen["near"][name]) if name in seen["near"] else "- | -"
+        print(f"| {name.replace('.default.weight', '')} | {d:.2e} | {far} |")
     return 0
 
 

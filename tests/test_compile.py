@@ -14,10 +14,10 @@ from tunekit.methods.adapter import decoder_layers
 from tunekit.recipe import TrainRecipe
 
 
-def _recipe(tiny_model_dir, tiny_data, out, compile_: bool) -> TrainRecipe:
+def _recipe(tiny_model_dir, tiny_data, out, compile_: bool, dtype: str = "fp32", quantize: str = "nf4") -> TrainRecipe:
     cfg = TrainConfig(
         output_dir=str(out), seed=0,
-        model=ModelConfig(path=str(tiny_model_dir), quantize="nf4", dtype="fp32"),
+        model=ModelConfig(path=str(tiny_model_dir), quantize=quantize, dtype=dtype),
         data=DataConfig(path=str(tiny_data), max_seq_len=64, val_fraction=0.2),
         method=MethodConfig(r=4, alpha=12, dropout=0.0),  # scaling 3: not a power of two
         trainer=TrainerConfig(max_steps=3, micro_batch_size=4, grad_accum=2, lr=1e-3, eval_samples=0),
@@ -79,7 +79,7 @@ def eager_recipe(tiny_model_dir, tiny_data, tmp_path_factory):
 
 
 def _check(r: TrainRecipe):
-    return compiled.check(r.model, decoder_layers(r.model)[0], r.compile_check_inputs(), torch.float32)
+    return compiled.check(r.model, decoder_layers(r.model)[0], r.compile_check_inputs(), r.dtype)
 
 
 def test_the_check_stops_a_compiler_whose_layer_computes_otherwise(eager_recipe, monkeypatch):
@@ -100,15 +100,7 @@ def test_the_check_stops_a_compiler_whose_layer_computes_otherwise(eager_recipe,
 
 def test_the_check_stops_a_compiler_that_drops_the_trained_branchs_gradient(eager_recipe, monkeypatch):
     """Right output, wrong gradients: the trained tensors' gradients are compared too."""
-    def no_grad_into_lora(fn):
-        def run(*args, **kwargs):
-            out = fn(*args, **kwargs)
-            first = out[0] if isinstance(out, tuple) else out
-            halved = first.detach() + 0.5 * (first - first.detach())  # same values, half the gradient
-            return (halved, *out[1:]) if isinstance(out, tuple) else halved
-        return run
-
-    monkeypatch.setattr(compiled, "compile_fn", no_grad_into_lora)
+    monkeypatch.setattr(compiled, "compile_fn", _no_grad_into_lora)
     with pytest.raises(TunekitError,
                        match=r"differs from eager by 5\.00e-01 of its largest value in (input_grad|.*lora)"):
         _check(eager_recipe)
@@ -147,3 +139,85 @@ def test_a_layer_whose_forward_is_already_replaced_is_refused(eager_recipe, monk
     with pytest.raises(TunekitError, match=r"kernels.compile: decoder layer 1's forward is already replaced"):
         compiled.apply(eager_recipe.model, eager_recipe.compile_check_inputs(), torch.float32)
     assert not any(hasattr(m, compiled.ATTR) for m in decoder_layers(eager_recipe.model))
+
+
+@pytest.fixture(scope="module")
+def bf16_recipes(tiny_model_dir, tiny_data, tmp_path_factory):
+    """bf16 compute over a 4-bit base ("nf4", as qlora: fp32 norms and residual stream) and over a
+    bf16 base ("none", as lora: every op in bf16)."""
+    runs = {q: _recipe(tiny_model_dir, tiny_data, tmp_path_factory.mktemp(q), False, "bf16", q)
+            for q in ("nf4", "none")}
+    assert all(r.dtype == torch.bfloat16 for r in runs.values())
+    yield runs
+    for r in runs.values():
+        r.tracker.close()
+
+
+def _no_grad_into_lora(fn):
+    def run(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        first = out[0] if isinstance(out, tuple) else out
+        halved = first.detach() + 0.5 * (first - first.detach())  # same values, half the gradient
+        return (halved, *out[1:]) if isinstance(out, tuple) else halved
+    return run
+
+
+@pytest.mark.parametrize("base", ["nf4", "none"])
+def test_in_bf16_the_fp32_reference_is_the_same_layer(bf16_recipes, base, monkeypatch):
+    """In half precision the check also runs the layer in fp32. Eager bf16 must then sit at bf16's
+    rounding distance from it: above 1e-4 (the copy really computed in fp32: a copy left in bf16
+    would read 0), below the 3e-2 tolerance (the same function: a copy that lost a term or a
+    weight would read O(1)). The compiler is dynamo with the `eager` backend, which replays eager's
+    ops, so compiled and eager agree exactly and nothing needs judging."""
+    monkeypatch.setattr(compiled, "compile_fn", lambda fn: torch.compile(fn, backend="eager", dynamic=True))
+    result = _check(bf16_recipes[base])
+    assert result["max_rel_diff"] <= compiled.TOL[torch.bfloat16] and result["judged_against_fp32"] == []
+    assert 1e-4 < result["fp32_distance"]["eager"] < compiled.TOL[torch.bfloat16]
+    assert result["fp32_distance"]["compiled"] == pytest.approx(result["fp32_distance"]["eager"], rel=1e-6)
+
+
+def test_in_bf16_a_compiler_that_skips_roundings_passes_where_eager_is_further_off(bf16_recipes, monkeypatch):
+    """What inductor does in bf16 (keeps fused chains in fp32), made large: a 'compiler' that runs
+    the 4-bit projections' matmuls in fp32. With the tolerance against eager shrunk to 1e-7, every
+    tensor differs from eager beyond it, and passes because it is nearer the fp32 layer than eager.
+    Measured on the default model before this rule: a real compiled bf16 layer differed from eager
+    by 2.8e-2 against a 3e-2 tolerance (lora), being nearer fp32 than eager."""
+    def fp32_matmuls(fn):
+        def run(layer, *args, **kwargs):
+            fours = [m for m in layer.modules() if getattr(m, "compute_dtype", None) == torch.bfloat16]
+            for m in fours:
+                m.compute_dtype = torch.float32
+            try:
+                return fn(layer, *args, **kwargs)
+            finally:
+                for m in fours:
+                    m.compute_dtype = torch.bfloat16
+        return run
+
+    monkeypatch.setattr(compiled, "compile_fn", fp32_matmuls)
+    monkeypatch.setattr(compiled, "TOL", {torch.bfloat16: 1e-7})
+    result = _check(bf16_recipes["nf4"])  # the stand-in widens 4-bit projections' compute dtype
+    assert result["max_rel_diff"] > 1e-4 and len(result["judged_against_fp32"]) == result["compared"]
+    assert result["fp32_distance"]["compiled"] < 1e-5 < result["fp32_distance"]["eager"]
+
+
+@pytest.mark.parametrize("base", ["nf4", "none"])
+def test_in_bf16_a_wrong_gradient_still_stops_the_run(bf16_recipes, base, monkeypatch):
+    """A fault is far beyond both rules: half the gradient into the layer, judged against fp32 too."""
+    monkeypatch.setattr(compiled, "compile_fn", _no_grad_into_lora)
+    with pytest.raises(TunekitError, match=r"differs from eager by 5\.00e-01 of its largest value in \S+ "
+                                           r"\(tolerance 3e-02 for torch.bfloat16\), and from the layer in fp32 by "
+                                           r"5\.\d\de-01, beyond that and twice eager's \d\.\d\de-0[2-5]; "
+                                           r"run with kernels.compile=false"):
+        _check(bf16_recipes[base])
+
+
+def test_in_bf16_a_layer_that_cannot_run_in_fp32_stops_with_one_message(bf16_recipes, monkeypatch):
+    """The reference run failing (here: a layer left in bf16 given the fp32 inputs, a dtype clash
+    inside a matmul) is no check, so no compiling: one message, not a traceback."""
+    import copy
+
+    monkeypatch.setattr(compiled, "_fp32_copy", copy.deepcopy)
+    with pytest.raises(TunekitError, match=r"kernels.compile: the check could not run the decoder layer in fp32 "
+                                           r"\(RuntimeError: .*dtype.*\); run with kernels.compile=false"):
+        _check(bf16_recipes["none"])
