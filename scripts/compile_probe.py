@@ -49,15 +49,8 @@ def main(argv=None) -> int:
         raise SystemExit("usage: compile_probe.py eager|compile [--residual fp32|bf16] | "
                          "check [--recipe R] [--dtype auto|bf16|fp32]")
     import torch
-    from bench_train import build_cfg
-    from tunekit.recipe import TrainRecipe
 
-    spec = {"recipe": "qlora", "steps": 8, "micro_batch_size": 8, "grad_accum": 2, "seq_len": 256,
-            "packing": "false", "model": None, "data": None,
-            "set": ["kernels.compile=true"] if mode == "compile" else []}
-    out = tempfile.mkdtemp(prefix="tunekit-compile-probe-")
-    r = TrainRecipe(build_cfg(spec, out), Path(out))
-    r.setup()
+    r = _setup("qlora", 8, ["kernels.compile=true"] if mode == "compile" else [])
     model = r.model.base_model.model if hasattr(r.model, "base_model") else r.model
     if residual == "bf16":
         for p in model.parameters():
@@ -78,10 +71,21 @@ def main(argv=None) -> int:
     return 0
 
 
-def check(recipe: str, dtype: str) -> int:
+def _setup(recipe: str, steps: int, overrides: list[str]):
+    """TrainRecipe set up as `bench_train.py --config cpu` builds it (default model, seq 256, 8 x 2, padded)."""
     from bench_train import build_cfg
-    from tunekit import compiled
     from tunekit.recipe import TrainRecipe
+
+    spec = {"recipe": recipe, "steps": steps, "micro_batch_size": 8, "grad_accum": 2, "seq_len": 256,
+            "packing": "false", "model": None, "data": None, "set": overrides}
+    out = tempfile.mkdtemp(prefix="tunekit-compile-probe-")
+    r = TrainRecipe(build_cfg(spec, out), Path(out))
+    r.setup()
+    return r
+
+
+def check(recipe: str, dtype: str) -> int:
+    from tunekit import compiled
 
     seen = {}
     judge = compiled.judge
@@ -91,11 +95,7 @@ def check(recipe: str, dtype: str) -> int:
         return judge(diffs, near, tol)
 
     compiled.judge = spy
-    spec = {"recipe": recipe, "steps": 2, "micro_batch_size": 8, "grad_accum": 2, "seq_len": 256,
-            "packing": "false", "model": None, "data": None, "set": ["kernels.compile=true", f"model.dtype={dtype}"]}
-    out = tempfile.mkdtemp(prefix="tunekit-compile-probe-")
-    r = TrainRecipe(build_cfg(spec, out), Path(out))
-    r.setup()
+    r = _setup(recipe, 2, ["kernels.compile=true", f"model.dtype={dtype}"])
     print(f"recipe {recipe}, compute {r.dtype}: {r.compiled.reason}")
     print("| tensor | compiled vs eager | compiled vs fp32 | eager vs fp32 |\n|---|---:|---:|---:|")
     for name, d in seen["diffs"].items():

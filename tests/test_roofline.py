@@ -93,8 +93,7 @@ def test_compiled_regions_count_at_their_profiled_time():
 
     from torch.profiler import record_function
 
-    sys.path.insert(0, str(REPO / "scripts"))
-    from profile_train import family
+    from profile_train import family  # scripts/ is on the path (above)
 
     a = torch.randn(64, 32)
     b = torch.randn(32, 48)
