@@ -43,8 +43,13 @@ def main(argv=None) -> int:
     mode = argv[0] if argv else "eager"
     residual = argv[argv.index("--residual") + 1] if "--residual" in argv else "fp32"
     if mode == "check":
-        return check(argv[argv.index("--recipe") + 1] if "--recipe" in argv else "qlora",
-                     argv[argv.index("--dtype") + 1] if "--dtype" in argv else "auto")
+        recipe = argv[argv.index("--recipe") + 1] if "--recipe" in argv else "qlora"
+        dtype = argv[argv.index("--dtype") + 1] if "--dtype" in argv else "auto"
+        recipes = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "recipes" / "recipe").glob("*.yaml"))
+        if recipe not in recipes or dtype not in ("auto", "bf16", "fp32"):
+            raise SystemExit(f"compile_probe.py check: --recipe is one of {', '.join(recipes)}; "
+                             f"--dtype one of auto, bf16, fp32 (got {recipe}, {dtype})")
+        return check(recipe, dtype)
     if mode not in ("eager", "compile") or residual not in ("fp32", "bf16"):
         raise SystemExit("usage: compile_probe.py eager|compile [--residual fp32|bf16] | "
                          "check [--recipe R] [--dtype auto|bf16|fp32]")
