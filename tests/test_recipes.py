@@ -56,6 +56,10 @@ def test_qlora_writes_every_output(qlora_run):
     assert head["math"] == ("bf16" if cpu_has_bf16() and torch_has_mode() else "fp32"), head
     assert ("output head matmuls in bf16 math" in r.stderr) == (head["math"] == "bf16")
     assert "quantize: nf4" in (out / "config.yaml").read_text()
+    # the CPU threads the run had (the suite's OMP_NUM_THREADS=1), in the summary and the log
+    threads = summary["threads"]
+    assert threads["intra_op"] == torch.get_num_threads() and threads["cores"] == len(os.sched_getaffinity(0))
+    assert f"threads: {threads['intra_op']} intra-op on {threads['cores']} cores" in r.stderr
 
 
 def test_qlora_adapter_loads_with_peft(qlora_run, tiny_model_dir):

@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 
 from tunekit import TunekitError, __version__
+from tunekit.threads import openmp_env
 
 log = logging.getLogger("tunekit")
 PASSTHROUGH = {"--help", "-h", "--hydra-help", "--shell-completion", "-sc"}
@@ -325,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Before anything imports torch: libgomp reads how its threads wait once, at that import.
+    os.environ.update(openmp_env(os.environ, torch_loaded="torch" in sys.modules))
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if not argv or argv[0] in ("-h", "--help", "--version"):

@@ -20,6 +20,7 @@ import gc
 import json
 import logging
 import math
+import os
 import shutil
 import time
 from dataclasses import asdict
@@ -33,7 +34,7 @@ from transformers import AutoConfig
 
 from tunekit import TunekitError
 from tunekit import device as dev
-from tunekit import compiled, head_matmul
+from tunekit import compiled, head_matmul, threads
 from tunekit.checkpoint import (atomic_dir, atomic_write_text, cleanup_leftovers, find_resumable, latest_checkpoint,
                                 load_checkpoint, read_state, save_checkpoint)
 from tunekit.config import TrainConfig, plain
@@ -115,6 +116,8 @@ class TrainRecipe:
         else:
             self._info(f"base: {self.model_path} in {self.dtype}, {where}")
         self.bits_per_param = bits
+        if self.device.type == "cpu":
+            self._info(threads.describe(os.environ, torch.get_num_threads(), threads.cores()))
         prepare_for_training(model, quantize, cfg.model.gradient_checkpointing)
 
         self.objective = self._build_objective(model)
@@ -284,6 +287,8 @@ class TrainRecipe:
                    "device": self.facts.describe(), "compute_dtype": str(self.dtype).removeprefix("torch."),
                    "kernels": self.lora_path.as_dict(), "head_matmul": self.head_math.as_dict(),
                    "compile": self.compiled.as_dict(),
+                   **({"threads": threads.summary(os.environ, torch.get_num_threads(), threads.cores())}
+                      if self.device.type == "cpu" else {}),
                    "ranks_in_sync": self._ranks_in_sync(),
                    **({"fsdp": self.fsdp.summary(dev.peak_memory_mb(self.device))} if self.fsdp is not None else {}),
                    **(self.best.summary() if self.best else {})}
