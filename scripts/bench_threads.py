@@ -34,7 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tunekit.threads import SPINCOUNT  # noqa: E402  (no torch: the parent stays light)
+from tunekit.threads import SPINCOUNT, cores  # noqa: E402  (no torch: the parent stays light)
 
 SETTINGS = {"libgomp default": "300000", "tunekit": SPINCOUNT}
 SCENARIOS = ("alone", "pair", "busy")
@@ -116,7 +116,7 @@ def machine() -> dict:
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     field = lambda key: next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith(key)), "?")  # noqa: E731
     return {"cpu": field("model name"), "cpu_family": field("cpu family"), "cpu_model": field("model\t"),
-            "avx512_bf16": "avx512_bf16" in info, "cores": len(os.sched_getaffinity(0))}
+            "avx512_bf16": "avx512_bf16" in info, "cores": cores()}
 
 
 def versions() -> dict:
