@@ -35,6 +35,18 @@ def test_the_log_line_and_summary_say_what_the_threads_do():
     assert threads.summary({}, 1, 1) == {"intra_op": 1, "cores": 1}
 
 
+@pytest.mark.parametrize("device_type", ["cpu", "cuda", "xpu", "mps"])
+def test_only_a_run_that_computes_on_the_cpu_reports_its_threads(device_type):
+    """recipe.py asks this with the run's device type (torch.device("cuda:1").type is "cuda"): the
+    line and summary entry on a CPU run, nothing on an accelerator, where the threads only feed it."""
+    report = threads.on_device(device_type, {"GOMP_SPINCOUNT": "10000"}, 16, 16)
+    if device_type == "cpu":
+        assert report == {"line": threads.describe({"GOMP_SPINCOUNT": "10000"}, 16, 16),
+                          "summary": {"intra_op": 16, "cores": 16, "gomp_spincount": "10000"}}
+    else:
+        assert report is None
+
+
 def _bundled_libgomp() -> bool:
     import torch
 

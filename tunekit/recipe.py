@@ -116,8 +116,9 @@ class TrainRecipe:
         else:
             self._info(f"base: {self.model_path} in {self.dtype}, {where}")
         self.bits_per_param = bits
-        if self.device.type == "cpu":
-            self._info(threads.describe(os.environ, torch.get_num_threads(), threads.cores()))
+        self.threads = threads.on_device(self.device.type, os.environ, torch.get_num_threads(), threads.cores())
+        if self.threads:
+            self._info(self.threads["line"])
         prepare_for_training(model, quantize, cfg.model.gradient_checkpointing)
 
         self.objective = self._build_objective(model)
@@ -287,8 +288,7 @@ class TrainRecipe:
                    "device": self.facts.describe(), "compute_dtype": str(self.dtype).removeprefix("torch."),
                    "kernels": self.lora_path.as_dict(), "head_matmul": self.head_math.as_dict(),
                    "compile": self.compiled.as_dict(),
-                   **({"threads": threads.summary(os.environ, torch.get_num_threads(), threads.cores())}
-                      if self.device.type == "cpu" else {}),
+                   **({"threads": self.threads["summary"]} if self.threads else {}),
                    "ranks_in_sync": self._ranks_in_sync(),
                    **({"fsdp": self.fsdp.summary(dev.peak_memory_mb(self.device))} if self.fsdp is not None else {}),
                    **(self.best.summary() if self.best else {})}

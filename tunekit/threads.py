@@ -54,6 +54,16 @@ def summary(environ: Mapping[str, str], intra_op: int, n_cores: int) -> dict:
             **{name.lower(): environ[name] for name in USER_CHOICES if name in environ}}
 
 
+def on_device(device_type: str, environ: Mapping[str, str], intra_op: int, n_cores: int) -> dict | None:
+    """What a run on `device_type` ("cpu", "cuda", ...) reports of its CPU threads: {"line": the
+    start-of-run log line, "summary": summary.json's entry} where the model computes on the CPU,
+    None elsewhere (on a GPU the intra-op threads only feed it, and their count says nothing about
+    the run's speed)."""
+    if device_type != "cpu":
+        return None
+    return {"line": describe(environ, intra_op, n_cores), "summary": summary(environ, intra_op, n_cores)}
+
+
 def describe(environ: Mapping[str, str], intra_op: int, n_cores: int) -> str:
     """The start-of-run log line on a CPU."""
     wait = environ.get("GOMP_SPINCOUNT")
