@@ -42,7 +42,17 @@ def test_compiled_training_takes_eager_steps_and_saves_the_same_adapter(tiny_mod
     lr 1e-3 turns a gradient difference into a parameter difference of at most
     lr * (relative gradient difference) except where a gradient is near 0, which moves a parameter by
     < 2 lr either way, so after 2 updates the losses stay within ~1e-4 relative (2e-4 allowed)."""
-    monkeypatch.setattr(compiled, "compile_fn", lambda fn: torch.compile(fn, backend="eager", dynamic=True))
+    through = []  # the layers each compiled call ran
+
+    def recording(fn):
+        run = torch.compile(fn, backend="eager", dynamic=True)
+
+        def call(layer, *args, **kwargs):
+            through.append(layer)
+            return run(layer, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(compiled, "compile_fn", recording)
     runs = {}
     for mode in (False, True):
         r = _recipe(tiny_model_dir, tiny_data, tmp_path / str(mode), mode)
@@ -52,7 +62,11 @@ def test_compiled_training_takes_eager_steps_and_saves_the_same_adapter(tiny_mod
     (eager, eager_losses), (comp, comp_losses) = runs[False], runs[True]
     assert not eager.compiled.on and comp.compiled.on and comp.compiled.layers == 2
     assert comp.compiled.check["max_rel_diff"] <= compiled.TOL[torch.float32]
-    assert all(hasattr(layer, compiled.ATTR) for layer in decoder_layers(comp.model))
+    layers = decoder_layers(comp.model)
+    assert all(hasattr(layer, compiled.ATTR) for layer in layers)
+    # qlora's embedding is frozen, so the first layer's input needs no gradient: that layer runs eager
+    # (no graph variant of its own to compile), the second through the compiler
+    assert not any(seen is layers[0] for seen in through) and any(seen is layers[1] for seen in through)
     assert comp_losses == pytest.approx(eager_losses, rel=2e-4)
     assert eager_losses[2] != pytest.approx(eager_losses[0], rel=1e-3)  # the steps really trained
     # The saved adapter is the eager run's, tensor for tensor (same keys, values within training's drift)
@@ -129,6 +143,35 @@ def test_the_real_compiler_passes_the_check_with_a_margin(eager_recipe):
     assert result["max_rel_diff"] <= compiled.TOL[torch.float32]
     assert result["compared"] == 2 + 7 * 2  # output, input gradient, A and B of 7 projections
     assert json.dumps(result)  # summary.json takes it as is
+
+
+def test_only_calls_that_record_a_gradient_into_the_input_are_compiled(monkeypatch):
+    """compile_layers' rule, on a plain module: compiled while autograd records and the input (by
+    position or as hidden_states=) needs a gradient; eager with no_grad (evaluation, generation)
+    and for an input that needs none (the first layer over a frozen embedding)."""
+    calls = []
+
+    def recording(fn):
+        def call(layer, *args, **kwargs):
+            calls.append(kwargs.get("hidden_states", args[0] if args else None))
+            return fn(layer, *args, **kwargs)
+        return call
+
+    class Layer(torch.nn.Module):
+        def forward(self, hidden_states, scale=1.0):
+            return hidden_states * scale
+
+    monkeypatch.setattr(compiled, "compile_fn", recording)
+    layer = Layer()
+    compiled.compile_layers([layer])
+    needs, frozen = torch.ones(2, requires_grad=True), torch.ones(2)
+    layer(needs)
+    layer(hidden_states=needs, scale=2.0)
+    layer(frozen)
+    with torch.no_grad():
+        layer(needs)
+    assert [c is needs for c in calls] == [True, True]
+    assert torch.equal(layer(frozen, 3.0), torch.full((2,), 3.0))  # the eager path still computes
 
 
 def test_a_layer_whose_forward_is_already_replaced_is_refused(eager_recipe, monkeypatch):
