@@ -92,20 +92,21 @@ def _setup(recipe: str, steps: int, overrides: list[str]):
 def check(recipe: str, dtype: str) -> int:
     from tunekit import compiled
 
-    seen = {}
+    seen = []  # judge's arguments, once per check batch
     judge = compiled.judge
 
     def spy(diffs, near, tol):
-        seen.update(diffs=diffs, near=near, tol=tol)
+        seen.append((diffs, near))
         return judge(diffs, near, tol)
 
     compiled.judge = spy
     r = _setup(recipe, 2, ["kernels.compile=true", f"model.dtype={dtype}"])
     print(f"recipe {recipe}, compute {r.dtype}: {r.compiled.reason}")
-    print("| tensor | compiled vs eager | compiled vs fp32 | eager vs fp32 |\n|---|---:|---:|---:|")
-    for name, d in seen["diffs"].items():
-        far = " | ".join(f"{v:.2e}" for v in seen["near"][name]) if name in seen["near"] else "- | -"
-        print(f"| {name.replace('.default.weight', '')} | {d:.2e} | {far} |")
+    for label, (diffs, near) in zip(r.compiled.check["batches"], seen):
+        print(f"\n{label}:\n\n| tensor | compiled vs eager | compiled vs fp32 | eager vs fp32 |\n|---|---:|---:|---:|")
+        for name, d in diffs.items():
+            far = " | ".join(f"{v:.2e}" for v in near[name]) if name in near else "- | -"
+            print(f"| {name.replace('.default.weight', '')} | {d:.2e} | {far} |")
     return 0
 
 

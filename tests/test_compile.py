@@ -112,6 +112,24 @@ def test_the_check_stops_a_compiler_whose_layer_computes_otherwise(eager_recipe,
     assert not any(hasattr(layer, compiled.ATTR) for layer in decoder_layers(eager_recipe.model))
 
 
+def test_the_check_covers_the_graph_of_a_one_row_micro_batch(eager_recipe, monkeypatch):
+    """A micro-batch of one row has no padding, so no mask, and dynamo compiles a graph of its own for
+    it: a 'compiler' wrong only there (output off by 1e-3 for one row) is caught by the check's
+    one-row batch, before any step runs it."""
+    def off_for_one_row(fn):
+        def run(layer, hidden, *args, **kwargs):
+            out = fn(layer, hidden, *args, **kwargs)
+            if len(hidden) > 1:
+                return out
+            return (out[0] * (1 + 1e-3), *out[1:]) if isinstance(out, tuple) else out * (1 + 1e-3)
+        return run
+
+    monkeypatch.setattr(compiled, "compile_fn", off_for_one_row)
+    with pytest.raises(TunekitError, match=r"differs from eager by 1\.00e-03 of its largest value in \S+ on a "
+                                           r"batch of 1 row of 37 positions \(tolerance"):
+        _check(eager_recipe)
+
+
 def test_the_check_stops_a_compiler_that_drops_the_trained_branchs_gradient(eager_recipe, monkeypatch):
     """Right output, wrong gradients: the trained tensors' gradients are compared too."""
     monkeypatch.setattr(compiled, "compile_fn", _no_grad_into_lora)
@@ -141,7 +159,9 @@ def test_the_real_compiler_passes_the_check_with_a_margin(eager_recipe):
     assert eager_recipe.lora_path.path == "torch"  # the LoRA math of tunekit/lora_compute.py
     result = _check(eager_recipe)
     assert result["max_rel_diff"] <= compiled.TOL[torch.float32]
-    assert result["compared"] == 2 + 7 * 2  # output, input gradient, A and B of 7 projections
+    # output, input gradient, A and B of 7 projections, on two rows and on one (no padding, no mask)
+    assert result["batches"] == ["2 rows of 37 positions", "1 row of 37 positions"]
+    assert result["compared"] == 2 * (2 + 7 * 2)
     assert json.dumps(result)  # summary.json takes it as is
 
 
@@ -248,8 +268,9 @@ def test_in_bf16_a_compiler_that_skips_roundings_passes_where_eager_is_further_o
 def test_in_bf16_a_wrong_gradient_still_stops_the_run(bf16_recipes, base, monkeypatch):
     """A fault is far beyond both rules: half the gradient into the layer, judged against fp32 too."""
     monkeypatch.setattr(compiled, "compile_fn", _no_grad_into_lora)
-    with pytest.raises(TunekitError, match=r"differs from eager by 5\.00e-01 of its largest value in \S+ "
-                                           r"\(tolerance 3e-02 for torch.bfloat16\), and from the layer in fp32 by "
+    with pytest.raises(TunekitError, match=r"differs from eager by 5\.00e-01 of its largest value in \S+ on a "
+                                           r"batch of 2 rows of 37 positions \(tolerance 3e-02 for torch.bfloat16\), "
+                                           r"and from the layer in fp32 by "
                                            r"5\.\d\de-01, beyond that and twice eager's \d\.\d\de-0[2-5]; "
                                            r"run with kernels.compile=false"):
         _check(bf16_recipes[base])

@@ -4,10 +4,12 @@ What it buys (benchmarks/cpu-speed.md): inductor fuses the elementwise chains be
 (the fp32 residual stream, RMSNorm, rotary, SiLU and the gate product, the LoRA sums), which eager
 PyTorch runs as separate passes over memory. On a 2-core Ice Lake VM (fp32 compute) a qlora step of
 the default model ran 1.00-1.33x faster through this module (four eager/compiled pairs on a noisy
-VM) at 13-16% less peak memory, after 30-45 s of checking and compiling (~110 s on a machine's first
+VM) at 13-16% less peak memory, after 22-25 s of checking and compiling (56 s on a machine's first
 compiled run, inductor's cache in /tmp/torchinductor_$USER empty); an earlier probe of the same ops
-on a bf16 CPU read 1.16-1.32x. The default 60-step run ended 18 s later in wall time (break-even
-near 75 steps warm, 175 cold), so it is off by default.
+on a bf16 CPU read 1.16-1.32x. The default 60-step run, in two interleaved pairs: 5 m 30 s and
+5 m 46 s compiled against 6 m 36 s and 6 m 1 s eager, and 6 m 15 s compiled with the cache empty,
+so it about breaks even on a machine's first compiled run and gains from then on. It stays off by
+default: untried on a GPU, and every run would need a working C++ compiler.
 
 How:
 
@@ -20,7 +22,8 @@ How:
   with every zero-initialised trained tensor (LoRA's B, an adapter's up-projection) given random
   values so that the trained branch matters and dropout off so that both sides draw no random mask,
   runs forward and backward eager and compiled on the layer's real inputs (captured from a short
-  forward of the model); the outputs and every gradient must agree within the tolerance below.
+  forward of the model), for a batch of two rows and for one row alone (CHECK_LENGTHS: the graphs
+  the steps will run); the outputs and every gradient must agree within the tolerance below.
   Found that way: torch 2.13's inductor dropped `alpha` from `y.add_(a @ b, alpha=s)`, which
   halved every LoRA term at alpha/r = 2 (tunekit/lora_compute.py no longer writes it so).
   A compile error or a difference stops the run with a message naming kernels.compile.
@@ -53,6 +56,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -66,10 +70,13 @@ log = logging.getLogger(__name__)
 
 # The analysis in the module docstring gives the fused kernel's bounds (tunekit/fused.py): one table.
 TOL = CHECK_TOL
-# The check's batch: real rows cut to these lengths. More than one row, and lengths that are prime,
-# because dynamo specialises a dimension of size 1 and one equal to a static width of the model (a
-# 32-token row against k_proj's 32 outputs made the sequence length a constant): the check's graph
-# is then the one the training steps reuse.
+# The check's batches: real rows cut to these lengths, the two together and the first alone. Lengths
+# that are prime, because dynamo specialises a dimension equal to a static width of the model (a
+# 32-token row against k_proj's 32 outputs made the sequence length a constant), and both row
+# counts, because it specialises a dimension of size 1 too: a micro-batch of one row (a long row
+# that length grouping puts alone, every micro-batch at trainer.micro_batch_size=1) has no padding,
+# so no mask, and runs a graph of its own. The graphs the check compiles are then the ones the
+# training steps reuse, and each is checked before a step runs it.
 CHECK_LENGTHS = (37, 29)
 # True on a compiled layer (a plain attribute: never saved). A compiled layer's forward closes over
 # the layer itself, so a deep copy of it would still run the original: copy first (check() does).
@@ -125,11 +132,11 @@ def _first_tensor(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def check(model: nn.Module, layer: nn.Module, inputs: dict, dtype: torch.dtype) -> dict:
-    """Layer `layer`'s copy, eager against compiled, forward and backward (see the module docstring).
-    Returns the largest relative difference of the output, the input gradient and the trained
-    tensors' gradients; raises TunekitError beyond the tolerance or on a compile error."""
-    args, kwargs = capture_layer_inputs(model, layer, inputs)
+def check(model: nn.Module, layer: nn.Module, batches: Sequence[dict], dtype: torch.dtype) -> dict:
+    """Layer `layer`'s copy, eager against compiled, forward and backward, on each of `batches` (model
+    inputs, see CHECK_LENGTHS; the module docstring has the rest). Returns the largest relative
+    difference of the output, the input gradient and the trained tensors' gradients; raises
+    TunekitError beyond the tolerance or on a compile error."""
     twin = copy.deepcopy(layer)
     gen = torch.Generator(device="cpu").manual_seed(0)
     with torch.no_grad():
@@ -139,15 +146,20 @@ def check(model: nn.Module, layer: nn.Module, inputs: dict, dtype: torch.dtype) 
     for m in twin.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
-    if args:
-        hidden, rest = args[0], args[1:]
-    else:  # passed by name
-        kwargs = dict(kwargs)
-        hidden, rest = kwargs.pop("hidden_states"), ()
-    # A loss that weights every output element differently, so that each gradient is a real check
-    weights = torch.randn(hidden.shape, generator=gen).to(hidden.device, torch.float32)
+    cases = {}
+    for inputs in batches:
+        args, kwargs = capture_layer_inputs(model, layer, inputs)
+        if args:
+            hidden, rest = args[0], args[1:]
+        else:  # passed by name
+            kwargs = dict(kwargs)
+            hidden, rest = kwargs.pop("hidden_states"), ()
+        # A loss that weights every output element differently, so that each gradient is a real check
+        weights = torch.randn(hidden.shape, generator=gen).to(hidden.device, torch.float32)
+        rows, positions = hidden.shape[:2]
+        cases[f"{rows} row{'s' * (rows != 1)} of {positions} positions"] = (hidden, rest, kwargs, weights)
 
-    def run(module=twin, hidden=hidden, rest=rest, kwargs=kwargs):
+    def run(module, hidden, rest, kwargs, weights):
         # through the module's __call__, as training calls it (gradient checkpointing included)
         x = hidden.detach().clone().requires_grad_(True)
         for p in module.parameters():
@@ -159,43 +171,52 @@ def check(model: nn.Module, layer: nn.Module, inputs: dict, dtype: torch.dtype) 
 
     t0 = time.perf_counter()
     with torch.enable_grad():
-        reference = None
+        references = {}
         if dtype != torch.float32:  # the same layer and inputs with every op in fp32 (module docstring)
             try:
-                reference = run(_fp32_copy(twin), _fp32(hidden), _fp32(rest), _fp32(kwargs))
+                wide = _fp32_copy(twin)
+                references = {label: run(wide, *_fp32(case[:3]), case[3]) for label, case in cases.items()}
             except Exception as e:  # a layer this widening does not fit: no check, so no compiling
                 raise TunekitError(f"kernels.compile: the check could not run the decoder layer in fp32 "
                                    f"({type(e).__name__}: {str(e).strip()[:200]}); "
                                    f"run with kernels.compile=false") from e
-        want = run()
+        wants = {label: run(twin, *case) for label, case in cases.items()}
         compile_layers([twin])
         try:
-            got = run()
+            gots = {label: run(twin, *case) for label, case in cases.items()}
         except Exception as e:  # inductor raises many kinds; the user needs the gist and the way out
             first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
             raise TunekitError(f"kernels.compile: torch.compile failed on this build ({type(e).__name__}: "
                                f"{first[:300]}); run with kernels.compile=false") from e
-    if set(got) != set(want) or len(want) == 2:  # 2: the output and input gradient, no trained tensor
-        trained = [sorted(set(r) - {"output", "input_grad"})[:3] for r in (got, want)]
-        raise TunekitError(f"kernels.compile: the compiled layer computed gradients for {trained[0]}, "
-                           f"eager for {trained[1]}; run with kernels.compile=false")
     tol = TOL.get(dtype, TOL[torch.bfloat16])
-    diffs = {name: rel_err(got[name], want[name]) for name in want}
-    # (compiled, eager) distance from the layer in fp32, per tensor: half precision only
-    near = {n: (rel_err(got[n], r), rel_err(want[n], r)) for n, r in reference.items()} if reference else {}
-    failed = judge(diffs, near, tol)
-    if failed:
-        errs = near.get(failed)
-        raise TunekitError(f"kernels.compile: the compiled decoder layer differs from eager by {diffs[failed]:.2e} "
-                           f"of its largest value in {failed} (tolerance {tol:.0e} for {dtype})"
-                           + (f", and from the layer in fp32 by {errs[0]:.2e}, beyond that and twice eager's "
-                              f"{errs[1]:.2e}" if errs else "") + "; run with kernels.compile=false")
-    worst = max(diffs, key=diffs.get)
-    result = {"max_rel_diff": diffs[worst], "worst": worst, "tolerance": tol, "compared": len(diffs)}
-    if near:
-        result |= {"fp32_distance": {"compiled": max(c for c, _ in near.values()),
-                                     "eager": max(e for _, e in near.values())},
-                   "judged_against_fp32": sorted(n for n in diffs if diffs[n] > tol)}
+    result = {"max_rel_diff": 0.0, "worst": None, "tolerance": tol, "compared": 0, "batches": list(cases)}
+    near_all, judged = [], []
+    for label in cases:
+        got, want, reference = gots[label], wants[label], references.get(label)
+        if set(got) != set(want) or len(want) == 2:  # 2: the output and input gradient, no trained tensor
+            trained = [sorted(set(r) - {"output", "input_grad"})[:3] for r in (got, want)]
+            raise TunekitError(f"kernels.compile: the compiled layer computed gradients for {trained[0]}, "
+                               f"eager for {trained[1]}; run with kernels.compile=false")
+        diffs = {name: rel_err(got[name], want[name]) for name in want}
+        # (compiled, eager) distance from the layer in fp32, per tensor: half precision only
+        near = {n: (rel_err(got[n], r), rel_err(want[n], r)) for n, r in reference.items()} if reference else {}
+        failed = judge(diffs, near, tol)
+        if failed:
+            errs = near.get(failed)
+            raise TunekitError(f"kernels.compile: the compiled decoder layer differs from eager by "
+                               f"{diffs[failed]:.2e} of its largest value in {failed} on a batch of {label} "
+                               f"(tolerance {tol:.0e} for {dtype})"
+                               + (f", and from the layer in fp32 by {errs[0]:.2e}, beyond that and twice "
+                                  f"eager's {errs[1]:.2e}" if errs else "") + "; run with kernels.compile=false")
+        worst = max(diffs, key=diffs.get)
+        if result["worst"] is None or diffs[worst] > result["max_rel_diff"]:
+            result |= {"max_rel_diff": diffs[worst], "worst": worst, "worst_batch": label}
+        result["compared"] += len(diffs)
+        near_all += near.values()
+        judged += [f"{n} ({label})" for n in diffs if diffs[n] > tol]
+    if near_all:
+        result |= {"fp32_distance": {"compiled": max(c for c, _ in near_all), "eager": max(e for _, e in near_all)},
+                   "judged_against_fp32": judged}
     return result | {"seconds": time.perf_counter() - t0}
 
 
@@ -281,7 +302,7 @@ def compile_layers(layers) -> None:
         layer.forward = forward
 
 
-def apply(model: nn.Module, inputs: dict, dtype: torch.dtype) -> CompileDecision:
+def apply(model: nn.Module, batches: Sequence[dict], dtype: torch.dtype) -> CompileDecision:
     """kernels.compile=true: check the compiler on the last layer's copy, then compile every decoder layer."""
     try:
         layers = decoder_layers(model)
@@ -292,13 +313,13 @@ def apply(model: nn.Module, inputs: dict, dtype: torch.dtype) -> CompileDecision
         raise TunekitError(f"kernels.compile: decoder layer {wrapped[0]}'s forward is already replaced by "
                            f"something else (an offloading hook?); run with kernels.compile=false")
     # The last layer: its input requires grad, as every layer's but the first does in training
-    result = check(model, layers[-1], inputs, dtype)
+    result = check(model, layers[-1], batches, dtype)
     compile_layers(layers)
     near = result.get("fp32_distance")
     return CompileDecision(True, f"torch.compile (inductor) over {len(layers)} decoder layers' training forward "
                                  "(where their input needs a gradient); "
                                  f"the last checked against eager: {result['max_rel_diff']:.1e} of the largest "
-                                 f"value at most ({result['worst']})"
+                                 f"value at most ({result['worst']}, {result['worst_batch']})"
                                  + (f"; from the layer in fp32 compiled {near['compiled']:.1e}, "
                                     f"eager {near['eager']:.1e}" if near else "") + f", in {result['seconds']:.1f} s",
                            len(layers), result)

@@ -175,13 +175,14 @@ class TrainRecipe:
                         if self.main else NullTracker())
         self._setup_task_eval()
 
-    def compile_check_inputs(self) -> dict:
-        """kernels.compile's check batch: real training rows cut to unequal lengths, collated as a
-        step collates them (padded and masked, or packed), on the device."""
+    def compile_check_inputs(self) -> list[dict]:
+        """kernels.compile's check batches: real training rows cut to unequal lengths, the two together
+        and the first alone, each collated as a step collates them (padded and masked, or packed), on
+        the device."""
         rows = [{k: self.train_data[i][k][:n] for k in ("input_ids", "labels")}
                 for i, n in zip(range(len(self.train_data)), compiled.CHECK_LENGTHS)]
-        batch = self.collate(rows, self.tokenizer.pad_token_id)
-        return {k: v.to(self.device) for k, v in model_inputs(batch).items()}
+        batches = [self.collate(group, self.tokenizer.pad_token_id) for group in (rows, rows[:1])]
+        return [{k: v.to(self.device) for k, v in model_inputs(batch).items()} for batch in batches]
 
     def _setup_task_eval(self) -> None:
         """Rank 0: sample answers / task metric at every evaluation, and keep_best (tunekit.taskeval.training).
