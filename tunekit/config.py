@@ -180,9 +180,9 @@ class KernelsConfig:
     # check against fp64 (tunekit/head_matmul.py: 2.3x faster, error ~fp32's), or strict fp32
     head_matmul: HeadMatmul = HeadMatmul.auto
     # the decoder layers' training forward through torch.compile (inductor), checked against eager
-    # on a copy of one layer before the first step (tunekit/compiled.py): 1.0-1.3x per step on the
-    # development CPUs after 40 s of checking and compiling (110 s with inductor's cache empty), so
-    # worth it for runs of a few hundred steps
+    # on a copy of one layer before the first step (tunekit/compiled.py): 1.0-1.4x per step on the
+    # development CPUs after 22-25 s of checking and compiling (56 s with inductor's cache empty):
+    # the default 60-step run gains from a machine's second compiled run on
     compile: bool = False
 
 
