@@ -96,16 +96,22 @@ def _check(r: TrainRecipe):
     return compiled.check(r.model, decoder_layers(r.model)[0], r.compile_check_inputs(), r.dtype)
 
 
+def _off_by_a_little(where):
+    """A 'compiler' whose layer output is 1e-3 relative off for the batches `where(rows)` picks."""
+    def compiler(fn):
+        def run(layer, hidden, *args, **kwargs):
+            out = fn(layer, hidden, *args, **kwargs)
+            if not where(len(hidden)):
+                return out
+            return (out[0] * (1 + 1e-3), *out[1:]) if isinstance(out, tuple) else out * (1 + 1e-3)
+        return run
+    return compiler
+
+
 def test_the_check_stops_a_compiler_whose_layer_computes_otherwise(eager_recipe, monkeypatch):
     """A 'compiler' whose layer output is off by 1e-3 relative (10x the fp32 tolerance) stops the
     run with a message that names the key; the layer under test is a copy, the model is untouched."""
-    def off_by_a_little(fn):
-        def run(*args, **kwargs):
-            out = fn(*args, **kwargs)
-            return (out[0] * (1 + 1e-3), *out[1:]) if isinstance(out, tuple) else out * (1 + 1e-3)
-        return run
-
-    monkeypatch.setattr(compiled, "compile_fn", off_by_a_little)
+    monkeypatch.setattr(compiled, "compile_fn", _off_by_a_little(lambda rows: True))
     with pytest.raises(TunekitError, match=r"kernels.compile: the compiled decoder layer differs from eager "
                                            r"by 1\.00e-03 of its largest value in "):
         _check(eager_recipe)
@@ -116,15 +122,7 @@ def test_the_check_covers_the_graph_of_a_one_row_micro_batch(eager_recipe, monke
     """A micro-batch of one row has no padding, so no mask, and dynamo compiles a graph of its own for
     it: a 'compiler' wrong only there (output off by 1e-3 for one row) is caught by the check's
     one-row batch, before any step runs it."""
-    def off_for_one_row(fn):
-        def run(layer, hidden, *args, **kwargs):
-            out = fn(layer, hidden, *args, **kwargs)
-            if len(hidden) > 1:
-                return out
-            return (out[0] * (1 + 1e-3), *out[1:]) if isinstance(out, tuple) else out * (1 + 1e-3)
-        return run
-
-    monkeypatch.setattr(compiled, "compile_fn", off_for_one_row)
+    monkeypatch.setattr(compiled, "compile_fn", _off_by_a_little(lambda rows: rows == 1))
     with pytest.raises(TunekitError, match=r"differs from eager by 1\.00e-03 of its largest value in \S+ on a "
                                            r"batch of 1 row of 37 positions \(tolerance"):
         _check(eager_recipe)
