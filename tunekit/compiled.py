@@ -284,11 +284,11 @@ def compile_layers(layers) -> None:
     micro-batch of one row, unpadded and so without a mask, is a variant of its own). Measured on
     the default model, qlora fp32, 2-core Ice Lake VM (benchmarks/cpu-speed.md): the first step's
     recompiles went from 3 to 1 and its time from 48.0 s to 20.2 s with inductor's cache empty,
-    20.5 s to 8.5 s with it warm (eager's: ~4.5 s). Eager, that layer forgoes 1/30 of the compiled
-    step's gain (~0.02 s a step there), which adds up to the saving only after 600 (warm) to 1400
-    (cold) steps. A
-    method that trains below the first layer (prompt tuning's soft prompt) gives it an input that
-    needs a gradient, and it is compiled."""
+    20.5 s to 8.5 s with it warm (eager's: ~4.5 s); the one left, the one-row graph, is now
+    compiled and checked by check() instead. Eager, that layer forgoes 1/30 of the compiled step's
+    gain (~0.02 s a step there), which adds up to the saving only after 600 (warm) to 1400 (cold)
+    steps. A method that trains below the first layer (prompt tuning's soft prompt) gives it an
+    input that needs a gradient, and it is compiled."""
     compiled = compile_fn(_forward_of)
     for layer in layers:
         eager = layer.forward
