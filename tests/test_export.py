@@ -329,6 +329,53 @@ def test_gguf_quantized_by_llama_cpp(wide_run, qtype, ggml_type, bits, tmp_path)
     t = tensors["blk.0.attn_q.weight"]
     assert abs(8 * t.n_bytes / t.n_elements - bits) < 1e-6
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".f16")] and not leftovers(tmp_path)
+    # on a CPU with AMX the check loaded the file with llama.cpp's weight repacking off (its AMX
+    # matmul segfaulted on these files there), and the report says so
+    from tunekit.device import cpuinfo_text
+
+    assert ("repacking off" in report["checked_by"]) == ("amx_int8" in cpuinfo_text().split())
+    # the load takes the setting asked for, whatever the CPU, and leaves the binding's defaults as they were
+    import llama_cpp.llama_cpp as C
+
+    from tunekit.export.llamacpp import LlamaCppModel
+
+    model = LlamaCppModel(out, 16, 1, repack=False)
+    try:
+        assert model.llm.model_params.use_extra_bufts is False
+        ids = torch.tensor([[1, 2, 3, 4]])
+        assert torch.isfinite(model.logits({"input_ids": ids, "attention_mask": torch.ones_like(ids)})).all()
+    finally:
+        model.close()
+    assert C.llama_model_default_params().use_extra_bufts is True
+
+
+@pytest.mark.parametrize("flags, repack", [
+    ("fpu sse avx2 fma avx512f avx512bw avx512_vnni avx512_bf16", True),  # AVX512 without AMX (AMD EPYC Zen 4)
+    ("fpu avx2 fma avx512f avx512_bf16 amx_bf16 avx512_fp16 amx_tile amx_int8", False),  # Intel Xeon with AMX (2026-11-25 VM)
+    ("", True),  # no /proc/cpuinfo: llama.cpp's default
+])
+def test_weight_repacking_is_off_where_the_cpu_has_amx(flags, repack):
+    from tunekit.export.llamacpp import weight_repacking
+
+    ok, why = weight_repacking(f"processor\t: 0\nflags\t\t: {flags}\n")
+    assert ok is repack and ("repacking off" in why) is (not repack)
+
+
+def test_a_binding_without_the_model_parameter_is_one_clear_error():
+    need_llama_cpp()
+    import llama_cpp.llama_cpp as C
+
+    from tunekit.export.llamacpp import _model_params
+
+    real = C.llama_model_default_params
+    with pytest.raises(TunekitError, match=r"model parameters have no no_such_field .*llama_cpp_wheel.sh"):
+        with _model_params(no_such_field=True):
+            pass
+    with pytest.raises(RuntimeError, match="boom"):  # the defaults come back after an error inside
+        with _model_params(use_extra_bufts=False):
+            assert C.llama_model_default_params().use_extra_bufts is False
+            raise RuntimeError("boom")
+    assert C.llama_model_default_params is real
 
 
 def test_gguf_without_llama_cpp_falls_back_to_transformers(runs, tmp_path, monkeypatch, caplog):

@@ -51,7 +51,8 @@ class DeviceFacts:
         return "cpu" + (" (native bf16)" if self.cpu_bf16 else "")
 
 
-def _cpuinfo() -> str:
+def cpuinfo_text() -> str:
+    """/proc/cpuinfo ("" where there is none): the CPU flags the decisions here are functions of."""
     try:
         return Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -60,20 +61,20 @@ def _cpuinfo() -> str:
 
 def cpu_has_bf16(cpuinfo: Optional[str] = None) -> bool:
     """Native bf16 on this CPU (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
-    cpuinfo = _cpuinfo() if cpuinfo is None else cpuinfo
+    cpuinfo = cpuinfo_text() if cpuinfo is None else cpuinfo
     return "avx512_bf16" in cpuinfo or "amx_bf16" in cpuinfo
 
 
 def cpu_has_fp16(cpuinfo: Optional[str] = None) -> bool:
     """Native fp16 matmul on this CPU (AVX512-FP16 or AMX-FP16); elsewhere torch emulates it."""
-    cpuinfo = _cpuinfo() if cpuinfo is None else cpuinfo
+    cpuinfo = cpuinfo_text() if cpuinfo is None else cpuinfo
     return "avx512_fp16" in cpuinfo or "amx_fp16" in cpuinfo
 
 
 def cpu_emulated_dtypes(cpuinfo: Optional[str] = None) -> tuple[torch.dtype, ...]:
     """The half dtypes whose matmuls torch emulates on this CPU: on one thread of an AVX2 EPYC a
     256x576 @ 576x1536 linear took 62 ms in bf16, 42 ms in fp16, 9 ms in fp32 (the same operands upcast)."""
-    cpuinfo = _cpuinfo() if cpuinfo is None else cpuinfo
+    cpuinfo = cpuinfo_text() if cpuinfo is None else cpuinfo
     return tuple(d for d, native in ((torch.bfloat16, cpu_has_bf16(cpuinfo)), (torch.float16, cpu_has_fp16(cpuinfo)))
                  if not native)
 

@@ -32,7 +32,7 @@ from tunekit import TunekitError, __version__
 from tunekit.checkpoint import atomic_dir
 from tunekit.cliparse import Parser
 from tunekit.export import artifacts, llamacpp
-from tunekit.device import cpu_emulated_dtypes
+from tunekit.device import cpu_emulated_dtypes, cpuinfo_text
 from tunekit.export.fidelity import HalfLinearsInFp32, compare, measure_reference, token_nll
 from tunekit.export.gate import KL_ADAPTER, MIN_GAIN_KEPT, MIN_GAIN_KEPT_LOSSY, decide, table
 from tunekit.export.run import apply_and_load, heldout_batches, load_base, load_original_base, open_run, run_tokenizer
@@ -121,6 +121,9 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
         if why:
             log.warning("%s: checking the GGUF with transformers' reader instead of llama.cpp", why)
         checked_by = "transformers' GGUF reader (llama.cpp not available)" if why else llamacpp.version()
+        repack, repack_why = llamacpp.weight_repacking(cpuinfo_text())
+        if not why and not repack:
+            checked_by += f" ({repack_why})"
 
     timings: dict[str, float] = {}
     clock = [started]
@@ -184,7 +187,7 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
             lap("write")
             if checked_by.startswith("llama.cpp"):
                 n_ctx = max(int(b["attention_mask"].sum(1).max()) for b in batches)
-                model = llamacpp.LlamaCppModel(tmp / out.name, n_ctx, _threads())
+                model = llamacpp.LlamaCppModel(tmp / out.name, n_ctx, _threads(), repack)
                 exported, exported_tok = model.logits, llamacpp.LlamaCppTokenizer(model)
             else:
                 with artifacts.gguf_parsed_once():

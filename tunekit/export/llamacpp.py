@@ -38,10 +38,14 @@ def unavailable() -> Optional[str]:
     return None
 
 
-def version() -> str:
+def version_of() -> str:
     import llama_cpp
 
-    return f"llama.cpp via llama-cpp-python {llama_cpp.__version__}"
+    return llama_cpp.__version__
+
+
+def version() -> str:
+    return f"llama.cpp via llama-cpp-python {version_of()}"
 
 
 @contextlib.contextmanager
@@ -72,6 +76,48 @@ def quantize(src: Path, dst: Path, qtype: str, threads: int) -> None:
         raise TunekitError(f"--dtype {name}: llama.cpp's quantizer failed (return code {rc}) on {src.name}")
 
 
+def weight_repacking(cpuinfo: str) -> tuple[bool, str]:
+    """Whether llama.cpp may repack the GGUF's weights into its CPU "extra buffer types" at load.
+
+    Repacking only changes the layout the CPU kernels read (interleaved blocks for AVX2/AVX512, AMX
+    tiles). On a CPU with AMX, ggml puts Q8_0 and K-quant weights into its AMX buffer, and its AMX
+    matmul (ggml_backend_amx_mul_mat) segfaulted on the first decode of both quantized test files
+    on a 2-core Intel VM with AMX (llama-cpp-python 0.3.36 built there, 2026-11-25; llama.cpp issue
+    20824 reports the same crash). A segfault ends `tunekit export` with no message, so where the
+    CPU has AMX the weights stay in the GGUF's own layout, the file is computed by ggml's plain
+    kernels, and the check is as complete (llama.cpp's `--no-repack` does the same)."""
+    if "amx_int8" in cpuinfo.split():
+        return False, "weight repacking off: ggml's AMX matmul crashed on this kind of CPU"
+    return True, "weight repacking on (llama.cpp's default)"
+
+
+@contextlib.contextmanager
+def _model_params(**fields):
+    """llama-cpp-python's Llama takes its model parameters from llama_model_default_params() and
+    exposes no argument for some fields (use_extra_bufts in 0.3.36): for this one load, the
+    defaults it reads carry `fields`. A binding without a field is refused in one line."""
+    import llama_cpp.llama_cpp as C
+
+    known = {name for name, _ in C.llama_model_params._fields_}
+    missing = sorted(set(fields) - known)
+    if missing:
+        raise TunekitError(f"llama-cpp-python {version_of()}: its model parameters have no {', '.join(missing)} "
+                           f"(scripts/llama_cpp_wheel.sh pins the version tunekit is tested with)")
+    real = C.llama_model_default_params
+
+    def defaults():
+        params = real()
+        for name, value in fields.items():
+            setattr(params, name, value)
+        return params
+
+    C.llama_model_default_params = defaults
+    try:
+        yield
+    finally:
+        C.llama_model_default_params = real
+
+
 class LlamaCppModel:
     """A GGUF file loaded by llama.cpp; `logits(batch)` evaluates each row's non-padding tokens.
 
@@ -79,13 +125,18 @@ class LlamaCppModel:
     logits for every position: (batch, seq, vocab) fp32, zeros at padding (masked by the caller).
     """
 
-    def __init__(self, path: Path, n_ctx: int, threads: int):
+    def __init__(self, path: Path, n_ctx: int, threads: int, repack: bool):
         from llama_cpp import Llama
 
         self.n_ctx = max(n_ctx, 8)
-        with _quiet_stderr():
+        self.repack = repack  # weight_repacking()'s answer
+        with _quiet_stderr(), _model_params(use_extra_bufts=repack):
             self.llm = Llama(model_path=str(path), n_ctx=self.n_ctx, n_batch=self.n_ctx, n_ubatch=self.n_ctx,
                              logits_all=True, n_threads=threads, n_threads_batch=threads, verbose=False)
+        if bool(self.llm.model_params.use_extra_bufts) != self.repack:  # the load read other defaults
+            self.llm.close()
+            raise TunekitError(f"llama-cpp-python {version_of()} did not take use_extra_bufts={repack} when loading "
+                               f"{path.name}; scripts/llama_cpp_wheel.sh pins the version tunekit is tested with")
 
     @torch.no_grad()
     def logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
