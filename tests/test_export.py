@@ -562,7 +562,7 @@ def test_default_model_qlora_merged_and_gguf(default_model_dir, tmp_path):
     the gate refuses raises and writes nothing: test_refusal_writes_nothing_unless_forced, on the
     tiny model; here it would be a second export of the same numbers, 13 s). The rebuilt trained
     model is the one training evaluated. llama.cpp
-    then loads the f16 GGUF of the real architecture (9 heads / 3 kv heads of 64, tied head)."""
+    then loads the GGUF of the real architecture (9 heads / 3 kv heads of 64, tied head)."""
     run = tmp_path / "run"
     # kernels.fused_lora=off: export rebuilds the trained model with peft's forward (what a consumer
     # of the adapter runs), and the val loss training logged matches it to 1e-3 only if training
@@ -593,7 +593,9 @@ def test_default_model_qlora_merged_and_gguf(default_model_dir, tmp_path):
     need_llama_cpp()
     report = export(run, "gguf", tmp_path / "model.gguf", merge_into="dequantized", eval_batches=2)
     f = report["fidelity"]
-    assert report["accepted"] and report["checked_by"].startswith("llama.cpp") and report["dtype"] == "f16"
+    # f16 where the 2 steps' delta survives an f16 rounding, else f32: the same bf16 noise as the merged
+    # export's fp16/fp32 above (on the Intel VM with AMX: merged fp16 kept 62.9% of the gain, GGUF f16 63.2%)
+    assert report["accepted"] and report["checked_by"].startswith("llama.cpp") and report["dtype"] in ("f16", "f32")
     # llama.cpp's logits of the real model against the trained one: within the compute noise an
     # exact fp32 merge shows against the bf16-computing trained model (the gate's KL_FALLBACK);
     # a wrong rope layout or GQA mapping costs tenths of a nat
