@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _helpers import run_cli, tiny_args
+from _helpers import need_llama_cpp, run_cli, tiny_args
 from tunekit import TunekitError
 from tunekit.export import export
 from tunekit.export.gate import KL_FALLBACK, MIN_GAIN_KEPT, MIN_GAIN_KEPT_LOSSY, decide
@@ -233,18 +232,6 @@ def test_auto_dtype_widens_when_the_narrow_one_loses_the_gain(runs, tmp_path, mo
 
 
 # ---------------------------------------------------------------- gguf
-def need_llama_cpp() -> None:
-    """llama.cpp is the GGUF check: CI must run these tests (setup.sh builds llama-cpp-python),
-    so there a missing binding fails; elsewhere (a quick local setup) it skips."""
-    from tunekit.export.llamacpp import unavailable
-
-    why = unavailable()
-    if why and os.environ.get("CI"):
-        pytest.fail(f"{why}: scripts/setup.sh should have built it (scripts/llama_cpp_wheel.sh)")
-    if why:
-        pytest.skip(why)
-
-
 def read_gguf(path: Path):
     """gguf's own reader (the reference parser) over an in-memory copy of the file instead of its
     np.memmap. The reader takes two numpy views per vocabulary entry, and every view of a memmap
@@ -347,35 +334,6 @@ def test_gguf_quantized_by_llama_cpp(wide_run, qtype, ggml_type, bits, tmp_path)
     finally:
         model.close()
     assert C.llama_model_default_params().use_extra_bufts is True
-
-
-@pytest.mark.parametrize("flags, repack", [
-    ("fpu sse avx2 fma avx512f avx512bw avx512_vnni avx512_bf16", True),  # AVX512 without AMX (AMD EPYC Zen 4)
-    ("fpu avx2 fma avx512f avx512_bf16 amx_bf16 avx512_fp16 amx_tile amx_int8", False),  # Intel Xeon with AMX (2026-11-25 VM)
-    ("", True),  # no /proc/cpuinfo: llama.cpp's default
-])
-def test_weight_repacking_is_off_where_the_cpu_has_amx(flags, repack):
-    from tunekit.export.llamacpp import weight_repacking
-
-    ok, why = weight_repacking(f"processor\t: 0\nflags\t\t: {flags}\n")
-    assert ok is repack and ("repacking off" in why) is (not repack)
-
-
-def test_a_binding_without_the_model_parameter_is_one_clear_error():
-    need_llama_cpp()
-    import llama_cpp.llama_cpp as C
-
-    from tunekit.export.llamacpp import _model_params
-
-    real = C.llama_model_default_params
-    with pytest.raises(TunekitError, match=r"model parameters have no no_such_field .*llama_cpp_wheel.sh"):
-        with _model_params(no_such_field=True):
-            pass
-    with pytest.raises(RuntimeError, match="boom"):  # the defaults come back after an error inside
-        with _model_params(use_extra_bufts=False):
-            assert C.llama_model_default_params().use_extra_bufts is False
-            raise RuntimeError("boom")
-    assert C.llama_model_default_params is real
 
 
 def test_gguf_without_llama_cpp_falls_back_to_transformers(runs, tmp_path, monkeypatch, caplog):

@@ -129,11 +129,10 @@ class LlamaCppModel:
         from llama_cpp import Llama
 
         self.n_ctx = max(n_ctx, 8)
-        self.repack = repack  # weight_repacking()'s answer
         with _quiet_stderr(), _model_params(use_extra_bufts=repack):
             self.llm = Llama(model_path=str(path), n_ctx=self.n_ctx, n_batch=self.n_ctx, n_ubatch=self.n_ctx,
                              logits_all=True, n_threads=threads, n_threads_batch=threads, verbose=False)
-        if bool(self.llm.model_params.use_extra_bufts) != self.repack:  # the load read other defaults
+        if bool(self.llm.model_params.use_extra_bufts) != repack:  # the load read other defaults
             self.llm.close()
             raise TunekitError(f"llama-cpp-python {version_of()} did not take use_extra_bufts={repack} when loading "
                                f"{path.name}; scripts/llama_cpp_wheel.sh pins the version tunekit is tested with")
