@@ -49,7 +49,7 @@ DEFAULT_CONFIGS = [
 SUITE_MODEL_NAME = "the suite's random Llama (hidden 384, 4 blocks, vocabulary 4096)"
 # The suite's configurations run on a smaller random Llama (tests/test_plan_measured.py).
 SUITE_CONFIGS = [
-    ("qlora ckpt, 4x256", "recipe=qlora model.gradient_checkpointing=true trainer.micro_batch_size=4 data.max_seq_len=256"),
+    ("qlora ckpt, 8x256", "recipe=qlora model.gradient_checkpointing=true trainer.micro_batch_size=8 data.max_seq_len=256"),
     ("qlora no ckpt, 2x512", "recipe=qlora model.gradient_checkpointing=false trainer.micro_batch_size=2 data.max_seq_len=512"),
     ("lora, 1x1024", "recipe=lora trainer.micro_batch_size=1 data.max_seq_len=1024"),
     ("lora ckpt, 16x128", "recipe=lora model.gradient_checkpointing=true trainer.micro_batch_size=16 data.max_seq_len=128"),

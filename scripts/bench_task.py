@@ -84,7 +84,7 @@ def spec_for(args, recipe: str, data: dict, lr: float | None = None, seed: int =
              *args.set]
     return {"system": "trl", "recipe": recipe, "steps": args.steps, "seq_len": args.seq_len,
             "micro_batch_size": args.micro_batch_size, "grad_accum": args.grad_accum, "packing": False,
-            "model": args.model, "data": data["train_path"], "trl_defaults": False,
+            "model": args.model, "data": data["train_path"], "baseline": "trl",
             "set": extra + ([f"trainer.lr={lr:g}"] if lr is not None else [])}
 
 

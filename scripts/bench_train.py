@@ -16,10 +16,17 @@ and tunekit/baseline ratios; on GPU also MFU (formula in `useful_flops`).
     python scripts/bench_train.py --config gpu-1b                  # random-init Llama ~1B, seq 2048, packed
     python scripts/bench_train.py --config gpu-8b --systems tunekit,trl,trl-liger
 
-By default the baseline is "matched": peft's prepare_model_for_kbit_training (norms, embeddings and
-head in fp32, as tunekit does), fp32 LoRA weights and no autocast, so both run the same math.
---trl-defaults keeps TRL 1.16's own choices instead (bf16 autocast, bf16 LoRA weights on a 4-bit
-base, no kbit preparation). Writes benchmarks/train-<device>-<config>.json and .md (or --out).
+The baseline computes under bf16 autocast wherever the compute dtype is bf16 (`bf16=True`), in one of
+two setups (--baseline):
+
+* trl (default): TRL 1.16's own choices for a PEFT model: no kbit preparation, so the frozen base
+  keeps its bf16 embeddings, norms and head and the residual stream is bf16, as under tunekit's
+  precision policy (tunekit.precision); TRL casts the LoRA weights of a 4-bit base to bf16.
+* kbit: the QLoRA recipe of peft's docs: prepare_model_for_kbit_training (embeddings, norms and head
+  widened to fp32, so the residual stream is fp32 and only the matmuls run in bf16) and fp32 LoRA
+  weights.
+
+Writes benchmarks/train-<device>-<config>.json and .md (or --out).
 """
 
 from __future__ import annotations
@@ -67,7 +74,8 @@ def parse_args(argv=None):
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra tunekit config override")
     p.add_argument("--model", help="model folder (default: the config's model)")
     p.add_argument("--data", help="training data file (default: tunekit's default data)")
-    p.add_argument("--trl-defaults", action="store_true", help="baseline with TRL's own precision choices (see top)")
+    p.add_argument("--baseline", choices=["trl", "kbit"], default="trl",
+                   help="the TRL setup to compare with (see top): TRL's own (default) or peft's kbit preparation")
     p.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: GPU: H100/H200 dense bf16 989; "
                    "CPU: measured in this run, in the dtype the base computes in)")
     p.add_argument("--peak-reps", type=int, default=10,
@@ -229,7 +237,8 @@ def run_trl(spec: dict, cfg, out_dir: str, liger: bool) -> dict:
             bnb_4bit_compute_dtype=dtype, llm_int8_skip_modules=["lm_head"])
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     gc_kwargs = {"use_reentrant": False}
-    if quantized and not spec["trl_defaults"]:
+    kbit = quantized and spec.get("baseline", "trl") == "kbit"
+    if kbit:
         prepare_model_for_kbit_training(model, use_gradient_checkpointing=m.gradient_checkpointing,
                                         gradient_checkpointing_kwargs=gc_kwargs)
     targets = list(cfg.method.target_modules)
@@ -242,8 +251,8 @@ def run_trl(spec: dict, cfg, out_dir: str, liger: bool) -> dict:
         gradient_accumulation_steps=t.grad_accum, learning_rate=t.lr, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm, optim=optim, seed=cfg.seed, data_seed=cfg.seed,
         gradient_checkpointing=m.gradient_checkpointing, gradient_checkpointing_kwargs=gc_kwargs,
-        # matched: no autocast, the model's own dtypes (tunekit runs no autocast either)
-        bf16=spec["trl_defaults"] and dtype == torch.bfloat16, fp16=False, use_cpu=device.type == "cpu",
+        # bf16 autocast where the compute dtype is bf16: the standard stack's mixed precision
+        bf16=dtype == torch.bfloat16, fp16=False, use_cpu=device.type == "cpu",
         padding_free=cfg.data.packing, packing=False, max_length=None,  # examples are already truncated
         dataset_kwargs={"skip_prepare_dataset": True}, shuffle_dataset=False,
         logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
@@ -284,7 +293,7 @@ def run_trl(spec: dict, cfg, out_dir: str, liger: bool) -> dict:
     trainer = OrderedSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok,
                                 peft_config=lora, callbacks=[Clock()])
     params = [p for p in trainer.model.parameters() if p.requires_grad]
-    if quantized and not spec["trl_defaults"]:  # undo TRL's bf16 cast of LoRA weights on a 4-bit base
+    if kbit:  # peft's QLoRA recipe keeps fp32 LoRA weights: undo TRL's bf16 cast of them on a 4-bit base
         for p in params:
             p.data = p.data.float()
     trainer.train()
@@ -522,7 +531,7 @@ def main(argv=None) -> int:
         "peak_rss_mib": "process peak RSS (ru_maxrss) incl. model load; train_peak_rss_mib: VmHWM after setup",
         "loss": "mean token loss of each optimizer step over its response tokens"},
         "settings": {k: getattr(args, k) for k in ("steps", "reps", "warmup", "micro_batch_size", "grad_accum",
-                                                    "seq_len", "recipe", "set", "trl_defaults", "systems")}
+                                                    "seq_len", "recipe", "set", "baseline", "systems")}
         | {"model": model or "default (SmolLM2-135M-Instruct)", "data": args.data or "default"},
         "results": {}}
     for mode in modes:
@@ -532,7 +541,7 @@ def main(argv=None) -> int:
                 spec = {"system": system, "recipe": args.recipe, "steps": args.steps, "seq_len": args.seq_len,
                         "micro_batch_size": args.micro_batch_size, "grad_accum": args.grad_accum,
                         "packing": mode == "on", "model": model, "data": args.data, "set": args.set,
-                        "trl_defaults": args.trl_defaults}
+                        "baseline": args.baseline}
                 t0 = time.perf_counter()
                 proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], cwd=REPO,
                                       capture_output=True, text=True)
@@ -557,7 +566,8 @@ def main(argv=None) -> int:
             mem_key = "cuda_max_allocated_mib" if "cuda_max_allocated_mib" in tk else "peak_rss_mib"
             block["ratios"] = {f"tunekit/{s}": {
                 "tokens_per_s": tk["tokens_per_s"] / b["tokens_per_s"], "memory": tk[mem_key] / b[mem_key],
-                "first_loss_abs_diff": abs(tk["first_losses"][0] - b["first_losses"][0])}
+                "first_loss_abs_diff": abs(tk["first_losses"][0] - b["first_losses"][0]),
+                "first_loss_rel_diff": abs(tk["first_losses"][0] - b["first_losses"][0]) / abs(b["first_losses"][0])}
                 for s, b in block["systems"].items() if s != "tunekit"}
         result["results"][mode] = block
     every = {**measured["before"], **measured.get("between runs", {})}

@@ -22,10 +22,9 @@ Before 2026-11-24 the compiled layers computed every LoRA term at scaling 1 inst
 probe's compiled losses parted from eager's after step 0; benchmarks/cpu-speed.md has the
 correction and the figures with the fix (compiled and eager losses equal to 2e-6 in fp32).
 
-`--residual bf16` casts the frozen fp32 parameters that prepare_model_for_kbit_training leaves
-(norms, embedding, output head) to bf16 after setup, so the residual stream, the norms and the
-LoRA sums run in bf16: the op sequence a bf16 stream would give, to see what it is worth. It is
-not tunekit's math (first-step losses then differ from peft + TRL's), only a measurement.
+`--residual bf16` casts any frozen fp32 parameter (norms, embedding, output head) to bf16 after
+setup. Under the bf16 precision policy (docs/precision.md) they are bf16 already and it changes
+nothing; with model.dtype=fp32 it shows what a bf16 residual stream alone is worth.
 """
 
 from __future__ import annotations

@@ -32,19 +32,13 @@ DIFFERENCES = """## What separates the rows (not planner error)
 The planner answers "what will tunekit allocate"; the published runs are other trainers. Known
 differences, sized with the planner's own terms:
 
-- torchtune, all three rows: its loss computes the output projection and cross-entropy in chunks
-  (`CEWithChunkedOutputLoss` / `LinearCrossEntropyLoss` in these configs), while tunekit forms the
-  trained positions' fp32 logits in one piece and, in backward, two more (n, vocab) fp32 buffers:
-  the planner's `loss and head` is 5.9 GiB at 2 x 2048 tokens on a 128k vocabulary, most of the
-  gap on the 4090 rows. torch.compile (on in the published runs) fuses elementwise ops and saves
-  fewer activations. Its packed rows use document masking; the plan assumes padded rows with a
-  float attention mask per block (16 MiB per block here).
-- torchtune QLoRA: torchao's NF4 covers the linear layers and leaves embeddings and output in bf16;
-  tunekit's kbit preparation (peft) keeps them in fp32 (+2.0 GiB for Llama-3-8B's two 525M-parameter
-  matrices) and the residual stream in fp32 (checkpointed block inputs: 2.0 instead of 1.0 GiB).
-  Taking the loss (5.9 GiB; a chunked loss keeps a few hundred MiB) and the two fp32 excesses
-  (2.0 + 1.0 GiB) out of the planner's 15.5 GiB leaves 6.6-6.9 GiB against 7.4 published:
-  arithmetic on the planner's terms, not a measurement.
+- torchtune, all three rows: its loss computes the output projection and cross-entropy in chunks,
+  as tunekit's does (tunekit.losses.sft). torch.compile (on in the published runs) fuses elementwise
+  ops and saves fewer activations. Its packed rows use document masking; the plan assumes padded
+  rows with a float attention mask per block (16 MiB per block here).
+- torchtune QLoRA: torchao's NF4 covers the linear layers and leaves embeddings and output in bf16,
+  as tunekit's precision policy does (docs/precision.md); tunekit also offloads the checkpointed
+  blocks' inputs to host memory on CUDA (model.offload_activations=auto).
 - torchtune LoRA on the A6000: the table does not say what differs from the 4090 row; with
   checkpointing off the plan is dominated by tunekit's saved activations (36 GiB; every LoRA
   branch keeps an fp32 copy of its input), which torchtune's LoRA (bf16 throughout) does not keep.

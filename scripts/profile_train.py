@@ -150,7 +150,7 @@ def roofline_lines(r, cfg, steps: range, events) -> tuple[dict, list[str]]:
     # without native bf16 that is fp32 (emulated bf16 runs at a fraction of it and is never chosen)
     dtype = str(r.dtype).removeprefix("torch.")
     peak = matmul_peak(dtype)["gflops"]
-    summary, lines = roofline.analyze(events, family, wall, flops, peak, dims, r.head_math.math,
+    summary, lines = roofline.analyze(events, family, wall, flops, peak, dims,
                                       peak_dtype={"bfloat16": "bf16", "float32": "fp32"}.get(dtype, dtype))
     return summary | {"torch": torch.__version__, "threads": torch.get_num_threads()}, lines
 

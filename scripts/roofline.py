@@ -88,15 +88,8 @@ def _tensor(shape: tuple, col_major: bool, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(*shape, dtype=dtype)
 
 
-def time_matmul(key: tuple, budget_s: float = 0.15, fp32_math: str = "fp32") -> float:
-    """Median seconds of one call of this matmul alone (after warm-up; as many reps as fit the budget).
-    fp32_math="bf16": fp32 matmuls run in oneDNN's bf16 math mode, as the step ran its fp32 head
-    (tunekit/head_matmul.py; the head's are the only fp32 matmuls of a qlora step)."""
-    if fp32_math == "bf16" and key[1] == "float":
-        from tunekit.head_matmul import bf16_math
-
-        with bf16_math():
-            return time_matmul(key, budget_s)
+def time_matmul(key: tuple, budget_s: float = 0.15) -> float:
+    """Median seconds of one call of this matmul alone (after warm-up; as many reps as fit the budget)."""
     name, dtype_name, a_shape, b_shape, ta, tb, has_bias = key
     dtype = DTYPES[dtype_name]
     a, b = _tensor(a_shape, ta, dtype), _tensor(b_shape, tb, dtype)
@@ -187,14 +180,13 @@ def tiny_op_seconds(calls: int = 20000) -> float:
 
 
 def analyze(events, family, step_wall_s: float, useful_flops: float, peak_gflops: float,
-            model_dims: set[int], fp32_math: str = "fp32", peak_dtype: str = "bf16") -> tuple[dict, list[str]]:
+            model_dims: set[int], peak_dtype: str = "bf16") -> tuple[dict, list[str]]:
     """events: the profiler's FunctionEvents (record_shapes=True) over the profiled steps;
     family(name) -> the profile's op family; step_wall_s: the same steps' wall time unprofiled;
     useful_flops: their useful FLOPs (bench_train.useful_flops); peak_gflops: the matmul peak of
     peak_dtype, the dtype the base computes in (bf16 on a CPU with native bf16, else fp32);
     model_dims: the model's widths (hidden, MLP, k/v, rank, vocab, heads): in the shape table every
-    other dimension is a token count, shown as M; fp32_math: how the step ran its fp32 matmuls
-    (the run's head_matmul decision), so that they are re-run the same way."""
+    other dimension is a token count, shown as M."""
     mm_calls, mm_prof = defaultdict(int), defaultdict(float)
     attn_s, compiled_s, rest_bytes, rest_prof = 0.0, 0.0, defaultdict(float), defaultdict(float)
     by_op = defaultdict(lambda: [0, 0, 0.0])  # name -> calls, bytes, profiled s
@@ -221,7 +213,7 @@ def analyze(events, family, step_wall_s: float, useful_flops: float, peak_gflops
     bw = copy_bandwidth()
     rows = []
     for key, calls in mm_calls.items():
-        t = time_matmul(key, fp32_math=fp32_math)
+        t = time_matmul(key)
         rows.append({"key": key, "calls": calls, "flops": matmul_flops(key) * calls, "iso_s": t * calls,
                      "prof_s": mm_prof[key]})
     mm_iso = sum(r["iso_s"] for r in rows)
@@ -235,7 +227,7 @@ def analyze(events, family, step_wall_s: float, useful_flops: float, peak_gflops
                "rest_gb": rest / 1e9, "copy_gbps": bw, "mfu_matmuls_only": useful_flops / mm_iso / peak,
                "peak_gflops": peak_gflops, "peak_dtype": peak_dtype, "kernels": kernels,
                "dispatch_s": kernels * tiny_op_seconds(),
-               "fp32_matmul_math": fp32_math, "floors": {}}
+               "floors": {}}
     for where, gbps in bw.items():  # the rest's traffic all in cache, or all from RAM
         floor = mm_iso + attn_s + compiled_s + rest / (gbps * 1e9)
         summary["floors"][where] = {"rest_s": rest / (gbps * 1e9), "floor_s": floor,
@@ -253,7 +245,6 @@ def _shape(key: tuple, model_dims: set[int]) -> str:
 def _lines(s: dict, rows: list[dict], rest_bytes: dict, rest_prof: dict, model_dims: set[int]) -> list[str]:
     pk = s["peak_gflops"]
     lines = ["## Roofline (`scripts/roofline.py`): the least time these ops take here", "",
-             f"- fp32 matmuls (the output head's) ran and are re-run in {s['fp32_matmul_math']} math",
              f"- {s['peak_dtype']} matmul peak measured in this run (the dtype the base computes in): "
              f"{pk:.0f} GFLOP/s; copy bandwidth: "
              + ", ".join(f"{k} {v:.1f} GB/s" for k, v in s["copy_gbps"].items()),

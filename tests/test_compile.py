@@ -268,7 +268,9 @@ def test_in_bf16_a_compiler_that_skips_roundings_passes_where_eager_is_further_o
     monkeypatch.setattr(compiled, "TOL", {torch.bfloat16: 1e-7})
     result = _check(bf16_recipes["nf4"])  # the stand-in widens 4-bit projections' compute dtype
     assert result["max_rel_diff"] > 1e-4 and len(result["judged_against_fp32"]) == result["compared"]
-    assert result["fp32_distance"]["compiled"] < 1e-5 < result["fp32_distance"]["eager"]
+    # nearer the fp32 layer than eager: its matmuls are exact, while the residual stream and norms
+    # still round to bf16 in both (the precision policy's bf16 activations)
+    assert result["fp32_distance"]["compiled"] < result["fp32_distance"]["eager"]
 
 
 @pytest.mark.parametrize("base", ["nf4", "none"])
@@ -278,7 +280,7 @@ def test_in_bf16_a_wrong_gradient_still_stops_the_run(bf16_recipes, base, monkey
     with pytest.raises(TunekitError, match=r"differs from eager by 5\.00e-01 of its largest value in \S+ on a "
                                            r"batch of 2 rows of 37 positions \(tolerance 3e-02 for torch.bfloat16\), "
                                            r"and from the layer in fp32 by "
-                                           r"5\.\d\de-01, beyond that and twice eager's \d\.\d\de-0[2-5]; "
+                                           r"(4\.9\d|5\.\d\d)e-01, beyond that and twice eager's \d\.\d\de-0[2-5]; "
                                            r"run with kernels.compile=false"):
         _check(bf16_recipes[base])
 

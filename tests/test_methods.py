@@ -74,15 +74,12 @@ def test_table_covers_every_registered_method():
 
 
 def make_base(model_dir, quantize: str):
-    """A frozen base prepared the way the trainer prepares it (NF4: QLoRA's fp32 norms/embeddings
-    and gradient checkpointing, which re-runs every forward hook during backward)."""
-    model = load_base_model(str(model_dir), quantize, DTYPE, CPU)
-    if quantize == "nf4":
-        from peft import prepare_model_for_kbit_training
+    """A frozen base prepared the way the trainer prepares it (NF4 with gradient checkpointing, which
+    re-runs every forward hook during backward)."""
+    from tunekit.model import prepare_for_training
 
-        prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
-                                        gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
+    model = load_base_model(str(model_dir), quantize, DTYPE, CPU)
+    prepare_for_training(model, quantize, gradient_checkpointing=quantize == "nf4")
     return model
 
 

@@ -24,8 +24,8 @@ from tunekit.model import decoder_and_head, load_base_model, prepare_for_trainin
 from tunekit.objective import SFTObjective, model_inputs
 from tunekit.plan import GiB, predict
 from tunekit.plan.compute import step_flops
-from tunekit.plan.memory import (TrainSetup, activation_bytes, base_weight_bytes, optimizer_state_bytes,
-                                 sft_loss_bytes, step_memory, trainable_tensors)
+from tunekit.plan.memory import (TrainSetup, activation_bytes, base_weight_bytes, head_dtype_bytes,
+                                 optimizer_state_bytes, sft_loss_bytes, step_memory, trainable_tensors)
 from tunekit.plan.shape import PROJECTIONS, model_shape, preset_shape
 
 CPU = DeviceFacts("cpu", cpu_bf16=True)
@@ -36,6 +36,10 @@ def build(model_dir, st: TrainSetup, method_cfg: MethodConfig):
     model = load_base_model(str(model_dir), st.quantize, dtype, torch.device("cpu"))
     prepare_for_training(model, st.quantize, st.gradient_checkpointing)
     model = get_method(method_cfg.name).apply(model, method_cfg)
+    if st.lora_compute:  # the trainer's compute-dtype LoRA path (tunekit.lora_compute)
+        from tunekit.fused import lora_4bit_layers, set_path
+
+        set_path([m for _, m in lora_4bit_layers(model)], "torch")
     return model.train()
 
 
@@ -94,6 +98,12 @@ CASES = {
     "qlora": (dict(micro_batch_size=2, seq_len=24, quantize="nf4"), dict(name="lora", dropout=0.0)),
     "qlora dropout": (dict(micro_batch_size=3, seq_len=16, quantize="nf4", lora_dropout=0.1),
                       dict(name="lora", dropout=0.1)),
+    "qlora bf16 LoRA path": (dict(micro_batch_size=2, seq_len=24, quantize="nf4", lora_compute=True),
+                             dict(name="lora", dropout=0.0)),
+    "qlora bf16 LoRA path packed": (dict(micro_batch_size=3, seq_len=16, quantize="nf4", lora_compute=True,
+                                         packing=True), dict(name="lora", dropout=0.0)),
+    "qlora bf16 LoRA path dropout": (dict(micro_batch_size=2, seq_len=24, quantize="nf4", lora_compute=True,
+                                          lora_dropout=0.1), dict(name="lora", dropout=0.1)),
     "adapter": (dict(method="adapter", micro_batch_size=2, seq_len=24), dict(name="adapter")),
     "adapter nf4 mlp only": (dict(method="adapter", quantize="nf4", adapter_sublayers=("mlp",), micro_batch_size=2,
                                   seq_len=24), dict(name="adapter", sublayers=["mlp"])),
@@ -117,12 +127,13 @@ def test_saved_activations_are_counted_exactly(tiny_model_dir, case):
     act = activation_bytes(shape, st)
     blocks = sum(v for k, v in counts.items() if k.startswith("L")) + counts["pre"]
     assert blocks == act["blocks"] + act["rope"] + act["embedding"], dict(counts)
-    # after the decoder: final norm + trained-position mask, then the loss keeps its fp32
-    # log-softmax and targets, linear in the trained positions (padding leaves a few untrained)
+    # after the decoder: final norm + trained-position mask, then the chunked loss keeps the gradient
+    # of the trained rows, linear in the trained positions (padding leaves a few untrained)
     planned = st.micro_batch_size * (st.seq_len - 1)
     assert planned - st.micro_batch_size < n <= planned
-    kept = sft_loss_bytes(shape, st)["kept"] * n // planned
-    assert counts["post"] == act["final_norm"] + kept + 4, dict(counts)  # + the scalar token count
+    # the rows' gradient shrinks with the untrained positions; a trained head's gradient does not
+    kept = sft_loss_bytes(shape, st)["kept"] - (planned - n) * shape.hidden_size * head_dtype_bytes(st)
+    assert counts["post"] == act["final_norm"] + kept, dict(counts)
 
 
 def test_checkpointing_keeps_block_inputs_only(tiny_model_dir):
@@ -199,9 +210,9 @@ def test_fsdp_shards_the_state_and_ddp_does_not():
     assert fsdp.terms["base weights"] == one.terms["base weights"] // 2
     assert fsdp.terms["optimizer state"] == one.terms["optimizer state"] // 2
     assert fsdp.terms["activations"] == one.terms["activations"]  # each rank runs its own micro-batch
-    # two gathered blocks, or one and the untied fp32 head (128256 x 8192, 4.2 GB) while the loss runs
+    # two gathered blocks, or one and the untied bf16 head (128256 x 8192, 2.1 GB) while the loss runs
     block = (base_weight_bytes(shape.with_layers(1), "nf4", 2) - base_weight_bytes(shape.with_layers(0), "nf4", 2))
-    assert fsdp.terms["gathered blocks (FSDP)"] == block + 4 * 128256 * 8192 < one.terms["base weights"] / 8
+    assert fsdp.terms["gathered blocks (FSDP)"] == block + 2 * 128256 * 8192 < one.terms["base weights"] / 8
     # 70B in 4 bits does not fit a 24 GB card, and does, sharded, on four
     gpu = DeviceFacts("cuda", 0, (8, 0), "GPU", 24 * GiB)
     plan = predict(shape, replace(st, seq_len=512), gpu, ranks=4)

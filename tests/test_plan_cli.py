@@ -131,15 +131,15 @@ def test_auto_micro_batch_is_the_largest_power_of_two_that_fits():
 
 
 def test_a_run_that_cannot_fit_is_refused_with_the_breakdown():
-    cfg = _cfg("model.preset=llama-3-8b", "data.max_seq_len=4096", "trainer.micro_batch_size=8")
+    cfg = _cfg("model.preset=llama-3-8b", "data.max_seq_len=4096", "trainer.micro_batch_size=16")
     with pytest.raises(TunekitError) as e:
         choose(cfg, A100_80, 24 * GiB)
     msg = str(e.value)
     assert msg.startswith("memory: the planned peak") and "24.00 GiB free" in msg
-    assert "loss and head" in msg and "base weights" in msg and "trainer.memory_check=false" in msg
+    assert "activations" in msg and "base weights" in msg and "trainer.memory_check=false" in msg
     assert "\n" not in msg
     cfg.trainer.memory_check = False  # a warning instead; the given values are kept
-    assert choose(cfg, A100_80, 24 * GiB)[:2] == (8, True)
+    assert choose(cfg, A100_80, 24 * GiB)[:2] == (16, True)
 
 
 def _recipe(tiny_model_dir, tiny_data, out, *overrides):
@@ -175,7 +175,7 @@ def test_train_refuses_what_cannot_fit_before_loading(tiny_model_dir, tiny_data,
     r = _recipe(tiny_model_dir, tiny_data, out, "data.max_seq_len=512", "trainer.micro_batch_size=1048576")
     with pytest.raises(TunekitError) as e:
         r.setup()
-    assert str(e.value).startswith("memory: the planned peak") and "loss and head" in str(e.value)
+    assert str(e.value).startswith("memory: the planned peak") and "activations" in str(e.value)
     assert not (out / "config.yaml").exists()
 
 

@@ -47,17 +47,20 @@ def test_qlora_writes_every_output(qlora_run):
     assert [r["step"] for r in evals] == [0, 2, 4]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["last_val_loss"] < summary["first_val_loss"]  # lr 1e-3 on a tiny model: visible drop
-    # k-bit training keeps the head fp32; on a CPU with native bf16 its matmuls take oneDNN's bf16 math
-    # mode where it passes its check (tunekit/head_matmul.py; the AMX VM's rounds plainly and fails),
-    # elsewhere strict fp32, and the log says which when it is used
+    # the precision policy of this CPU, logged once, and what the run's tensors and attention had
     from tunekit.device import cpu_has_bf16
-    from tunekit.head_matmul import TOLERANCE, torch_has_mode
 
-    head = summary["head_matmul"]
-    tried = cpu_has_bf16() and torch_has_mode()  # checked only then; used only where the check passes
-    assert bool(head["eps"]) == tried, head
-    assert head["math"] == ("bf16" if tried and max(head["eps"].values()) <= TOLERANCE else "fp32"), head
-    assert ("output head matmuls in bf16 math" in r.stderr) == (head["math"] == "bf16")
+    want = "bf16" if cpu_has_bf16() else "fp32"
+    prec = summary["precision"]
+    assert prec["compute"] == want and prec["trained"] == "fp32" and prec["tf32"] is False
+    seen = prec["observed"]
+    assert seen["embeddings"] == seen["head"] == want and seen["trained"] == ["fp32"]  # frozen parts stay narrow
+    assert seen["attention"]["q"] == seen["attention"]["k"] == seen["attention"]["v"] == want
+    assert seen["attention"]["kernel"] and seen["attention"]["device"] == "cpu"
+    assert r.stderr.count("precision: ") == 1
+    # the measured peak beside the plan's (the tiny model: well inside the plan's device total)
+    mem = summary["memory"]
+    assert mem["measured_as"] == "process peak RSS" and 0 < mem["peak_mib"] <= mem["planned_device_total_mib"]
     assert "quantize: nf4" in (out / "config.yaml").read_text()
     # the CPU threads the run had (the suite's OMP_NUM_THREADS=1), in the summary and the log
     threads = summary["threads"]

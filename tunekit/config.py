@@ -45,11 +45,6 @@ class FusedMode(str, Enum):
     off = "off"
 
 
-class HeadMatmul(str, Enum):
-    auto = "auto"  # CPU with native bf16 + fp32 head: oneDNN's bf16 math mode, checked (tunekit/head_matmul.py)
-    fp32 = "fp32"  # strict fp32, as peft + TRL compute it
-
-
 class Strategy(str, Enum):
     ddp = "ddp"  # every rank holds the whole model; the trained part's gradients are summed (default)
     fsdp = "fsdp"  # FSDP2: base and trained part sharded over the ranks (bases larger than one device)
@@ -70,6 +65,9 @@ class ModelConfig:
     dtype: DType = DType.auto
     # true | false | auto: off when the plan says the step fits without it (a third less compute)
     gradient_checkpointing: Any = False
+    # true | false | auto: with gradient checkpointing, keep each block's saved input in pinned host
+    # memory instead of on the GPU (auto: on CUDA with checkpointing on; nothing to offload on a CPU)
+    offload_activations: Any = "auto"
     # `tunekit plan` only: the config.json of a common size (llama-3-8b, llama-3-70b, ...), no weights
     preset: Optional[str] = None
 
@@ -176,9 +174,6 @@ class DistillConfig:
 class KernelsConfig:
     # tunekit's Triton LoRA-over-NF4 kernel instead of peft + bitsandbytes (same math, same adapter files)
     fused_lora: FusedMode = FusedMode.auto
-    # the fp32 output head's two matmuls on a CPU with native bf16: oneDNN's bf16 math mode after a
-    # check against fp64 (tunekit/head_matmul.py: 2.3x faster, error ~fp32's), or strict fp32
-    head_matmul: HeadMatmul = HeadMatmul.auto
     # the decoder layers' training forward through torch.compile (inductor), checked against eager
     # on a copy of one layer before the first step (tunekit/compiled.py): 1.0-1.4x per step on the
     # development CPUs after 22-25 s of checking and compiling (56 s with inductor's cache empty):
@@ -219,6 +214,22 @@ def register_schema() -> None:
 TRACKERS = ("none", "wandb")
 OBJECTIVES = ("sft", "distill")
 BEST_METRICS = ("auto", "val_loss", "val_accuracy", "val_exact_match")
+
+
+# Keys that runs written by earlier versions of tunekit carry and this one no longer has: dropped when
+# such a run's config.yaml is read back, so that eval and export still open it.
+RETIRED_KEYS = (("kernels", "head_matmul"),)  # an fp32-head math mode, replaced by the precision policy
+
+
+def load_run_config(path: Path) -> "TrainConfig":
+    """A run's saved config.yaml, merged into the schema (enums and defaults come back typed)."""
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.load(path)
+    for group, key in RETIRED_KEYS:
+        if isinstance(saved.get(group), dict) or OmegaConf.is_dict(saved.get(group)):
+            saved[group].pop(key, None)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), saved))
 
 
 def plain(value):
@@ -270,6 +281,7 @@ def validate(cfg: TrainConfig) -> None:
     # to resolve from the memory plan.
     cfg.trainer.micro_batch_size = _auto_int(cfg.trainer.micro_batch_size, "trainer.micro_batch_size")
     cfg.model.gradient_checkpointing = _auto_bool(cfg.model.gradient_checkpointing, "model.gradient_checkpointing")
+    cfg.model.offload_activations = _auto_bool(cfg.model.offload_activations, "model.offload_activations")
     check_values(cfg)
     if cfg.model.preset is not None:
         from tunekit.plan.shape import preset_shape
@@ -334,7 +346,6 @@ def check_values(cfg: TrainConfig) -> None:
                            "model.path as the student, or 2 or more")
 
     one_of("kernels.fused_lora", plain(cfg.kernels.fused_lora), [x.value for x in FusedMode])
-    one_of("kernels.head_matmul", plain(cfg.kernels.head_matmul), [x.value for x in HeadMatmul])
     if plain(cfg.kernels.fused_lora) == "on" and plain(m.quantize) != "nf4":
         raise TunekitError("kernels.fused_lora: on needs a 4-bit base (the kernel fuses NF4 dequantization into "
                            "LoRA's matmul); set model.quantize=nf4, or kernels.fused_lora=auto")

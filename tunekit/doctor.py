@@ -173,6 +173,7 @@ class Doctor:
                          tokens_per_s=self._tokens_per_s(run), path=summary.get("kernels", {}).get("path"),
                          error=_last_line(r.stderr) if r.returncode else None)
         self.runs = runs
+        self.precision_and_memory(runs["off"])
         on, off = (self._losses(runs[k]) for k in ("on", "off"))
         if not on or len(on) != len(off):
             self._record("losses agree", False, error="a run is missing")
@@ -181,6 +182,20 @@ class Doctor:
         tol = LOSS_TOL.get(self.report["environment"]["compute_dtype"], 5e-2)
         self._record("losses agree", worst <= tol, max_rel_diff=f"{worst:.2e}", tolerance=tol,
                      first_losses=[round(x, 4) for x in on[:3]])
+
+    def precision_and_memory(self, run: Path) -> None:
+        """What a training run's tensors and attention actually had, and its peak memory against the plan.
+
+        Facts the CPU cannot show for a GPU: the SDPA kernel torch picks for the run's q/k/v (flash
+        needs half-precision inputs and no explicit mask; padded batches carry one, so they take the
+        memory-efficient kernel), and CUDA's caching allocator's peak against the plan's step peak."""
+        path = run / "summary.json"
+        if not path.is_file():
+            self._record("precision and memory", False, error="the training run wrote no summary.json")
+            return
+        summary = json.loads(path.read_text())
+        ok, figures = precision_figures(summary)
+        self._record("precision and memory", ok, **figures)
 
     def resume(self) -> None:
         """Kill a fused run after its first checkpoint (SIGKILL), resume it, compare with the full run."""
@@ -266,6 +281,27 @@ class Doctor:
         (self.out / "report.md").write_text("\n".join(lines) + "\n")
         print(f"[doctor] report: {self.out / 'report.md'} (and report.json, logs/)", flush=True)
         return ok
+
+
+def precision_figures(summary: dict) -> tuple[bool, dict]:
+    """(ok, figures) of a run's summary.json for the report: the policy, the dtypes the run had, the
+    attention kernel, and the measured peak beside the planned one. Not ok where a frozen part or the
+    attention inputs are wider than the policy's compute dtype, or a trained part narrower than fp32."""
+    p, mem = summary.get("precision", {}), summary.get("memory", {})
+    seen = p.get("observed", {})
+    attn = seen.get("attention", {})
+    compute = p.get("compute")
+    wrong = [f"{name} {got}" for name, got in (("embeddings", seen.get("embeddings")), ("head", seen.get("head")),
+                                                 ("attention q", attn.get("q"))) if got not in (None, compute)]
+    wrong += [f"trained {d}" for d in seen.get("trained", []) if d != "fp32"]
+    planned = mem.get("planned_step_peak_mib") if mem.get("measured_as") == "torch max allocated" \
+        else mem.get("planned_device_total_mib")
+    figures = {"policy": compute, "tf32": p.get("tf32"), "attention": f"{attn.get('q')} q/k/v, "
+               f"{'masked, ' if attn.get('mask') else ''}{attn.get('kernel')}",
+               "frozen": f"embeddings {seen.get('embeddings')}, head {seen.get('head')}",
+               "peak_mib": mem.get("peak_mib"), "planned_mib": planned, "measured_as": mem.get("measured_as"),
+               "error": f"wider or narrower than the policy: {', '.join(wrong)}" if wrong else None}
+    return not wrong, figures
 
 
 def _last_line(text: str) -> str:

@@ -77,9 +77,10 @@ class LoRA4bitCompute(torch.autograd.Function):
             keep = torch.empty_like(xc).bernoulli_(1.0 - dropout_p)
             xl = xc * keep / (1.0 - dropout_p)
         xa = xl @ A.to(dtype).t()  # (tokens, r)
-        # The sum is taken in x's dtype (fp32 under k-bit training), as peft adds its fp32 LoRA
-        # output to the base's: early in training the LoRA term is ~1e-4 of the output, and a sum
-        # rounded to bf16 (steps of 2^-8) would drop it from the forward pass. The scaling is folded
+        # The sum is taken in x's dtype, as peft adds its LoRA output to the base's: the residual
+        # stream's dtype (bf16 under the bf16 precision policy, where a term below 2^-8 of the output
+        # shows in the forward only once it has grown, its gradient flowing all along; fp32 where x
+        # is fp32, which keeps even a 1e-4 term). The scaling is folded
         # into B, an (out, r) copy, not passed as add_(..., alpha=): torch 2.13's inductor drops
         # that alpha from the sum of a matmul product (torch.compile over these layers halved every
         # LoRA term at alpha/r = 2). For a power-of-two scaling, as every recipe's 32/16, both forms
@@ -100,10 +101,10 @@ class LoRA4bitCompute(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             dx = dyc @ _dequantized(ctx.base_layer, dtype)  # bitsandbytes' MatMul4Bit backward
-            lora = dxa @ A.to(dtype)
-            if keep is not None:
-                lora = lora * keep / (1.0 - ctx.dropout_p)
-            dx = (dx + lora).to(ctx.in_dtype)
+            if keep is None:  # the LoRA term added in place: one (tokens, in) buffer, not three
+                dx = dx.addmm_(dxa, A.to(dtype)).to(ctx.in_dtype)
+            else:
+                dx = (dx + (dxa @ A.to(dtype)) * keep / (1.0 - ctx.dropout_p)).to(ctx.in_dtype)
         return dx, dA, dB, None, None, None
 
 

@@ -34,7 +34,7 @@ from transformers import AutoConfig
 
 from tunekit import TunekitError
 from tunekit import device as dev
-from tunekit import compiled, head_matmul, threads
+from tunekit import compiled, precision, threads
 from tunekit.checkpoint import (atomic_dir, atomic_write_text, cleanup_leftovers, find_resumable, latest_checkpoint,
                                 load_checkpoint, read_state, save_checkpoint)
 from tunekit.config import TrainConfig, plain
@@ -97,10 +97,14 @@ class TrainRecipe:
         least = lambda n: int(self.acc.gather(torch.tensor([n], device=self.device)).min())  # noqa: E731
         self._info(resolve_memory_settings(cfg, self.device, self.acc.num_processes, self.acc.local_process_index,
                                            least, self.output_dir))
+        self.planned = self._plan()
         self.fingerprint = fingerprint(cfg, self.acc.num_processes)
         self.resume_from, self.resume_state = self._find_checkpoint() if cfg.trainer.resume else (None, None)
 
-        self.dtype = dev.compute_dtype(plain(cfg.model.dtype), self.facts)
+        self.precision = precision.decide(plain(cfg.model.dtype), self.facts)
+        precision.apply(self.precision, self.facts)
+        self.dtype = self.precision.compute
+        self._info(self.precision.describe())
         quantize = plain(cfg.model.quantize)
         self.fsdp = self._fsdp()
         if self.fsdp is None:
@@ -120,6 +124,10 @@ class TrainRecipe:
         if self.threads:
             self._info(self.threads["line"])
         prepare_for_training(model, quantize, cfg.model.gradient_checkpointing)
+        self.offload = dev.offload_activations(cfg.model.offload_activations, self.facts,
+                                               bool(cfg.model.gradient_checkpointing), sharded=self.fsdp is not None)
+        if self.offload:
+            self._info("memory: checkpointed blocks' inputs offloaded to pinned host memory (model.offload_activations)")
 
         self.objective = self._build_objective(model)
 
@@ -131,7 +139,6 @@ class TrainRecipe:
             self.lora_path = FusedDecision(plain(cfg.kernels.fused_lora), "peft", "trainer.strategy=fsdp")
         if self.lora_path.layers or plain(cfg.kernels.fused_lora) != "auto" or self.lora_path.checks:
             self._info(f"kernels: LoRA layers use {self.lora_path.path} ({self.lora_path.reason})")
-        self.head_math = self._choose_head_math()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         trains = {n for n, p in self.model.named_parameters() if p.requires_grad}
         saves = {n for n, _ in self.model.named_parameters() if self.method.owns(n)}
@@ -164,6 +171,7 @@ class TrainRecipe:
         # continues the random stream of an uninterrupted run.
         set_seed(cfg.seed + 1000 * self.acc.process_index)
         self.start_step, self.tokens_seen, self.first_eval = 0, 0, None
+        self.attention_seen: dict = {}
         if self.resume_from is not None:
             self._resume()
 
@@ -174,6 +182,38 @@ class TrainRecipe:
                                 cfg.tracker.run_name, json.loads(json.dumps(asdict(cfg), default=str)))
                         if self.main else NullTracker())
         self._setup_task_eval()
+
+    def _plan(self):
+        """The memory plan of the settings just resolved (None where the planner cannot model the run)."""
+        from tunekit.plan.choose import plan_for
+
+        cfg = self.cfg
+        try:
+            return plan_for(cfg, self.facts, self.acc.num_processes, cfg.trainer.micro_batch_size,
+                            bool(cfg.model.gradient_checkpointing))
+        except TunekitError:
+            return None
+
+    def _precision_report(self) -> dict:
+        """The policy, and what the run's tensors and first step actually had."""
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        _, head = decoder_and_head(self.model)
+        return {**self.precision.as_dict(), "observed": {
+            "embeddings": dev.dtype_name(base.get_input_embeddings().weight.dtype),
+            "head": dev.dtype_name(head.weight.dtype),
+            "trained": sorted({dev.dtype_name(p.dtype) for p in self.params}),
+            "attention": dict(self.attention_seen)}}
+
+    def _memory_report(self) -> dict:
+        """This rank's measured peak beside the plan's: torch's peak allocation on a GPU; on a CPU the
+        process's peak RSS, which also holds the runtime and the allocator's retention (the plan's
+        device total counts both)."""
+        out = {"peak_mib": round(dev.peak_memory_mb(self.device), 1),
+               "measured_as": "torch max allocated" if self.device.type == "cuda" else "process peak RSS"}
+        if self.planned is not None:
+            out["planned_step_peak_mib"] = round(self.planned.peak / 2**20, 1)
+            out["planned_device_total_mib"] = round(self.planned.device_total() / 2**20, 1)
+        return out
 
     def compile_check_inputs(self) -> list[dict]:
         """kernels.compile's check batches: real training rows cut to unequal lengths, the two together
@@ -287,7 +327,8 @@ class TrainRecipe:
                    "wall_s": time.perf_counter() - start, "trainable_params": self.trainable_params,
                    "bits_per_param": self.bits_per_param, "world_size": self.acc.num_processes,
                    "device": self.facts.describe(), "compute_dtype": str(self.dtype).removeprefix("torch."),
-                   "kernels": self.lora_path.as_dict(), "head_matmul": self.head_math.as_dict(),
+                   "precision": self._precision_report(), "memory": self._memory_report(),
+                   "kernels": self.lora_path.as_dict(),
                    "compile": self.compiled.as_dict(),
                    **({"threads": self.threads["summary"]} if self.threads else {}),
                    "ranks_in_sync": self._ranks_in_sync(),
@@ -302,7 +343,9 @@ class TrainRecipe:
         """One optimizer step (index `step`, from 0): accumulate, reduce, clip, step. Returns its
         metrics row. Benchmarks time this method, so it is exactly what train() runs."""
         start = time.perf_counter()
-        loss, n_trained, n_input = self._train_step(step)
+        # The first step records what attention actually received and which kernel ran it (summary.json)
+        with precision.observe_attention(self.attention_seen) if step == self.start_step else contextlib.nullcontext():
+            loss, n_trained, n_input = self._train_step(step)
         if self.fsdp is None:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.trainer.max_grad_norm).item()
         else:
@@ -350,30 +393,25 @@ class TrainRecipe:
         loss = self.acc.reduce(loss_sum, reduction="sum").item() / max(n_trained, 1)
         return loss, n_trained, n_input
 
-    def _choose_head_math(self) -> head_matmul.HeadDecision:
-        mode = plain(self.cfg.kernels.head_matmul)
-        _, head = decoder_and_head(self.model)
-        if self.fsdp is not None:
-            return head_matmul.HeadDecision(mode, "fp32", "trainer.strategy=fsdp")
-        if not isinstance(self.objective, SFTObjective):  # the distillation loss applies both heads itself
-            return head_matmul.HeadDecision(mode, "fp32", f"objective={self.cfg.objective}")
-        decision = head_matmul.choose(head, mode, self.facts)
-        if decision.math != "fp32" or decision.eps:
-            self._info(f"kernels: output head matmuls in {decision.math} math ({decision.reason})")
-        return decision
-
     def _forward(self, batch: dict):
         """Student's last hidden states (batch, seq, dim), its output head, the batch on device."""
         batch = {k: v.to(self.device) for k, v in batch.items()}
         decoder, head = decoder_and_head(self.model)
         # Packed batches carry position_ids instead of attention_mask, from which transformers
         # builds per-example attention, but only when no KV cache is in play.
-        hidden = decoder(**model_inputs(batch), use_cache=False).last_hidden_state
+        with dev.offload_context(self.device) if self.offload else contextlib.nullcontext():
+            hidden = decoder(**model_inputs(batch), use_cache=False).last_hidden_state
         return hidden, head, batch
+
+    def _compute(self, fn):
+        """fn() under the precision policy's autocast where the method asks for it (`full`: fp32
+        master weights computing in bf16); under FSDP inside the root unit."""
+        with self.precision.autocast(self.device, self.method.autocast):
+            return self._run(fn)
 
     def _loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, trained tokens) of one micro-batch."""
-        return self._run(lambda: self.objective.loss(*self._forward(batch)))
+        return self._compute(lambda: self.objective.loss(*self._forward(batch)))
 
     def _all_reduce_grads(self) -> None:
         if self.fsdp is not None:  # FSDP summed every micro-batch's gradients into the shards in backward
@@ -424,20 +462,20 @@ class TrainRecipe:
         extra = self.fsdp.missing_forwards(len(batches)) if self.fsdp is not None else 0
         for idx in batches:
             batch = self.collate([self.val_data[i] for i in idx], self.tokenizer.pad_token_id)
-            parts, n = self._run(lambda: self.objective.eval_sums(*self._forward(batch)))
+            parts, n = self._compute(lambda: self.objective.eval_sums(*self._forward(batch)))
             for name in names:
                 sums[name] += parts[name].double()
             tokens += n.double().to(self.device)
         for _ in range(extra):
             filler = self.collate([self.val_data[0]], self.tokenizer.pad_token_id)
-            self._run(lambda: self.objective.eval_sums(*self._forward(filler)))
+            self._compute(lambda: self.objective.eval_sums(*self._forward(filler)))
         self.model.train()
         reduced = self.acc.reduce(torch.stack([sums[k] for k in names] + [tokens]), reduction="sum").tolist()
         metrics = {f"val_{k}": v / max(reduced[-1], 1) for k, v in zip(names, reduced[:-1])}
         metrics["val_ppl"] = math.exp(min(metrics.get("val_ce", metrics["val_loss"]), 50))
         samples = []
         if self.probe is not None:
-            task_metrics, samples = self._run(self.probe, self.model)
+            task_metrics, samples = self._compute(lambda: self.probe(self.model))
             metrics.update(task_metrics)
         self.tracker.eval({"step": step, **metrics})
         self.tracker.samples(step, samples)

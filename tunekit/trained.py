@@ -87,12 +87,10 @@ def _open_run(run_dir: Path):
     except TunekitError:
         if not ((run_dir / "adapter" / "config.json").is_file() and any((run_dir / "adapter").glob("*.safetensors"))):
             raise
-    from omegaconf import OmegaConf
-
-    from tunekit.config import TrainConfig, plain
+    from tunekit.config import load_run_config, plain
     from tunekit.model import compute_dtype, resolve_model_path
 
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(run_dir / "config.yaml")))
+    cfg = load_run_config(run_dir / "config.yaml")
     return Run(run_dir, cfg, resolve_model_path(cfg.model.path), plain(cfg.model.quantize),
                compute_dtype(plain(cfg.model.dtype), CPU))
 

@@ -31,7 +31,8 @@ def test_doctor_runs_the_fused_path_end_to_end(tiny_model_dir, tiny_data, tmp_pa
     report = json.loads((out / "report.json").read_text())
     checks = report["checks"]
     assert report["ok"] and {k for k, c in checks.items() if c["ok"]} == {
-        "kernels", "train fused=on", "train fused=off", "losses agree", "resume", "export"}
+        "kernels", "train fused=on", "train fused=off", "precision and memory", "losses agree", "resume", "export"}
+    assert checks["precision and memory"]["measured_as"] == "process peak RSS"
     assert checks["two ranks"]["ok"] is None and "fewer than 2 GPUs" in checks["two ranks"]["skipped"]
     assert checks["resume"]["killed_mid_run"] is True  # the kill came before the run finished
     assert "| resume | ok |" in (out / "report.md").read_text()

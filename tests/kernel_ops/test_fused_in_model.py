@@ -288,9 +288,9 @@ def test_pre_ampere_gpu_never_gets_bf16_kernels(tiny_model_dir):
 @pytest.mark.parametrize("path", ["torch", "fused"])
 def test_a_lora_term_below_bf16_resolution_survives(tiny_model_dir, path):
     """Early in training the LoRA term is ~1e-4 of a layer's output, below bf16's rounding step
-    (2^-8 relative). peft adds its fp32 LoRA output to the base's in fp32 (the residual stream is
-    fp32 under k-bit training), so the term survives; a path that rounds the sum to bf16 drops it
-    and evaluates the base instead of the trained model (seen: a val ppl 3% off the exported one).
+    (2^-8 relative). With an fp32 input (an fp32 residual stream) peft adds its fp32 LoRA output to
+    the base's in fp32, so the term survives; a path that rounds the sum to bf16 anyway drops it and
+    evaluates the base instead of the trained model (seen: a val ppl 3% off the exported one).
 
     Measured as path(B) - path(B = 0) against peft's same difference. Both paths round x, A, B,
     x A^T and the product to bf16 (5 roundings of 2^-9, relative to the term): 2^-6 allows them;
@@ -298,7 +298,7 @@ def test_a_lora_term_below_bf16_resolution_survives(tiny_model_dir, path):
     torch.manual_seed(3)
     model = _bf16_qlora_tiny(tiny_model_dir)
     name, layer = next((n, m) for n, m in model.named_modules() if n.endswith("q_proj") and hasattr(m, "lora_A"))
-    x = torch.randn(16, layer.in_features)  # fp32, as the residual stream under k-bit training
+    x = torch.randn(16, layer.in_features)  # an fp32 residual stream
     B = layer.lora_B["default"].weight
     with torch.no_grad():
         y0 = layer(x)

@@ -21,12 +21,15 @@ anything else at PATH is never touched (error).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import shutil
 import time
 from pathlib import Path
 from typing import Optional
+
+import torch
 
 from tunekit import TunekitError, __version__
 from tunekit.checkpoint import atomic_dir
@@ -105,6 +108,13 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
         raise TunekitError(f"--min-gain: a fraction of the fine-tune's gain (e.g. 0.9), got {min_gain}")
     candidates = _dtypes(fmt, dtype, requantize)
     run = open_run(run_dir)
+    # The check measures the trained weights' own function: base, adapter and every candidate computed
+    # in fp32 (the trainer's bf16 arithmetic is a rounding of that function, as a bf16 export's is, and
+    # against an exact fp32 merge it alone reads KL ~4e-3 on the default model, the size of what the
+    # KL fallback of the gate must tell apart). What the run computed in goes into a re-quantized
+    # export's config.
+    policy_dtype = run.dtype
+    run = dataclasses.replace(run, dtype=torch.float32)
     out = Path(out).expanduser().absolute()
     check_out(fmt, out, run.run_dir.absolute())
     if fmt != "adapter" and not run.method.can_merge:
@@ -177,7 +187,7 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
             exported, exported_tok = artifacts.reload_adapter(run, tmp), artifacts.reload_tokenizer(tmp)
         elif fmt == "merged":
             if requantize:
-                artifacts.write_requantized_nf4(run, merged, tokenizer, tmp, d)
+                artifacts.write_requantized_nf4(run, merged, tokenizer, tmp, d, policy_dtype)
             else:
                 artifacts.write_merged(merged, tokenizer, tmp, d)
             lap("write")

@@ -103,17 +103,19 @@ def reload_merged(folder: Path) -> nn.Module:
     return model.eval()
 
 
-def write_requantized_nf4(run: Run, merged: nn.Module, tokenizer, out_dir: Path, dtype: str) -> None:
+def write_requantized_nf4(run: Run, merged: nn.Module, tokenizer, out_dir: Path, dtype: str,
+                          compute_dtype: torch.dtype) -> None:
     """Merged weights re-quantized to NF4 + double quant (bitsandbytes), as a HF folder with its
     quantization_config. Built the way a consumer would quantize the merged folder: the merged
     model is saved in `dtype` to a scratch folder and loaded back through transformers'
-    bitsandbytes integration (lm_head kept in high precision, as in training), then saved."""
+    bitsandbytes integration (lm_head kept in high precision, as in training), then saved, with the
+    compute dtype the run trained in."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     scratch = out_dir / ".merged-scratch"
     write_merged(merged, tokenizer, scratch, dtype)
     qcfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=run.dtype, llm_int8_skip_modules=["lm_head"])
+                              bnb_4bit_compute_dtype=compute_dtype, llm_int8_skip_modules=["lm_head"])
     model = AutoModelForCausalLM.from_pretrained(scratch, quantization_config=qcfg, dtype=TORCH_DTYPES[dtype],
                                                  device_map="cpu")
     shutil.rmtree(scratch)

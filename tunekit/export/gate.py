@@ -6,7 +6,7 @@ than MIN_GAIN_KEPT of it. Why this figure and not KL(trained || exported): KL mi
 the format's own rounding of the *whole* model (which the user chose and which a base model
 exported the same way pays too) and the loss of the fine-tune. Measured on the default run
 (SmolLM2-135M, QLoRA, 60 steps, benchmarks/export-cpu.md): a bf16 merge moves the distribution by
-KL 9e-3 nats/token, mostly bf16 arithmetic in place of the trained model's fp32 residual stream,
+KL 9e-3 nats/token, mostly bf16 arithmetic in place of the trained weights' exact (fp32) function,
 yet keeps 98% of the gain (perplexity 9.65 vs 9.53 trained, 21.7 base); a merge that rounds the
 adapter away keeps ~0% whatever its KL. 90% is the line between "the export is the fine-tune,
 slightly rounded" and "part of the fine-tune is gone": a bf16/fp16/fp32 export of a healthy run
@@ -40,8 +40,9 @@ MIN_GAIN_KEPT_LOSSY = 0.50
 MIN_ADAPTER_EFFECT = 0.50
 MEASURABLE_GAIN = 0.01
 SE_MARGIN = 2.0
-# Before a measurable gain: 3e-3 sits above the compute noise of an exact fp32 merge against the
-# bf16-computing trained model (1.0e-3, SmolLM2 QLoRA) and below a rounded-away adapter (5.4e-3).
+# Before a measurable gain: 3e-3 sits far above what an exact fp32 merge reads against the trained
+# model, which the check computes in fp32 (summation order only), and below a rounded-away adapter
+# (5.4e-3 on SmolLM2 QLoRA).
 KL_FALLBACK = 3e-3
 KL_ADAPTER = 1e-5
 

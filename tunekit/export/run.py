@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from tunekit import TunekitError
-from tunekit.config import TrainConfig, plain
+from tunekit.config import TrainConfig, load_run_config, plain
 
 
 @dataclass
@@ -44,7 +44,6 @@ class Run:
 
 def open_run(run_dir: str | Path) -> Run:
     """Read RUN_DIR/config.yaml and check the run finished (adapter/ written); one clear error otherwise."""
-    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from tunekit.model import compute_dtype, resolve_model_path
@@ -62,7 +61,7 @@ def open_run(run_dir: str | Path) -> Run:
         raise TunekitError(f"RUN_DIR: {run_dir} has no finished adapter (adapter/adapter_model.safetensors){hint}")
     try:
         # Merge into the schema so enum values and defaults come back typed, as in training.
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(cfg_path)))
+        cfg = load_run_config(cfg_path)
     except (OmegaConfBaseException, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TunekitError(f"{cfg_path}: not a tunekit config ({first})") from None
@@ -74,8 +73,8 @@ def open_run(run_dir: str | Path) -> Run:
 def load_base(run: Run) -> nn.Module:
     """The frozen base exactly as the run trained over it, in eval mode.
 
-    Uses the trainer's own preparation (fp32 norms and embeddings over a 4-bit base change the
-    logits slightly); gradient checkpointing has no numeric effect and is left off.
+    Uses the trainer's own preparation (every frozen weight in the precision policy's compute
+    dtype); gradient checkpointing has no numeric effect and is left off.
     """
     from tunekit.model import load_base_model, prepare_for_training
 

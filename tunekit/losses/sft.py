@@ -3,6 +3,16 @@
 Returning (sum, count) instead of a mean lets the trainer normalise by the number of trained
 tokens in the whole accumulated (and all-reduced) batch. A mean of per-micro-batch means would
 weight a token in a short micro-batch more than one in a long micro-batch.
+
+The loss is computed from the decoder's last hidden states and the output head together
+(`linear_cross_entropy`), a chunk of rows at a time, so the (tokens, vocab) logits of a whole
+micro-batch never exist: on Llama-3-8B (vocabulary 128,256) at 2 x 2048 trained tokens they would be
+2.0 GiB in fp32, with two more such buffers in the backward pass. Each chunk's logits are computed
+in the head's dtype, upcast to fp32 for the log-sum-exp, and the chunk's gradient with respect to
+its rows (and to the head, when it trains) is computed right away, in the forward pass: what is kept
+for backward is one (tokens, hidden) gradient, not the logits. The backward pass only scales it by
+the incoming gradient (the trainer's 1 / trained tokens). The head's matmuls are the same two per
+row as an unchunked loss computes (logits, gradient of the rows), so chunking costs no compute.
 """
 
 from __future__ import annotations
@@ -11,9 +21,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tunekit.head_matmul import head_logits
-
 IGNORE = -100
+# Elements of one chunk's (rows, vocab) logits: 2^24 = 64 MiB in fp32, whatever the vocabulary
+# (Llama-3's 128,256: 130 rows a chunk; SmolLM2's 49,152: 341). The loss's working set is at most
+# 6 bytes per element of a bf16 head (the fp32 logits, turned into the softmax gradient in place,
+# beside the bf16 logits before and the gradient's bf16 cast after): ~100 MiB, which no longer
+# grows with the trained tokens.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def chunk_rows(vocab: int) -> int:
+    """Rows per chunk of the loss for a vocabulary of `vocab` (at least 16: a matmul of fewer rows
+    reads the whole head for little work)."""
+    return max(16, CHUNK_ELEMENTS // max(vocab, 1))
 
 
 def select_trained(states: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,21 +49,96 @@ def select_trained(states: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
 def sft_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: (batch, seq, vocab); labels: (batch, seq) with IGNORE on untrained positions.
 
-    Cross-entropy is computed in fp32 whatever the logits' dtype: bf16 log-softmax over a 49k
-    vocabulary loses ~2 decimal digits.
+    The reference form (all logits given). Cross-entropy is computed in fp32 whatever the logits'
+    dtype: bf16 log-softmax over a 49k vocabulary loses ~2 decimal digits.
     Returns (summed loss: scalar fp32, number of trained tokens: scalar int64).
     """
     rows, targets = select_trained(logits, labels)
     return F.cross_entropy(rows.float(), targets, reduction="sum"), torch.tensor(targets.numel())
 
 
-def sft_loss_from_hidden(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same loss from the decoder's last hidden states (batch, seq, dim) and the output head.
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum_i CE(rows_i W^T + b, target_i), chunk by chunk; gradients formed in the forward pass.
 
-    The head runs only on the positions that predict a trained token: on chat data those are
-    about a third of all positions, and the (tokens, vocab) head matmul and its fp32 logits are
-    the largest single cost of a small model (49k x 576 for SmolLM2-135M).
+    rows (n, d) and W (V, d) in the head's compute dtype; bias (V,) or None. Returns an fp32 scalar.
+    """
+
+    @staticmethod
+    def forward(ctx, rows, weight, bias, targets, chunk: int):
+        need_rows, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        grad_rows = torch.empty_like(rows) if need_rows else None
+        acc = torch.float64 if rows.dtype == torch.float64 else torch.float32  # accumulators
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+        total = torch.zeros((), dtype=acc, device=rows.device)
+        for i in range(0, rows.shape[0], chunk):
+            x, t = rows[i : i + chunk], targets[i : i + chunk]
+            z = F.linear(x, weight, bias)
+            z = z if z.dtype == torch.float64 else z.float()  # (c, V) fp32 (fp64 stays: gradcheck)
+            lse = torch.logsumexp(z, dim=-1)
+            total += (lse - z.gather(1, t[:, None]).squeeze(1)).sum()
+            if need_rows or need_w or need_b:
+                g = z.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                g[torch.arange(t.shape[0], device=t.device), t] -= 1.0  # d CE / d z = softmax - onehot
+                if need_b:
+                    grad_b += g.sum(0)
+                g = g.to(weight.dtype)
+                if need_rows:
+                    grad_rows[i : i + chunk] = g @ weight
+                if need_w:
+                    grad_w += g.t() @ x
+        ctx.save_for_backward(grad_rows, grad_w, grad_b)
+        ctx.dtypes = (rows.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grads = [None if g is None else (g * grad_total).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)]
+        return (*grads, None, None)
+
+
+def linear_cross_entropy(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         targets: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """Summed cross-entropy of head(rows) against targets without forming all logits at once.
+
+    rows (n, d), weight (V, d), bias (V,) or None, targets (n,) -> fp32 scalar. The rows are cast to
+    the weight's dtype (the head computes in its own dtype; for a trained fp32 head under autocast,
+    the autocast dtype). Gradients flow to rows, weight and bias as autograd would give them.
+    """
+    if torch.is_autocast_enabled(rows.device.type) and weight.dtype == torch.float32:
+        dtype = torch.get_autocast_dtype(rows.device.type)
+        weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+    rows = rows.to(weight.dtype)
+    with torch.autocast(rows.device.type, enabled=False):
+        return _LinearCrossEntropy.apply(rows, weight, bias, targets, chunk or chunk_rows(weight.shape[0]))
+
+
+def sft_loss_from_hidden(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss from the decoder's last hidden states (batch, seq, dim) and the output head.
+
+    The head runs only on the positions that predict a trained token (on chat data about a third of
+    all positions), chunk by chunk (module docstring).
     """
     rows, targets = select_trained(hidden, labels)
-    logits = head_logits(rows, head)  # head(rows), its matmuls in checked bf16 math where chosen
-    return F.cross_entropy(logits.float(), targets, reduction="sum"), torch.tensor(targets.numel())
+    n = torch.tensor(targets.numel())
+    if not _sharded(head.weight):
+        return linear_cross_entropy(rows, head.weight, head.bias, targets), n
+    # FSDP: an untied head is a unit of its own, its weight a shard outside the module's call. A frozen
+    # head is gathered for the loss and let go after; a trained one (no gradient would reach its
+    # shards through a gather by hand) runs through the module's own call, unchunked.
+    if head.weight.requires_grad or not hasattr(head, "unshard"):
+        return F.cross_entropy(head(rows.to(head.weight.dtype)).float(), targets, reduction="sum"), n
+    head.unshard()
+    try:
+        return linear_cross_entropy(rows, head.weight, head.bias, targets), n
+    finally:
+        head.reshard()
+
+
+def _sharded(weight: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(weight, DTensor)

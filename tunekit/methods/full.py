@@ -2,7 +2,9 @@
 with method.name=full), not for the 4-bit bases the PEFT methods serve.
 
 The weights train in fp32 even when the base loads in bf16: AdamW updates of ~lr * 1 on weights
-of ~1e-2 fall below bf16's resolution (8 significant bits) and would be lost. `save` writes a
+of ~1e-2 fall below bf16's resolution (8 significant bits) and would be lost. Where the precision
+policy computes in bf16, the forward runs under bf16 autocast: matmuls on bf16 copies of the fp32
+weights, norms and residual stream in fp32 (the embeddings' own dtype). `save` writes a
 plain Hugging Face model folder, so "merging" is the identity.
 """
 
@@ -20,6 +22,7 @@ from tunekit.methods.saving import read_tensors
 @register("full")
 class FullFineTune(Method):
     can_merge = True
+    autocast = True  # fp32 master weights; matmuls in the policy's bf16 where the device has it
 
     @staticmethod
     def check_config(cfg, model: nn.Module | None = None, quantize: str = "none") -> None:

@@ -155,20 +155,20 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 
 
 def prepare_for_training(model: nn.Module, quantize: str, gradient_checkpointing: bool) -> None:
-    """Put a frozen base in the state the trainer trains over (and export compares against).
+    """Put a frozen base in the state the trainer trains over (and evaluation and export rebuild).
 
-    Over a 4-bit base, QLoRA's recipe (peft.prepare_model_for_kbit_training) keeps norms and
-    embeddings in fp32, which changes the logits slightly versus a bare 4-bit load. Gradient
-    checkpointing uses the non-reentrant variant, which works with frozen inputs; it has no
-    numeric effect.
+    Every frozen weight stays in the dtype it was loaded in, the precision policy's compute dtype
+    (tunekit.precision): over a 4-bit base that keeps the embeddings, the norms and the output head
+    in bf16 where peft's prepare_model_for_kbit_training would widen them to fp32, doubling their
+    memory and running the residual stream, attention and the head in fp32. A method widens only
+    what it trains. Gradient checkpointing uses the non-reentrant variant, which works with frozen
+    inputs; the embeddings' output then requires grad so that the checkpointed blocks have a
+    gradient to recompute for. It has no numeric effect. `quantize` is accepted for symmetry with
+    the loader: a 4-bit base needs nothing else.
     """
-    gc_kwargs = {"use_reentrant": False}
-    if quantize == "nf4":
-        from peft import prepare_model_for_kbit_training
-
-        prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
-                                        gradient_checkpointing_kwargs=gc_kwargs)
-    elif gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
-        model.enable_input_require_grads()
+    model.requires_grad_(False)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if not getattr(model, "_require_grads_hooks", None):  # transformers may have hooked it already;
+            model.enable_input_require_grads()  # a second hook would be orphaned (never removed by a merge)
     model.config.use_cache = False

@@ -71,7 +71,11 @@ def plan_for(cfg, facts: DeviceFacts, ranks: int, micro_batch: int, checkpointin
     from dataclasses import replace
 
     shape, setup = planner_inputs(cfg, facts)
-    setup = replace(setup, micro_batch_size=micro_batch, gradient_checkpointing=checkpointing)
+    from tunekit.device import offload_activations
+
+    sharded = getattr(cfg.trainer.strategy, "value", cfg.trainer.strategy) == "fsdp" and ranks > 1
+    setup = replace(setup, micro_batch_size=micro_batch, gradient_checkpointing=checkpointing,
+                    offload_activations=offload_activations(cfg.model.offload_activations, facts, checkpointing, sharded))
     plan = predict(shape, setup, facts, ranks)
     if getattr(cfg.trainer.strategy, "value", cfg.trainer.strategy) == "fsdp" and plan.fsdp is not None:
         plan = replace(plan, memory=plan.fsdp)  # the run shards: its ranks hold the FSDP figures

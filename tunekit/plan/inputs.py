@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from tunekit import TunekitError
-from tunekit.device import DeviceFacts, compute_dtype, dense_cache_fits
+from tunekit.device import DeviceFacts, compute_dtype, dense_cache_fits, offload_activations
 from tunekit.plan.memory import TrainSetup
 from tunekit.plan.shape import PROJECTIONS, ModelShape, model_shape, student_shape
 
@@ -58,7 +58,14 @@ def planner_inputs(cfg, facts: DeviceFacts, teacher_shape: Optional[ModelShape] 
         gradient_checkpointing=cfg.model.gradient_checkpointing, micro_batch_size=t.micro_batch_size,
         grad_accum=t.grad_accum, seq_len=cfg.data.max_seq_len, packing=cfg.data.packing,
         optimizer=_value(t.optimizer), dropout_mask_bytes=1 if facts.type == "cuda" else 4,
+        offload_activations=offload_activations(getattr(cfg.model, "offload_activations", False), facts,
+                                                cfg.model.gradient_checkpointing is True),
     )
+    if (setup.quantize == "nf4" and setup.method == "lora" and dtype == torch.bfloat16
+            and _value(cfg.kernels.fused_lora) != "off"):
+        # tunekit.fused's rule: the LoRA matmuls in bf16 (the CPU's torch path, the GPU's fused kernel
+        # or, where that is not trusted, the same torch path), never peft's fp32 branch
+        setup = replace(setup, lora_compute=True)
     if (facts.type == "cpu" and setup.quantize == "nf4" and setup.method == "lora"
             and dtype in (torch.bfloat16, torch.float32) and _value(cfg.kernels.fused_lora) == "auto"):
         # tunekit.fused._cpu_path's rule: the base kept dequantized in its compute dtype

@@ -4,9 +4,9 @@ Every term is a plain function of (ModelShape, TrainSetup, element sizes) and mo
 tunekit's trainer actually allocates, not a generic transformer:
 
 * weights: bf16/fp32 base, or NF4 + double quantization (bitsandbytes: 4-bit codes, one 8-bit
-  absmax per 64 weights, one fp32 absmax per 256 of those, small per-layer code tables); over a
-  4-bit base peft's `prepare_model_for_kbit_training` casts every other weight (embeddings,
-  head, norms) to fp32, and the head is never quantized.
+  absmax per 64 weights, one fp32 absmax per 256 of those, small per-layer code tables); every
+  weight that is not quantized (embeddings, head, norms) stays in the compute dtype (the precision
+  policy, tunekit.precision), and the head is never quantized.
 * trainable parameters, their gradients (fp32, kept across gradient accumulation) and the
   optimizer state: AdamW 2 x fp32; bitsandbytes 8-bit: 2 x uint8 plus an fp32 absmax per 256
   elements for tensors of >= 4096 elements, 32-bit state below that (paged variants allocate the
@@ -15,10 +15,11 @@ tunekit's trainer actually allocates, not a generic transformer:
   (a walk through one Llama block with the dtypes the trainer produces; the test suite checks
   it against `torch.autograd.graph.saved_tensors_hooks` on real models), or, with gradient
   checkpointing, each block's input plus one block recomputed during backward.
-* loss and head: the head runs only on trained positions; cross-entropy keeps the fp32
-  log-softmax (n, vocab) and its backward briefly holds three such buffers. Distillation
-  computes both heads `chunk_size` rows at a time (about five (chunk, vocab) fp32 buffers,
-  measured in benchmarks/distill-memory-cpu.json) and keeps the teacher's last hidden states.
+* loss and head: the head runs only on trained positions, a chunk of rows at a time
+  (tunekit.losses.sft): one chunk's logits in the head's dtype and in fp32, the gradient of the
+  rows kept for backward; nothing of size (trained tokens, vocab). Distillation computes both
+  heads `chunk_size` rows at a time (about five (chunk, vocab) fp32 buffers, measured in
+  benchmarks/distill-memory-cpu.json) and keeps the teacher's last hidden states.
 
 The plan is for the worst micro-batch: `micro_batch_size` rows of `data.max_seq_len` tokens,
 every position trained, padding present (so attention gets an explicit mask, as it does for
@@ -73,6 +74,12 @@ class TrainSetup:
     # CPU with kernels.fused_lora=auto over a 4-bit base: a bf16 copy of the LoRA-wrapped weights
     # (tunekit.lora_compute.cache_dense), where tunekit.device.dense_cache_fits allows it
     dense_cache_bytes: int = 0
+    # LoRA over a 4-bit base computed in the compute dtype (tunekit.lora_compute or the fused kernel,
+    # tunekit.fused) rather than peft's fp32 branch, which keeps an fp32 copy of every input
+    lora_compute: bool = False
+    # with gradient checkpointing on a GPU: the blocks' saved inputs live in pinned host memory
+    # (tunekit.device.offload_activations), not on the device
+    offload_activations: bool = False
 
 
 @dataclass
@@ -81,6 +88,7 @@ class Memory:
 
     terms: dict = field(default_factory=dict)
     phase: str = ""
+    host: dict = field(default_factory=dict)  # bytes kept in host memory instead (offloaded activations)
 
     @property
     def total(self) -> int:
@@ -95,13 +103,12 @@ def nf4_bytes(numel: int) -> int:
     return numel // 2 + numel % 2 + blocks + 4 * math.ceil(blocks / NF4_ABSMAX_BLOCK) + 4 * (16 + 256 + 1)
 
 
-def base_weight_bytes(shape: ModelShape, quantize: str, compute_bytes: int, kbit_prepared: bool = True) -> int:
+def base_weight_bytes(shape: ModelShape, quantize: str, compute_bytes: int) -> int:
     """The frozen base as loaded. NF4: the seven projections of every block in 4 bits; the rest
-    (embeddings, head, norms, biases) in fp32 after prepare_model_for_kbit_training, or in the
-    compute dtype for a teacher (loaded without that preparation)."""
+    (embeddings, head, norms, biases) in the compute dtype."""
     if quantize != "nf4":
         return shape.total_params * compute_bytes
-    rest = 4 if kbit_prepared else compute_bytes
+    rest = compute_bytes
     linear = sum(nf4_bytes(i * o) + (o * rest if shape.projection_bias(n) else 0)
                  for n in PROJECTIONS for i, o in [shape.projection(n)])
     other = shape.embedding_params + shape.head_params + shape.hidden_size + shape.num_layers * shape.norm_params_per_layer
@@ -155,6 +162,8 @@ def _lora_saves(st: TrainSetup, names: tuple, in_dim: int, in_bytes: int, input_
     hit = [n for n in names if n in st.lora_targets]
     if not hit:
         return 0
+    if st.lora_compute:
+        return _compute_lora_saves(st, len(hit), in_dim, in_bytes, input_already_saved)
     r_part = 4 * st.lora_r * len(hit)
     if st.lora_dropout > 0:
         return r_part + (4 + (st.dropout_mask_bytes if input_grad else 0)) * in_dim * len(hit)
@@ -163,17 +172,29 @@ def _lora_saves(st: TrainSetup, names: tuple, in_dim: int, in_bytes: int, input_
     return r_part + 4 * in_dim * len(hit)
 
 
+def _compute_lora_saves(st: TrainSetup, branches: int, in_dim: int, e: int, input_already_saved: bool) -> int:
+    """The same for LoRA computed in the compute dtype (tunekit.lora_compute on any device, or the
+    fused Triton kernel on CUDA): each branch keeps its input as it came (the projections that share
+    an input share that tensor) and A's (r,) output in the compute dtype; with dropout, each branch's
+    keep-mask and dropped copy instead of the input (the CPU path's, in the compute dtype; the kernel
+    keeps a bool mask and the input)."""
+    r_part = e * st.lora_r * branches
+    if st.lora_dropout > 0:
+        return r_part + 2 * e * in_dim * branches
+    return r_part + (0 if input_already_saved else e * in_dim)
+
+
 def layer_saved(shape: ModelShape, st: TrainSetup, rows: int, seq: int, input_grad: bool = True) -> int:
     """Bytes one decoder block keeps for backward for a micro-batch of (rows, seq) positions.
 
     A walk through transformers' Llama block as tunekit trains it. `input_grad`: whether the
     block's input requires grad (every block but the first, unless something upstream trains).
-    Residual stream and projection outputs are fp32 over a 4-bit base (fp32 embeddings and
-    norms, Linear4bit returns its input dtype) and in the compute dtype otherwise.
+    Residual stream and projection outputs are in the compute dtype (a 4-bit base's Linear4bit
+    returns its input's dtype); a full fine-tune's fp32 weights make them fp32 (`activation_dtype_bytes`).
     """
     d, m, q, kv, h = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim, shape.num_heads
     full = st.method == "full"
-    e = 4 if (st.quantize == "nf4" or full or st.compute_bytes == 4) else st.compute_bytes
+    e = activation_dtype_bytes(st)
     lora, bitfit = st.method == "lora", st.method == "bitfit"
     trains = (lambda p: (lora and p in st.lora_targets) or (bitfit and p in st.bitfit_targets) or full)
     per_token = 0  # bytes per position
@@ -252,7 +273,7 @@ def activation_bytes(shape: ModelShape, st: TrainSetup) -> dict:
     rows, seq = positions(st)
     T = rows * seq
     d, m = shape.hidden_size, shape.intermediate_size
-    e = 4 if (st.quantize == "nf4" or st.method == "full" or st.compute_bytes == 4) else st.compute_bytes
+    e = activation_dtype_bytes(st)
     first = layer_saved(shape, st, rows, seq, input_grad=first_block_input_grad(st))
     steady = layer_saved(shape, st, rows, seq, input_grad=True)
     labels = st.micro_batch_size * st.seq_len  # label positions (prompt tuning's virtual tokens have none)
@@ -266,7 +287,7 @@ def activation_bytes(shape: ModelShape, st: TrainSetup) -> dict:
     # the MLP and, over a 4-bit base, one dequantized weight.
     dequant = max(i * o for p in PROJECTIONS for i, o in [shape.projection(p)]) * st.compute_bytes \
         if st.quantize == "nf4" else 0
-    layer_backward = T * (3 * m * e + 2 * d * 4) + dequant
+    layer_backward = T * (3 * m * e + 2 * d * 4) + dequant  # the norms compute their gradients in fp32
     if st.gradient_checkpointing:
         # non-reentrant checkpointing keeps each block's input; backward recomputes one block
         blocks = shape.num_layers * T * d * e
@@ -277,23 +298,40 @@ def activation_bytes(shape: ModelShape, st: TrainSetup) -> dict:
             "rope": rope, "embedding": embedding, "ckpt_layer": 0, "layer_backward": layer_backward}
 
 
+def activation_dtype_bytes(st: TrainSetup) -> int:
+    """Bytes per element of the residual stream: the compute dtype, or fp32 under a full fine-tune
+    (its embeddings and norms train as fp32 weights; autocast rounds only the matmuls)."""
+    return 4 if st.method == "full" else st.compute_bytes
+
+
 def head_dtype_bytes(st: TrainSetup) -> int:
-    """The output head's dtype: fp32 over a 4-bit base (kbit preparation) or when fully trained."""
-    return 4 if (st.quantize == "nf4" or st.method == "full") else st.compute_bytes
+    """The output head's dtype: the compute dtype (frozen), or fp32 when it trains (full)."""
+    return 4 if st.method == "full" else st.compute_bytes
 
 
 def sft_loss_bytes(shape: ModelShape, st: TrainSetup) -> dict:
-    """Cross-entropy on trained positions: bytes alive in the loss's forward and backward."""
+    """The chunked cross-entropy on trained positions (tunekit.losses.sft): bytes alive in the loss's
+    forward and backward beside the saved activations.
+
+    Forward: the selected rows (n, d), the gradient of the rows it fills (n, d), and one chunk's
+    working set: its logits in the head's dtype and their fp32 copy (the first let go once the copy
+    exists), the copy turned into the softmax gradient in place and cast back to the head's dtype
+    beside it: at most 4 + 2 bytes per logit of a bf16 head, 4 of an fp32 one. A head
+    that trains (full) also accumulates its fp32 weight gradient (V, d) beside each chunk's product.
+    Kept for backward: the rows' gradient (and the head's). Backward: that gradient scaled once.
+    """
+    from tunekit.losses.sft import chunk_rows
+
     n, V, d = trained_positions(st), shape.vocab_size, shape.hidden_size
     eh = head_dtype_bytes(st)
-    # forward: selected rows, the head's logits, their fp32 copy (bf16 head), the fp32
-    # log-softmax (kept for backward) and the targets
-    forward = n * d * eh + eh * n * V + (4 * n * V if eh != 4 else 0) + 4 * n * V + 8 * n
-    # backward: kept log-softmax + nll grad + log-softmax grad, all (n, V) fp32
-    backward = 12 * n * V + 8 * n
-    kept = 4 * n * V + 8 * n
-    if st.method == "full":  # a trained head keeps its input rows for its weight gradient
-        kept, forward, backward = kept + n * d * eh, forward + n * d * eh, backward + n * d * eh
+    c = min(chunk_rows(V), n)
+    work = c * V * (4 + (eh if eh != 4 else 0)) + 16 * c
+    kept = n * d * eh
+    if st.method == "full":  # the fp32 accumulator, and one chunk's (V, d) product in the autocast dtype
+        kept += 4 * V * d
+        work += (st.compute_bytes + 4) * V * d
+    forward = n * d * eh + kept + work + 8 * n
+    backward = kept + n * d * eh
     return {"kept": kept, "forward": forward, "backward": backward}
 
 
@@ -330,7 +368,7 @@ def fsdp_gathered_bytes(shape: ModelShape, st: TrainSetup) -> int:
     block = base_weight_bytes(shape.with_layers(1), st.quantize, st.compute_bytes) - outer
     if shape.tie_word_embeddings:
         return 2 * block + outer
-    per_param = 4 if st.quantize == "nf4" else st.compute_bytes  # kbit preparation keeps them in fp32
+    per_param = st.compute_bytes
     largest = per_param * max(shape.embedding_params, shape.head_params)
     return block + max(block, largest)
 
@@ -357,9 +395,11 @@ def step_memory(shape: ModelShape, st: TrainSetup, ranks: int = 1, sharded: bool
     if sharded and ranks > 1:
         mem.terms["gathered blocks (FSDP)"] = fsdp_gathered_bytes(shape, st)
     if st.teacher is not None:
-        mem.terms["teacher weights"] = base_weight_bytes(st.teacher, st.teacher_quantize, st.compute_bytes,
-                                                          kbit_prepared=False) // split
+        mem.terms["teacher weights"] = base_weight_bytes(st.teacher, st.teacher_quantize, st.compute_bytes) // split
     act = activation_bytes(shape, st)
+    if st.offload_activations and st.gradient_checkpointing:  # the blocks' inputs wait in host memory
+        mem.host["offloaded activations"] = act["blocks"]
+        act = {**act, "saved": act["saved"] - act["blocks"]}
     loss = distill_loss_bytes(shape, st) if st.teacher is not None else sft_loss_bytes(shape, st)
     phases = {
         "loss forward": (act["saved"], loss["forward"]),  # everything saved, the loss computing

@@ -121,6 +121,8 @@ def render(plan: Plan, memory_gib: Optional[float], cfg, source: str) -> str:
     lines.append(f"  {'device total (with margins)':{width}}" + "".join(f"{fmt(plan.device_total(mem)):>24}"
                                                                        for _, mem in cols))
     lines.append(f"  (the peak falls in: {plan.memory.phase})")
+    for n, v in plan.memory.host.items():
+        lines.append(f"  ({n}: {fmt(v)} in pinned host memory, model.offload_activations)")
     limit, needed, what = budget(plan, memory_gib)
     sharing = f", {plan.ranks} processes sharing it" if plan.facts.type == "cpu" and plan.ranks > 1 else ""
     if limit is None:
