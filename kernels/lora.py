@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from ._runtime import check_device, interpreting
-from .nf4 import nf4_dequantize, nf4_pointer_args, nf4_values
+from .fit import matmul_configs, prune_for_device
+from .nf4 import nf4_block_scale, nf4_code, nf4_dequantize, nf4_pointer_args
 from .quant import NF4Weight
 from .reference import apply_dropout, dropout_noise
 
@@ -41,12 +42,8 @@ def _configs() -> list[triton.Config]:
         # The interpreter cannot autotune over several configs and its cost is per
         # program: one config with big tiles.
         return [triton.Config({"BLOCK_M": 256, "BLOCK_P": 128, "BLOCK_Q": 128, "GROUP_M": 8}, num_warps=4)]
-    shapes = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
-              (64, 64, 64, 4, 4), (128, 256, 64, 8, 3), (64, 64, 32, 4, 5)]
-    return [
-        triton.Config({"BLOCK_M": m, "BLOCK_P": p, "BLOCK_Q": q, "GROUP_M": 8}, num_warps=w, num_stages=s)
-        for m, p, q, w, s in shapes
-    ]
+    # Every dtype's tiles; prune_for_device keeps those of the call's dtype that fit its device.
+    return matmul_configs()
 
 
 def m_bucket(m: int) -> int:
@@ -57,6 +54,18 @@ def m_bucket(m: int) -> int:
     power-of-two size class, so at most 13 tunings per weight shape ever happen.
     """
     return min(max(16, triton.next_power_of_2(max(int(m), 1))), 65536)
+
+
+def lora_rank_chunk(r: int) -> int:
+    """Ranks per step of the epilogue's LoRA product (tl.dot needs >= 16; 32 bounds its operands)."""
+    return 16 if r <= 16 else 32
+
+
+def rows_start_blocks(quant: NF4Weight) -> bool:
+    """Whether every row of W starts a quantization block (in_features a multiple of a power-of-two
+    blocksize: every real model's layers). The matmul then meets fewer scale blocks per tile."""
+    bs = quant.blocksize
+    return bs & (bs - 1) == 0 and quant.shape[1] % bs == 0
 
 
 def needs_int64(M: int, P: int, Q: int, *strides: int) -> bool:
@@ -70,7 +79,73 @@ def needs_int64(M: int, P: int, Q: int, *strides: int) -> bool:
     return (M - 1) * largest_row_stride + max(P, Q) >= 2**31
 
 
-@triton.autotune(configs=_configs(), key=["M_BUCKET", "P", "Q", "R"])
+@triton.jit
+def _nf4_weight_tile(
+    offs_q, offs_p, q_ok, p_ok, q0, p0, n_blocks, stride_wq, stride_wp,
+    packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset,
+    c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
+    BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
+    W_CONTIG_Q: tl.constexpr, W_ALIGNED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """fp32 tile Wop[offs_q, offs_p] of the NF4 weight (0 outside the masks).
+
+    Only the packed bytes are loaded per element. The code book lookup is a select tree on 16
+    values in registers, and the scales are loaded once per (W row, quantization block) the tile
+    touches, as short vectors, then broadcast: a W row crosses the tile along its contiguous
+    axis (q when W_CONTIG_Q, the forward's W^T; else p), so each tile line meets at most
+    NP consecutive blocks, NP = ceil(tile length / BLOCKSIZE) where rows start on a block
+    boundary (W_ALIGNED) and one more where they may not.
+    """
+    idx = offs_q[:, None] * stride_wq + offs_p[None, :] * stride_wp
+    mask = q_ok[:, None] & p_ok[None, :]
+    byte = tl.load(packed_ptr + idx // 2, mask=mask, other=0).to(tl.int32)
+    # Even flat index -> high nibble (bnb packs q[2j] << 4 | q[2j+1]).
+    nibble = tl.where(idx % 2 == 0, byte >> 4, byte & 0xF)
+    value = nf4_code(nibble, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+    # Lines: one per W row met by the tile; `first` is the flat index where the tile enters it.
+    if W_CONTIG_Q:
+        first = offs_p * stride_wp + q0
+        line_ok = p_ok
+        ALONG: tl.constexpr = BLOCK_Q
+    else:
+        first = offs_q * stride_wq + p0
+        line_ok = q_ok
+        ALONG: tl.constexpr = BLOCK_P
+    block0 = first // BLOCKSIZE
+    if W_ALIGNED:
+        NP: tl.constexpr = (ALONG + BLOCKSIZE - 1) // BLOCKSIZE
+    else:
+        NP: tl.constexpr = (BLOCKSIZE + ALONG - 2) // BLOCKSIZE + 1
+    if NP == 1:
+        scale = nf4_block_scale(block0, line_ok & (block0 < n_blocks), absmax_ptr, absmax2_ptr, code2_ptr,
+                                offset, BLOCKSIZE2, NESTED)
+        if W_CONTIG_Q:
+            w = value * scale[None, :]
+        else:
+            w = value * scale[:, None]
+    else:
+        # which of the line's blocks each element is in, counted from the line's first
+        along = tl.arange(0, ALONG)
+        if W_ALIGNED:  # lines enter on a block boundary: the same for every line
+            rel = (along // BLOCKSIZE)[:, None] if W_CONTIG_Q else (along // BLOCKSIZE)[None, :]
+        elif W_CONTIG_Q:
+            rel = ((first % BLOCKSIZE)[None, :] + along[:, None]) // BLOCKSIZE
+        else:
+            rel = ((first % BLOCKSIZE)[:, None] + along[None, :]) // BLOCKSIZE
+        scale = tl.zeros((BLOCK_Q, BLOCK_P), dtype=tl.float32)
+        for j in tl.static_range(NP):
+            s = nf4_block_scale(block0 + j, line_ok & (block0 + j < n_blocks), absmax_ptr, absmax2_ptr,
+                                code2_ptr, offset, BLOCKSIZE2, NESTED)
+            if W_CONTIG_Q:
+                scale = tl.where(rel == j, s[None, :], scale)
+            else:
+                scale = tl.where(rel == j, s[:, None], scale)
+        w = value * scale
+    return tl.where(mask, w, 0.0)
+
+
+@triton.autotune(configs=_configs(), key=["M_BUCKET", "P", "Q", "R"],
+                 prune_configs_by={"early_config_prune": prune_for_device})
 @triton.jit
 def _nf4_lora_matmul_kernel(
     inp_ptr, out_ptr,
@@ -81,6 +156,7 @@ def _nf4_lora_matmul_kernel(
     stride_lm, stride_lr, stride_rr, stride_rp, stride_km, stride_kp,
     lora_scale, keep_scale,
     BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
+    W_CONTIG_Q: tl.constexpr, W_ALIGNED: tl.constexpr,
     HAS_LORA: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_R: tl.constexpr, INDEX_64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_M: tl.constexpr,
@@ -88,7 +164,7 @@ def _nf4_lora_matmul_kernel(
     """out[M, P] = inp[M, Q] @ Wop[Q, P] + lora_scale * (left @ right) * keep * keep_scale + bias.
 
     Wop[q, p] is W's flat element ``q * stride_wq + p * stride_wp``, so one kernel
-    serves the forward (Wop = W^T) and dx (Wop = W).  left (M, R), right (R, P) and
+    serves the forward (Wop = W^T, W_CONTIG_Q) and dx (Wop = W).  left (M, R), right (R, P) and
     keep (M, P) are optional epilogue operands.
     """
     # Grouped launch order: GROUP_M row-blocks share each W column tile while it is
@@ -106,19 +182,39 @@ def _nf4_lora_matmul_kernel(
     if INDEX_64:
         # tokens x features >= 2**31: row offsets in int64, or the pointers would wrap around
         offs_m = offs_m.to(tl.int64)
-    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    p0 = pid_p * BLOCK_P
+    offs_p = p0 + tl.arange(0, BLOCK_P)
     m_ok = offs_m < M
     p_ok = offs_p < P
+    # Loop invariants, loaded once: the 16-entry code book and the scales' offset.
+    c0 = tl.load(code_ptr + 0)
+    c1 = tl.load(code_ptr + 1)
+    c2 = tl.load(code_ptr + 2)
+    c3 = tl.load(code_ptr + 3)
+    c4 = tl.load(code_ptr + 4)
+    c5 = tl.load(code_ptr + 5)
+    c6 = tl.load(code_ptr + 6)
+    c7 = tl.load(code_ptr + 7)
+    c8 = tl.load(code_ptr + 8)
+    c9 = tl.load(code_ptr + 9)
+    c10 = tl.load(code_ptr + 10)
+    c11 = tl.load(code_ptr + 11)
+    c12 = tl.load(code_ptr + 12)
+    c13 = tl.load(code_ptr + 13)
+    c14 = tl.load(code_ptr + 14)
+    c15 = tl.load(code_ptr + 15)
+    offset = tl.load(offset_ptr) if NESTED else 0.0
+    n_blocks = (P * Q - 1) // BLOCKSIZE + 1
     acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
     for q0 in range(0, Q, BLOCK_Q):
         offs_q = q0 + tl.arange(0, BLOCK_Q)
         q_ok = offs_q < Q
         a = tl.load(inp_ptr + offs_m[:, None] * stride_im + offs_q[None, :] * stride_iq,
                     mask=m_ok[:, None] & q_ok[None, :], other=0.0)
-        w_idx = offs_q[:, None] * stride_wq + offs_p[None, :] * stride_wp
-        w = nf4_values(w_idx, q_ok[:, None] & p_ok[None, :],
-                       packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr,
-                       BLOCKSIZE, BLOCKSIZE2, NESTED)
+        w = _nf4_weight_tile(offs_q, offs_p, q_ok, p_ok, q0, p0, n_blocks, stride_wq, stride_wp,
+                             packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset,
+                             c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
+                             BLOCKSIZE, BLOCKSIZE2, NESTED, W_CONTIG_Q, W_ALIGNED, BLOCK_Q, BLOCK_P)
         if DOT_FP32:
             acc = tl.dot(a.to(tl.float32), w, acc, input_precision=PRECISION)
         else:
@@ -126,16 +222,20 @@ def _nf4_lora_matmul_kernel(
             acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
 
     if HAS_LORA:
-        offs_r = tl.arange(0, BLOCK_R)
-        r_ok = offs_r < R
-        left = tl.load(left_ptr + offs_m[:, None] * stride_lm + offs_r[None, :] * stride_lr,
-                       mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-        right = tl.load(right_ptr + offs_r[:, None] * stride_rr + offs_p[None, :] * stride_rp,
-                        mask=r_ok[:, None] & p_ok[None, :], other=0.0)
-        if DOT_FP32:
-            lora = tl.dot(left.to(tl.float32), right.to(tl.float32), input_precision=PRECISION)
-        else:
-            lora = tl.dot(left, right.to(left.dtype), input_precision=PRECISION)
+        # left @ right in chunks of BLOCK_R ranks, not pipelined: one dot over all R ranks would put
+        # a (BLOCK_M x R) and an (R x BLOCK_P) operand in shared memory, 256 KB in fp32 at r = 256.
+        lora = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+        for r0 in tl.range(0, R, BLOCK_R, num_stages=1):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_ok = offs_r < R
+            left = tl.load(left_ptr + offs_m[:, None] * stride_lm + offs_r[None, :] * stride_lr,
+                           mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+            right = tl.load(right_ptr + offs_r[:, None] * stride_rr + offs_p[None, :] * stride_rp,
+                            mask=r_ok[:, None] & p_ok[None, :], other=0.0)
+            if DOT_FP32:
+                lora = tl.dot(left.to(tl.float32), right.to(tl.float32), lora, input_precision=PRECISION)
+            else:
+                lora = tl.dot(left, right.to(left.dtype), lora, input_precision=PRECISION)
         lora = lora * lora_scale
         if HAS_KEEP:
             keep = tl.load(keep_ptr + offs_m[:, None] * stride_km + offs_p[None, :] * stride_kp,
@@ -146,6 +246,62 @@ def _nf4_lora_matmul_kernel(
         acc += tl.load(bias_ptr + offs_p, mask=p_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_p[None, :] * stride_op,
              acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & p_ok[None, :])
+
+
+def matmul_launch(
+    inp: torch.Tensor,
+    quant: NF4Weight,
+    transpose_w: bool,
+    left: torch.Tensor | None = None,
+    right: torch.Tensor | None = None,
+    lora_scale: float = 1.0,
+    keep: torch.Tensor | None = None,
+    keep_scale: float = 1.0,
+    bias: torch.Tensor | None = None,
+    force_int64: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, tuple, dict]:
+    """(out, args, constexprs) of the kernel launch ``nf4_lora_matmul`` makes, without launching.
+
+    The autotuned meta-parameters (BLOCK_M, BLOCK_P, BLOCK_Q, GROUP_M, warps, stages) come on top.
+    Runs on meta tensors too: kernels/fit.py builds the exact launch it cross-compiles with it.
+    """
+    n_out, n_in = quant.shape
+    Q, P = (n_in, n_out) if transpose_w else (n_out, n_in)
+    M = inp.shape[0]
+    out = torch.empty((M, P), dtype=out_dtype or inp.dtype, device=inp.device)
+    index_64 = force_int64 or needs_int64(M, P, Q, inp.stride(0), out.stride(0),
+                                          *(t.stride(0) for t in (left, keep) if t is not None))
+    R = left.shape[1] if left is not None else 1
+    dummy = out  # any valid pointer for absent optional operands
+    lo = left if left is not None else dummy
+    ri = right if right is not None else dummy
+    ke = keep if keep is not None else dummy
+    fp32 = inp.dtype == torch.float32
+    args = (
+        inp, out, *nf4_pointer_args(quant),
+        lo, ri, ke, bias if bias is not None else dummy,
+        M, P, Q, R, m_bucket(M),
+        inp.stride(0), inp.stride(1), out.stride(0), out.stride(1),
+        1 if transpose_w else n_in, n_in if transpose_w else 1,
+        lo.stride(0), lo.stride(1), ri.stride(0), ri.stride(1), ke.stride(0), ke.stride(1),
+        float(lora_scale), float(keep_scale),
+    )
+    constexprs = dict(
+        BLOCKSIZE=quant.blocksize, BLOCKSIZE2=quant.blocksize2, NESTED=quant.nested,
+        W_CONTIG_Q=transpose_w, W_ALIGNED=rows_start_blocks(quant),
+        HAS_LORA=left is not None, HAS_KEEP=keep is not None, HAS_BIAS=bias is not None,
+        # The interpreter's tl.dot is wrong on bf16 inputs; fp32 on GPU must not use TF32.
+        DOT_FP32=interpreting() or fp32,
+        PRECISION="ieee" if (interpreting() or fp32) else "tf32",
+        BLOCK_R=lora_rank_chunk(R),
+        INDEX_64=index_64,
+    )
+    return out, args, constexprs
+
+
+# Compile options of every launch: without FMA contraction the dequantized tiles match bnb bit for bit.
+OPTIONS = {"enable_fp_fusion": False}
 
 
 def nf4_lora_matmul(
@@ -160,6 +316,7 @@ def nf4_lora_matmul(
     bias: torch.Tensor | None = None,
     force_int64: bool = False,
     out_dtype: torch.dtype | None = None,
+    config: triton.Config | None = None,
 ) -> torch.Tensor:
     """Host side of the kernel: ``inp @ (W^T if transpose_w else W)`` plus epilogue terms.
 
@@ -167,39 +324,19 @@ def nf4_lora_matmul(
     keep bool (tokens, P); bias (P,).  Returns a new (tokens, P) tensor of ``out_dtype``
     (default inp's dtype); the fp32 accumulator is rounded only there.
     Offsets are int32 unless an operand is large enough to need int64 (or ``force_int64``).
+    ``config`` launches that one tile config instead of the autotuner's choice (tests).
     """
-    n_out, n_in = quant.shape
-    Q, P = (n_in, n_out) if transpose_w else (n_out, n_in)
-    M = inp.shape[0]
-    out = torch.empty((M, P), dtype=out_dtype or inp.dtype, device=inp.device)
+    out, args, constexprs = matmul_launch(inp, quant, transpose_w, left, right, lora_scale, keep, keep_scale,
+                                          bias, force_int64, out_dtype)
+    M, P = out.shape
     if M == 0:
         return out
-    index_64 = force_int64 or needs_int64(M, P, Q, inp.stride(0), out.stride(0),
-                                          *(t.stride(0) for t in (left, keep) if t is not None))
-    R = left.shape[1] if left is not None else 1
-    dummy = out  # any valid pointer for absent optional operands
-    lo = left if left is not None else dummy
-    ri = right if right is not None else dummy
-    ke = keep if keep is not None else dummy
-    fp32 = inp.dtype == torch.float32
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(P, meta["BLOCK_P"]),)  # noqa: E731
-    _nf4_lora_matmul_kernel[grid](
-        inp, out, *nf4_pointer_args(quant),
-        lo, ri, ke, bias if bias is not None else dummy,
-        M, P, Q, R, m_bucket(M),
-        inp.stride(0), inp.stride(1), out.stride(0), out.stride(1),
-        1 if transpose_w else n_in, n_in if transpose_w else 1,
-        lo.stride(0), lo.stride(1), ri.stride(0), ri.stride(1), ke.stride(0), ke.stride(1),
-        float(lora_scale), float(keep_scale),
-        BLOCKSIZE=quant.blocksize, BLOCKSIZE2=quant.blocksize2, NESTED=quant.nested,
-        HAS_LORA=left is not None, HAS_KEEP=keep is not None, HAS_BIAS=bias is not None,
-        # The interpreter's tl.dot is wrong on bf16 inputs; fp32 on GPU must not use TF32.
-        DOT_FP32=interpreting() or fp32,
-        PRECISION="ieee" if (interpreting() or fp32) else "tf32",
-        BLOCK_R=max(16, triton.next_power_of_2(R)),
-        INDEX_64=index_64,
-        enable_fp_fusion=False,  # dequantized tiles then match bnb bit for bit
-    )
+    if config is None:
+        _nf4_lora_matmul_kernel[grid](*args, **constexprs, **OPTIONS)
+    else:
+        kw = config.all_kwargs()
+        _nf4_lora_matmul_kernel.fn[grid](*args, **constexprs, **OPTIONS, **kw)
     return out
 
 

@@ -57,6 +57,50 @@ def nf4_values(
 
 
 @triton.jit
+def nf4_code(nibble, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+    """``code[nibble]`` for a tile of nibbles, from the 16 code book values held in registers.
+
+    A binary tree of 15 selects on the nibble's bits. The matmul calls this inside its K loop
+    instead of gathering ``code_ptr + nibble``: Triton's software pipeliner copies every 32-bit
+    load of the loop into shared memory ahead of use, once per pipeline stage, so a gather per
+    weight element costs (tile elements x 4 bytes x stages) of shared memory.
+    """
+    b = (nibble & 1) != 0
+    t0 = tl.where(b, c1, c0)
+    t1 = tl.where(b, c3, c2)
+    t2 = tl.where(b, c5, c4)
+    t3 = tl.where(b, c7, c6)
+    t4 = tl.where(b, c9, c8)
+    t5 = tl.where(b, c11, c10)
+    t6 = tl.where(b, c13, c12)
+    t7 = tl.where(b, c15, c14)
+    b = (nibble & 2) != 0
+    u0 = tl.where(b, t1, t0)
+    u1 = tl.where(b, t3, t2)
+    u2 = tl.where(b, t5, t4)
+    u3 = tl.where(b, t7, t6)
+    b = (nibble & 4) != 0
+    v0 = tl.where(b, u1, u0)
+    v1 = tl.where(b, u3, u2)
+    return tl.where((nibble & 8) != 0, v1, v0)
+
+
+@triton.jit
+def nf4_block_scale(block, mask, absmax_ptr, absmax2_ptr, code2_ptr, offset,
+                    BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr):
+    """fp32 scales of quantization blocks ``block`` (any shape); 0 where ~mask. ``offset`` is the
+    double quantization's scalar (loaded once by the caller; unused without NESTED)."""
+    if NESTED:
+        scale_code = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(code2_ptr + scale_code, mask=mask, other=0.0)
+        scale = scale * tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=mask, other=0.0)
+        scale = scale + offset
+    else:
+        scale = tl.load(absmax_ptr + block, mask=mask, other=0.0)
+    return scale
+
+
+@triton.jit
 def _bf16_round_nearest_even(x):
     """fp32 -> bf16 with round-to-nearest-even done on the bits (finite inputs).
 
@@ -132,19 +176,22 @@ def nf4_dequantize(
             f"out must be a contiguous {tuple(quant.shape)} tensor of {dtype}, "
             f"got {tuple(out.shape)} {out.dtype}"
         )
+    args, constexprs, options = dequant_launch(quant, out)
+    grid = (triton.cdiv(quant.numel, constexprs["BLOCK"]),)
+    _nf4_dequant_kernel[grid](*args, **constexprs, **options)
+    return out
+
+
+def dequant_launch(quant: NF4Weight, out: torch.Tensor) -> tuple[tuple, dict, dict]:
+    """(args, constexprs, options) of the launch ``nf4_dequantize`` makes (meta tensors work too:
+    kernels/fit.py cross-compiles it)."""
     # Interpreter cost is per program, so use few large programs there.
     block = 16384 if interpreting() else 1024
-    grid = (triton.cdiv(quant.numel, block),)
-    _nf4_dequant_kernel[grid](
-        *nf4_pointer_args(quant),
-        out,
-        quant.numel,
+    constexprs = dict(
         BLOCKSIZE=quant.blocksize,
         BLOCKSIZE2=quant.blocksize2,
         NESTED=quant.nested,
         BLOCK=block,
-        EMULATE_BF16_RNE=interpreting() and dtype == torch.bfloat16,
-        num_warps=4,
-        enable_fp_fusion=False,
+        EMULATE_BF16_RNE=interpreting() and out.dtype == torch.bfloat16,
     )
-    return out
+    return (*nf4_pointer_args(quant), out, quant.numel), constexprs, {"num_warps": 4, "enable_fp_fusion": False}

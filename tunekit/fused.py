@@ -13,9 +13,13 @@ The choice is made once, before the first step, and never changes what is traine
 * `kernels.fused_lora=auto` proves the kernel on this device before trusting it: for every
   distinct weight shape of the model, one real layer's NF4 weight runs forward and backward
   through the fused op and through its pure-torch twin (tunekit_kernels.reference) on a few
-  tokens; a compile error, a difference beyond the dtype's tolerance, or a fused layer slower
-  than peft + bitsandbytes falls back to peft with one log line. `on` turns each of these into
-  an error. The decision and its figures go into summary.json.
+  tokens; a compile error or a difference beyond the dtype's tolerance falls back to peft with
+  one log line, and so does a kernel that is correct but slower than peft + bitsandbytes. `on`
+  turns a failure into an error, but keeps a correct kernel that is merely slower (the user asked
+  for it) and logs that it is. The decision and its figures go into summary.json.
+* With several processes (DDP), each rank proves the kernel on its own GPU, but timings differ
+  from rank to rank: `agree_on_path` hands every rank rank 0's decision, so all of them compute
+  alike.
 
 Device questions (is this CUDA, which capability, is triton there) go through tunekit.device.
 """
@@ -26,7 +30,7 @@ import logging
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -52,8 +56,8 @@ class FusedLoRALinear4bit(PeftLoRALinear4bit):
     """peft's LoRA over a bitsandbytes Linear4bit, with the forward of tunekit_kernels.
 
     y = base(x) + scaling * B A dropout(x): (..., in) -> (..., out), W frozen NF4, computed in
-    the base layer's compute dtype and written in x's dtype (fp32 under k-bit training), so a
-    LoRA term below the compute dtype's rounding step is kept, as in peft. Anything the fused op
+    the base layer's compute dtype and written in x's dtype (the residual stream's), as peft adds
+    its LoRA output to the base layer's. Anything the fused op
     does not cover (adapters disabled or merged, several active adapters, per-row adapter names)
     runs peft's own forward.
     """
@@ -111,27 +115,56 @@ def set_path(layers: list[nn.Module], path: str) -> None:
 
 @dataclass
 class KernelCheck:
-    """The proof run for one weight shape: errors relative to the twin, times in ms (CUDA only)."""
+    """The proof run for one weight shape: errors relative to the twin, times in ms (CUDA only).
+    `passed`: within the dtype's tolerance and no error (None until checked)."""
 
     shape: tuple[int, int]
     max_rel_err: float = float("nan")
     fused_ms: Optional[float] = None
     peft_ms: Optional[float] = None
     error: Optional[str] = None
+    passed: Optional[bool] = None
+
+
+@dataclass
+class KernelProof:
+    """What `prove_kernel` found: correct (every shape within tolerance, nothing raised), and on
+    CUDA the summed forward + backward times of one layer per shape against peft + bitsandbytes."""
+
+    correct: bool
+    reason: str
+    checks: list
+    fused_ms: Optional[float] = None
+    peft_ms: Optional[float] = None
+
+    @property
+    def slower(self) -> bool:
+        """Correct but slower than peft + bitsandbytes (False where not timed)."""
+        return self.correct and self.fused_ms is not None and self.peft_ms is not None and self.fused_ms > self.peft_ms
 
 
 @dataclass
 class FusedDecision:
-    """What summary.json records: which path the LoRA layers use, and why."""
+    """What summary.json records: which path the LoRA layers use, and why.
+
+    `dense_dtype`: the dtype the 4-bit base is also kept dequantized in (torch path, CPU), if it is.
+    `decided_by`: "rank 0" once `agree_on_path` has made every rank take rank 0's decision."""
 
     mode: str
     path: str  # "fused" (Triton) | "torch" (compute-dtype LoRA, CPU) | "peft"
     reason: str
     layers: int = 0
     checks: list = field(default_factory=list)
+    dense_dtype: Optional[str] = None
+    decided_by: Optional[str] = None
 
     def as_dict(self) -> dict:
         return {**asdict(self), "checks": [asdict(c) for c in self.checks]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FusedDecision":
+        checks = [KernelCheck(**{**c, "shape": tuple(c["shape"])}) for c in d.get("checks", [])]
+        return cls(**{**d, "checks": checks})
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -218,6 +251,28 @@ def time_layer(layer: nn.Module, dtype: torch.dtype, tokens: int = TIMING_TOKENS
     return fused, peft
 
 
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter as peft would save it (its own collection, as save_pretrained makes it), cloned."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def adapter_change(before: dict[str, torch.Tensor], model: nn.Module) -> Optional[str]:
+    """What differs between `before` (adapter_state) and the adapter peft collects from `model` now:
+    None if nothing, else a sentence (tensors lost or gained, values changed)."""
+    from peft import get_peft_model_state_dict
+
+    after = get_peft_model_state_dict(model)
+    if set(after) != set(before):
+        return (f"peft collects {len(after)} adapter tensors, {len(before)} before "
+                f"(first differing: {sorted(set(after) ^ set(before))[0]})")
+    changed = [k for k in before if not torch.equal(before[k], after[k].detach())]
+    if changed:
+        return f"{len(changed)} adapter tensors changed value (first: {changed[0]})"
+    return None
+
+
 def _distinct_shapes(layers: list[tuple[str, nn.Module]]) -> list[nn.Module]:
     seen, out = set(), []
     for _, layer in layers:
@@ -229,8 +284,13 @@ def _distinct_shapes(layers: list[tuple[str, nn.Module]]) -> list[nn.Module]:
 
 
 def prove_kernel(layers: list[tuple[str, nn.Module]], dtype: torch.dtype, facts: dev.DeviceFacts,
-                 path: str = "fused") -> tuple[bool, str, list]:
-    """Run the checks on one layer per weight shape. Returns (trusted, reason, checks)."""
+                 path: str = "fused") -> KernelProof:
+    """Run the checks on one layer per weight shape, and on CUDA time them against peft + bitsandbytes.
+
+    Not correct: a check raised (a Triton compile or launch error) or differs from the twin beyond
+    the dtype's tolerance; the checks stop at the first such shape. Slower is not incorrect: the
+    proof says so (`KernelProof.slower`) and the caller decides.
+    """
     checks, timed = [], facts.type == "cuda"
     what = "the fused kernel" if path == "fused" else "the compute-dtype LoRA"
     for layer in _distinct_shapes(layers):
@@ -240,32 +300,38 @@ def prove_kernel(layers: list[tuple[str, nn.Module]], dtype: torch.dtype, facts:
             c.max_rel_err = check_layer(layer, dtype, path=path)
         except Exception as e:  # a Triton compile or launch failure: any type, reported by name
             c.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
-            return False, f"{what} failed on a {c.shape[0]}x{c.shape[1]} layer ({c.error})", checks
-        if not c.max_rel_err <= CHECK_TOL[dtype]:
-            return False, (f"{what} differs from its reference by {c.max_rel_err:.2e} (relative) on a "
-                           f"{c.shape[0]}x{c.shape[1]} layer, above the {CHECK_TOL[dtype]:.0e} allowed in "
-                           f"{dtype}"), checks
+            c.passed = False
+            return KernelProof(False, f"{what} failed on a {c.shape[0]}x{c.shape[1]} layer ({c.error})", checks)
+        c.passed = bool(c.max_rel_err <= CHECK_TOL[dtype])
+        if not c.passed:
+            return KernelProof(False, (f"{what} differs from its reference by {c.max_rel_err:.2e} (relative) on a "
+                                       f"{c.shape[0]}x{c.shape[1]} layer, above the {CHECK_TOL[dtype]:.0e} allowed in "
+                                       f"{dtype}"), checks)
         if timed:
             c.fused_ms, c.peft_ms = time_layer(layer, dtype, path=path)
-    if timed:
-        fused, peft = sum(c.fused_ms for c in checks), sum(c.peft_ms for c in checks)
-        if fused > peft:
-            return False, (f"{what} is slower than peft + bitsandbytes here ({fused:.2f} ms vs "
-                           f"{peft:.2f} ms, forward + backward of one layer per shape)"), checks
-        speed = f", {peft / fused:.2f}x peft's speed"
-    else:
+    worst = max(c.max_rel_err for c in checks)
+    checked = f"checked against its reference on {len(checks)} layer shapes (max rel. err {worst:.1e})"
+    if not timed:
         speed = (" (speed not compared: the interpreter is for tests)" if path == "fused"
                  else " (bf16 instead of fp32 LoRA matmuls)" if dtype == torch.bfloat16 else "")
-    worst = max(c.max_rel_err for c in checks)
-    return True, f"checked against its reference on {len(checks)} layer shapes (max rel. err {worst:.1e}){speed}", checks
+        return KernelProof(True, checked + speed, checks)
+    fused, peft = sum(c.fused_ms for c in checks), sum(c.peft_ms for c in checks)
+    if fused > peft:
+        reason = (f"{what} is correct but slower than peft + bitsandbytes here ({fused:.2f} ms vs {peft:.2f} ms, "
+                  f"forward + backward of one layer per shape; {checked})")
+    else:
+        reason = f"{checked}, {peft / fused:.2f}x peft's speed"
+    return KernelProof(True, reason, checks, round(fused, 4), round(peft, 4))
 
 
 def choose_lora_path(model: nn.Module, mode: str, facts: dev.DeviceFacts, dtype: torch.dtype) -> FusedDecision:
     """Decide, prove and apply the LoRA path for `model`; returns the decision for the log and summary.
 
-    mode: auto (CUDA: the Triton kernel where it runs, passes its checks and is faster; CPU: the
-    compute-dtype LoRA, checked, when the base computes in bf16 or an fp32 base fits dequantized
-    in memory; else peft) | on (the Triton kernel or a clear error) | off (peft).
+    mode: auto (CUDA: the Triton kernel where it runs, passes its checks and is faster; correct but
+    slower keeps peft; CPU: the compute-dtype LoRA, checked, when the base computes in bf16 or an
+    fp32 base fits dequantized in memory; else peft) | on (the Triton kernel where it runs and passes
+    its checks, slower or not, which a warning then says; else a clear error) | off (peft).
+    With several ranks, pass the result through `agree_on_path`.
     """
     layers = lora_4bit_layers(model)
     set_path([m for _, m in layers], "peft")  # peft's forward unless tunekit's earns its place below
@@ -284,22 +350,43 @@ def choose_lora_path(model: nn.Module, mode: str, facts: dev.DeviceFacts, dtype:
 
     supported, why = dev.fused_kernel_support(facts, dtype, triton_importable(), interpreting())
     if mode == "auto" and facts.type != "cuda":
-        return _cpu_path(model, layers, mode, facts, dtype, why)
+        return _torch_path(model, layers, mode, facts, dtype, why)
     if not supported:
         if mode == "on":
             raise TunekitError(f"kernels.fused_lora=on: the fused kernel cannot run here: {why}")
-        return FusedDecision(mode, "peft", why)
-    trusted, reason, checks = prove_kernel(layers, dtype, facts)
-    if not trusted:
+        return _gpu_fallback(model, layers, mode, facts, dtype, why)
+    proof = prove_kernel(layers, dtype, facts)
+    if not proof.correct:
         if mode == "on":
-            raise TunekitError(f"kernels.fused_lora=on: {reason}; use kernels.fused_lora=auto or off")
-        return FusedDecision(mode, "peft", reason + "; using peft + bitsandbytes", checks=checks)
+            raise TunekitError(f"kernels.fused_lora=on: {proof.reason}; use kernels.fused_lora=auto or off")
+        return _gpu_fallback(model, layers, mode, facts, dtype, proof.reason, proof.checks)
+    reason = proof.reason
+    if proof.slower:
+        if mode == "auto":
+            return _gpu_fallback(model, layers, mode, facts, dtype, reason, proof.checks)
+        reason += "; kernels.fused_lora=on: using it as asked"
+        log.warning("kernels: %s", reason)
     set_path([m for _, m in layers], "fused")
-    return FusedDecision(mode, "fused", reason, layers=len(layers), checks=checks)
+    return FusedDecision(mode, "fused", reason, layers=len(layers), checks=proof.checks)
 
 
-def _cpu_path(model, layers, mode: str, facts: dev.DeviceFacts, dtype: torch.dtype, why: str) -> FusedDecision:
-    """auto off CUDA: the Triton kernel is out (only an interpreter runs it there). Two things pay
+def _gpu_fallback(model, layers, mode: str, facts: dev.DeviceFacts, dtype: torch.dtype, why: str,
+                  checks: Optional[list] = None) -> FusedDecision:
+    """auto on CUDA where the fused kernel is not taken: in bf16 the same torch path as on a CPU (the
+    LoRA matmuls in bf16, the input kept once as it came), not peft's fp32 branch, which keeps an fp32
+    copy of every LoRA input (the precision policy; half of a checkpointed Llama-3-8B block's saved
+    bytes); in fp32 peft, whose fp32 branch then adds nothing."""
+    if dtype != torch.bfloat16:
+        return FusedDecision(mode, "peft", why + "; using peft + bitsandbytes", checks=checks or [])
+    decision = _torch_path(model, layers, mode, facts, dtype, why)
+    decision.reason = f"{why}; instead: {decision.reason}"
+    return decision
+
+
+def _torch_path(model, layers, mode: str, facts: dev.DeviceFacts, dtype: torch.dtype, why: str) -> FusedDecision:
+    """The LoRA matmuls in the compute dtype in plain torch (tunekit.lora_compute), checked against
+    the twin: auto off CUDA, where the Triton kernel is out (only an interpreter runs it there), and
+    on CUDA in bf16 where the kernel is not taken. Two things pay
     on a CPU: the LoRA matmuls in bf16 where the base computes in bf16, and, in bf16 or fp32, the
     frozen base kept dequantized where memory allows (tunekit.device.dense_cache_fits) instead of
     dequantized twice per layer per micro-batch. An fp32 base without room for that copy gains
@@ -311,9 +398,9 @@ def _cpu_path(model, layers, mode: str, facts: dev.DeviceFacts, dtype: torch.dty
     if dtype == torch.float32 and not fits:
         return FusedDecision(mode, "peft", "the base computes in fp32 and a dequantized copy of it would take more "
                              f"than an eighth of memory, so peft's fp32 LoRA is as fast ({why})")
-    trusted, reason, checks = prove_kernel(layers, dtype, facts, path="torch")
-    if not trusted:
-        return FusedDecision(mode, "peft", reason + "; using peft + bitsandbytes", checks=checks)
+    proof = prove_kernel(layers, dtype, facts, path="torch")
+    if not proof.correct:
+        return FusedDecision(mode, "peft", proof.reason + "; using peft + bitsandbytes", checks=proof.checks)
     set_path([m for _, m in layers], "torch")
     from tunekit.lora_compute import cache_dense
 
@@ -323,5 +410,60 @@ def _cpu_path(model, layers, mode: str, facts: dev.DeviceFacts, dtype: torch.dty
         cached = (f"; the 4-bit base also kept dequantized in {dev.dtype_name(dtype)} ({kept / 2**20:.0f} MiB, "
                   "dequantized once)")
     what = "LoRA matmuls in bf16" if dtype == torch.bfloat16 else "peft's fp32 LoRA math"
-    return FusedDecision(mode, "torch", f"{what} on {facts.describe()}{cached}, {reason}",
-                         layers=len(layers), checks=checks)
+    return FusedDecision(mode, "torch", f"{what} on {facts.describe()}{cached}, {proof.reason}",
+                         layers=len(layers), checks=proof.checks, dense_dtype=dev.dtype_name(dtype) if fits else None)
+
+
+def broadcast_from_rank0(obj: Any) -> Any:
+    """Rank 0's `obj` (picklable) on every rank; `obj` itself where no process group is running."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def agree_on_path(decision: FusedDecision, broadcast_object: Callable[[Any], Any],
+                  model: Optional[nn.Module] = None) -> FusedDecision:
+    """Every rank takes the LoRA path rank 0 decided; returns that decision, `decided_by="rank 0"`.
+
+    Each rank decides on its own first (`choose_lora_path` proves and times the kernel on its own
+    GPU); timings differ from rank to rank, so `auto` could otherwise train with the fused kernel on
+    some ranks and with peft on others. `broadcast_object(obj)` must return rank 0's `obj` on every
+    rank (`broadcast_from_rank0`; a plain function in tests). Where this rank decided otherwise, its
+    LoRA layers (of `model`) are switched to rank 0's path and a warning says so. A rank whose own
+    check found the kernel wrong or failing refuses rank 0's `fused` (TunekitError): its GPU would
+    compute wrong gradients or crash mid-run.
+    """
+    agreed = FusedDecision.from_dict(broadcast_object(decision.as_dict()))
+    agreed.decided_by = "rank 0"
+    if agreed.path == decision.path and agreed.dense_dtype == decision.dense_dtype:
+        return agreed
+    failed = [c for c in decision.checks if c.passed is False]
+    if agreed.path == "fused" and failed:
+        c = failed[0]
+        raise TunekitError(f"kernels: rank 0 chose the fused kernel, but on this rank it "
+                           f"{'failed (' + c.error + ')' if c.error else f'differs by {c.max_rel_err:.2e}'} on a "
+                           f"{c.shape[0]}x{c.shape[1]} layer; do the GPUs differ? Use kernels.fused_lora=off")
+    if model is None:
+        raise ValueError("agree_on_path: this rank decided otherwise than rank 0; pass the model to switch it")
+    log.warning("kernels: this rank found %s (%s); taking rank 0's decision: %s (%s)",
+                decision.path, decision.reason, agreed.path, agreed.reason)
+    apply_path(model, agreed)
+    return agreed
+
+
+def apply_path(model: nn.Module, decision: FusedDecision) -> None:
+    """Put `model`'s LoRA layers on `decision`'s path (a decision made elsewhere, e.g. on rank 0)."""
+    from tunekit.lora_compute import cache_dense, drop_dense
+
+    layers = [m for _, m in lora_4bit_layers(model)]
+    for m in layers:
+        drop_dense(m.base_layer)
+    set_path(layers, decision.path)
+    if decision.path == "torch" and decision.dense_dtype:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[decision.dense_dtype]
+        for m in layers:
+            cache_dense(m.base_layer, dtype)

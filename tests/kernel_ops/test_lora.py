@@ -220,3 +220,46 @@ def test_int64_path_gives_the_same_result():
     y32 = nf4_lora_matmul(x, quant, True, left=xa, right=B.t(), lora_scale=0.5)
     y64 = nf4_lora_matmul(x, quant, True, left=xa, right=B.t(), lora_scale=0.5, force_int64=True)
     assert torch.equal(y32, y64)
+
+
+def _quant_layout(n_in, n_out, blocksize, nested, seed=0):
+    torch.manual_seed(seed)
+    w = torch.randn(n_out, n_in)
+    packed, state = bnbF.quantize_4bit(w, blocksize=blocksize, compress_statistics=nested, quant_type="nf4")
+    return tk.from_quant_state(packed, state)
+
+
+@pytest.mark.parametrize("tile", [(64, 64, 32), (32, 128, 64), (256, 128, 128)], ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("n_in, blocksize, nested", [
+    (256, 64, True),  # rows start on a block (every real model); the tile meets 1 or 2 blocks per row
+    (256, 128, True),  # blocks longer than some tiles
+    (200, 64, True),  # rows straddle blocks
+    (232, 32, True),  # the smallest blocksize, rows straddling: the most blocks per tile row
+    (256, 64, False),  # fp32 scales (no double quantization)
+])
+def test_weight_tiles_for_every_block_layout(tile, n_in, blocksize, nested):
+    """The matmul dequantizes W per tile with the scales loaded per (row, block) and broadcast: every
+    case of tile length against blocksize, aligned or not, in both orientations (forward W^T and
+    dx W), with a rank above one LoRA chunk (40 = 32 + 8) and a dropout mask, vs the torch twin."""
+    import triton
+
+    from tunekit_kernels.lora import _keep_scale, nf4_lora_matmul, rows_start_blocks
+    from tunekit_kernels.reference import dequant_nf4_reference
+
+    n_out, r, m = 72, 40, 37
+    quant = _quant_layout(n_in, n_out, blocksize, nested)
+    assert rows_start_blocks(quant) == (n_in % blocksize == 0)
+    config = triton.Config({"BLOCK_M": tile[0], "BLOCK_P": tile[1], "BLOCK_Q": tile[2], "GROUP_M": 8}, num_warps=4)
+    w = dequant_nf4_reference(quant).double()
+    torch.manual_seed(1)
+    x, xa, B = torch.randn(m, n_in), torch.randn(m, r), torch.randn(n_out, r)
+    y = nf4_lora_matmul(x, quant, True, left=xa, right=B.t(), lora_scale=0.5, config=config)
+    want = x.double() @ w.t() + 0.5 * (xa.double() @ B.double().t())
+    assert ((y.double() - want).abs().max() / want.abs().max()).item() <= 1e-5
+
+    dy, dxa, A = torch.randn(m, n_out), torch.randn(m, r), torch.randn(r, n_in)
+    keep = torch.rand(m, n_in) > 0.25
+    ks = _keep_scale(0.25, torch.float32)
+    dx = nf4_lora_matmul(dy, quant, False, left=dxa, right=A, keep=keep, keep_scale=ks, config=config)
+    want = dy.double() @ w + (dxa.double() @ A.double()) * keep.double() * ks
+    assert ((dx.double() - want).abs().max() / want.abs().max()).item() <= 1e-5
