@@ -119,3 +119,38 @@ def test_planning_facts_assume_a_modern_gpu_where_there_is_none():
     assert cpu.type == "cpu" and cpu.total_memory == 16 * 2**30
     with pytest.raises(ValueError):
         dev.planning_facts("tpu")
+
+
+def test_dist_timeout_covers_the_largest_checkpoint():
+    assert dev.dist_timeout_s(900, 10**12) == 900  # explicit: as given
+    assert dev.dist_timeout_s("auto", None) == dev.DIST_TIMEOUT_BASE_S
+    # a 100 GB full fine-tune checkpoint, written and read back at 50 MB/s: 4000 s on top
+    assert dev.dist_timeout_s("auto", 100 * 10**9) == dev.DIST_TIMEOUT_BASE_S + 4000
+
+
+def test_the_recipe_hands_accelerate_its_timeout(tiny_model_dir, tiny_data, tmp_path, monkeypatch):
+    """What accelerate receives (it would give NCCL its 10-minute default otherwise)."""
+    from datetime import timedelta
+
+    import tunekit.recipe
+    from tunekit.config import DataConfig, ModelConfig, TrainConfig, TrainerConfig
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_accelerator(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(tunekit.recipe, "Accelerator", fake_accelerator)
+    for setting, expected in (("auto", None), (7200, 7200)):
+        cfg = TrainConfig(output_dir=str(tmp_path), model=ModelConfig(path=str(tiny_model_dir)),
+                          data=DataConfig(path=str(tiny_data)), trainer=TrainerConfig(dist_timeout_s=setting))
+        with pytest.raises(Stop):
+            tunekit.recipe.TrainRecipe(cfg, tmp_path).setup()
+        (handler,) = seen["kwargs_handlers"]
+        got = handler.timeout.total_seconds()
+        assert got == (expected or got) and got >= dev.DIST_TIMEOUT_BASE_S
+        assert handler.to_kwargs() == {"timeout": timedelta(seconds=got)}  # the backend stays accelerate's choice

@@ -143,6 +143,10 @@ class TrainerConfig:
     # gradients and optimizer state over the ranks, per decoder layer (tunekit.fsdp): for bases
     # larger than one device. With one process fsdp trains as a plain single process.
     strategy: Strategy = Strategy.ddp
+    # Seconds a rank waits in a collective before the run fails (several processes only). auto:
+    # 30 minutes plus what rank 0 may spend alone writing and reading back the largest checkpoint
+    # the plan predicts (tunekit.device.dist_timeout_s); NCCL's own default is 10 minutes.
+    dist_timeout_s: Any = "auto"
 
 
 class Divergence(str, Enum):
@@ -309,6 +313,8 @@ def check_values(cfg: TrainConfig) -> None:
         raise TunekitError(f"trainer.weight_decay: lr * weight_decay = {t.lr * t.weight_decay:g} >= 1 would flip "
                            "or zero every weight at each step; lower it")
     number("trainer.max_grad_norm", t.max_grad_norm, gt=0, allow_inf=True)  # inf: no clipping
+    if t.dist_timeout_s != AUTO:
+        number("trainer.dist_timeout_s", t.dist_timeout_s, ge=60)  # below a minute: a save could never finish
     number("trainer.eval_samples", t.eval_samples, ge=0, integer=True)
     number("trainer.eval_task_rows", t.eval_task_rows, ge=1, integer=True)
     number("trainer.eval_max_new_tokens", t.eval_max_new_tokens, ge=1, integer=True)

@@ -268,6 +268,22 @@ def offload_activations(setting, facts: DeviceFacts, checkpointing: bool, sharde
     return setting is True or setting == "auto"
 
 
+# Rank 0 writes a checkpoint, reads it back to check it and keeps the best adapter while the other
+# ranks wait in the next collective. A slow disk (network storage) writes and reads ~50 MB/s.
+DIST_TIMEOUT_BASE_S = 1800
+SLOW_DISK_BYTES_PER_S = 50e6
+
+
+def dist_timeout_s(setting, checkpoint_bytes: Optional[int]) -> int:
+    """trainer.dist_timeout_s -> seconds: a positive number as given; auto: DIST_TIMEOUT_BASE_S plus
+    writing and reading back `checkpoint_bytes` at SLOW_DISK_BYTES_PER_S (the base alone where the
+    size is unknown). Sample answers and evaluations rank 0 runs alone fit in the base."""
+    if setting != "auto":
+        return int(setting)
+    extra = 0 if checkpoint_bytes is None else 2 * checkpoint_bytes / SLOW_DISK_BYTES_PER_S
+    return int(DIST_TIMEOUT_BASE_S + extra)
+
+
 def offload_context(device: torch.device):
     """Autograd's saved tensors go to host memory (pinned where the device is a GPU) and come back
     when backward needs them. Around a checkpointed decoder that is each block's input: what a

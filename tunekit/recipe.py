@@ -40,7 +40,7 @@ from tunekit.checkpoint import (atomic_dir, atomic_write_text, cleanup_leftovers
 from tunekit.config import TrainConfig, plain
 from tunekit.data import BatchSchedule, IGNORE, collate, collate_packed, count_tokens, eval_micro_batches, load_splits
 from tunekit.fsdp import quant_storage
-from tunekit.fused import FusedDecision, choose_lora_path
+from tunekit.fused import FusedDecision, agree_on_path, broadcast_from_rank0, choose_lora_path
 from tunekit.objective import DistillObjective, SFTObjective, check_same_vocabulary, model_inputs
 from tunekit.methods import get_method, trainable_parameters
 from tunekit.model.student import make_student
@@ -62,7 +62,7 @@ class TrainRecipe:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         cfg = self.cfg
-        self.acc = Accelerator()
+        self.acc = Accelerator(kwargs_handlers=[self._process_group_kwargs()])
         # A single process's Accelerator().device is `cuda` without an index (TRAPS.md).
         self.device = dev.rank_device(self.acc.device, self.acc.local_process_index)
         self.facts = dev.probe(self.device)
@@ -134,7 +134,9 @@ class TrainRecipe:
         self.method = get_method(cfg.method.name)
         self.model = self.method.apply(model, cfg.method)
         if self.fsdp is None:
-            self.lora_path = choose_lora_path(self.model, plain(cfg.kernels.fused_lora), self.facts, self.dtype)
+            # every rank takes rank 0's path (its own proof's timings could differ)
+            self.lora_path = agree_on_path(choose_lora_path(self.model, plain(cfg.kernels.fused_lora), self.facts,
+                                                            self.dtype), broadcast_from_rank0, self.model)
         else:
             self.lora_path = FusedDecision(plain(cfg.kernels.fused_lora), "peft", "trainer.strategy=fsdp")
         if self.lora_path.layers or plain(cfg.kernels.fused_lora) != "auto" or self.lora_path.checks:
@@ -182,6 +184,26 @@ class TrainRecipe:
                                 cfg.tracker.run_name, json.loads(json.dumps(asdict(cfg), default=str)))
                         if self.main else NullTracker())
         self._setup_task_eval()
+
+    def _process_group_kwargs(self):
+        """The collectives' timeout, set explicitly (accelerate's NCCL default is 10 minutes, shorter
+        than rank 0 may spend alone saving a large checkpoint): tunekit.device.dist_timeout_s of the
+        checkpoint the plan predicts (the trained tensors and their optimizer state)."""
+        from datetime import timedelta
+
+        from accelerate.utils import InitProcessGroupKwargs
+
+        from tunekit.plan.inputs import planner_inputs
+        from tunekit.plan.memory import optimizer_state_bytes, trainable_tensors
+
+        try:
+            shape, setup = planner_inputs(self.cfg, dev.DeviceFacts("cpu"))
+            tensors = trainable_tensors(shape, setup)
+            size = 4 * sum(tensors) + optimizer_state_bytes(tensors, setup.optimizer)
+        except TunekitError:  # a model the planner cannot shape: the base timeout alone
+            size = None
+        self.dist_timeout_s = dev.dist_timeout_s(self.cfg.trainer.dist_timeout_s, size)
+        return InitProcessGroupKwargs(timeout=timedelta(seconds=self.dist_timeout_s))
 
     def _plan(self):
         """The memory plan of the settings just resolved (None where the planner cannot model the run)."""

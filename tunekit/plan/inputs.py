@@ -68,7 +68,7 @@ def planner_inputs(cfg, facts: DeviceFacts, teacher_shape: Optional[ModelShape] 
         setup = replace(setup, lora_compute=True)
     if (facts.type == "cpu" and setup.quantize == "nf4" and setup.method == "lora"
             and dtype in (torch.bfloat16, torch.float32) and _value(cfg.kernels.fused_lora) == "auto"):
-        # tunekit.fused._cpu_path's rule: the base kept dequantized in its compute dtype
+        # tunekit.fused._torch_path's rule: the base kept dequantized in its compute dtype
         weights = sum(i * o for p in setup.lora_targets for i, o in [student.projection(p)])
         dense = setup.compute_bytes * student.num_layers * weights
         if dense_cache_fits(dense, facts):
