@@ -224,3 +224,29 @@ def test_the_plan_moves_offloaded_inputs_to_the_host():
     assert blocks == 32 * 2 * 2048 * 4096 * 2  # 32 bf16 block inputs of (2, 2048, 4096)
     assert on.host == {"offloaded activations": blocks} and not off.host
     assert off.total - on.total == blocks
+
+
+def test_the_plan_counts_no_dequantized_weight_for_the_fused_kernel():
+    from dataclasses import replace
+
+    from tunekit.plan.memory import TrainSetup, activation_bytes
+    from tunekit.plan.shape import preset_shape
+
+    shape = preset_shape("llama-3-8b")
+    st = TrainSetup(quantize="nf4", lora_r=8, gradient_checkpointing=True, micro_batch_size=2, seq_len=2048,
+                    lora_compute=True)
+    torch_path, kernel = activation_bytes(shape, st), activation_bytes(shape, replace(st, fused_kernel=True))
+    # the largest projection (gate/up/down: 14336 x 4096) dequantized to bf16 for the torch path's dx
+    assert torch_path["layer_backward"] - kernel["layer_backward"] == 14336 * 4096 * 2
+
+
+def test_planner_inputs_follow_the_lora_path_rules():
+    from tunekit.cli import compose_configs
+    from tunekit.plan.inputs import planner_inputs
+
+    (cfg,) = compose_configs(["recipe=qlora", "model.preset=llama-3-8b"])
+    _, gpu = planner_inputs(cfg, H100)
+    _, cpu = planner_inputs(cfg, CPU_BF16)
+    assert gpu.lora_compute and gpu.fused_kernel and cpu.lora_compute and not cpu.fused_kernel
+    (off,) = compose_configs(["recipe=qlora", "model.preset=llama-3-8b", "kernels.fused_lora=off"])
+    assert not planner_inputs(off, H100)[1].lora_compute  # peft's own fp32 branch

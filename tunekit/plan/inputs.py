@@ -65,7 +65,7 @@ def planner_inputs(cfg, facts: DeviceFacts, teacher_shape: Optional[ModelShape] 
             and _value(cfg.kernels.fused_lora) != "off"):
         # tunekit.fused's rule: the LoRA matmuls in bf16 (the CPU's torch path, the GPU's fused kernel
         # or, where that is not trusted, the same torch path), never peft's fp32 branch
-        setup = replace(setup, lora_compute=True)
+        setup = replace(setup, lora_compute=True, fused_kernel=facts.type == "cuda")
     if (facts.type == "cpu" and setup.quantize == "nf4" and setup.method == "lora"
             and dtype in (torch.bfloat16, torch.float32) and _value(cfg.kernels.fused_lora) == "auto"):
         # tunekit.fused._torch_path's rule: the base kept dequantized in its compute dtype

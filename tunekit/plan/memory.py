@@ -77,6 +77,9 @@ class TrainSetup:
     # LoRA over a 4-bit base computed in the compute dtype (tunekit.lora_compute or the fused kernel,
     # tunekit.fused) rather than peft's fp32 branch, which keeps an fp32 copy of every input
     lora_compute: bool = False
+    # ... through the fused Triton kernel (CUDA): it dequantizes the base weight tile by tile in
+    # registers, forward and backward, so no dequantized weight exists
+    fused_kernel: bool = False
     # with gradient checkpointing on a GPU: the blocks' saved inputs live in pinned host memory
     # (tunekit.device.offload_activations), not on the device
     offload_activations: bool = False
@@ -286,7 +289,7 @@ def activation_bytes(shape: ModelShape, st: TrainSetup) -> dict:
     # Gradients flowing back through one block: the hidden-state grad plus a few (T, m) grads of
     # the MLP and, over a 4-bit base, one dequantized weight.
     dequant = max(i * o for p in PROJECTIONS for i, o in [shape.projection(p)]) * st.compute_bytes \
-        if st.quantize == "nf4" else 0
+        if st.quantize == "nf4" and not st.fused_kernel else 0
     layer_backward = T * (3 * m * e + 2 * d * 4) + dequant  # the norms compute their gradients in fp32
     if st.gradient_checkpointing:
         # non-reentrant checkpointing keeps each block's input; backward recomputes one block
