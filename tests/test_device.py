@@ -154,3 +154,8 @@ def test_the_recipe_hands_accelerate_its_timeout(tiny_model_dir, tiny_data, tmp_
         got = handler.timeout.total_seconds()
         assert got == (expected or got) and got >= dev.DIST_TIMEOUT_BASE_S
         assert handler.to_kwargs() == {"timeout": timedelta(seconds=got)}  # the backend stays accelerate's choice
+
+
+def test_peak_memory_kind_names_what_is_measured():
+    assert dev.peak_memory_kind(torch.device("cuda", 1)) == "torch max allocated"
+    assert dev.peak_memory_kind(torch.device("cpu")) == "process peak RSS"

@@ -214,6 +214,11 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def peak_memory_kind(device: torch.device) -> str:
+    """What `peak_memory_mb` measures on this device, in words."""
+    return "torch max allocated" if torch.device(device).type == "cuda" else "process peak RSS"
+
+
 def current_memory_mb(device: torch.device) -> Optional[float]:
     """Memory held now: CUDA allocated on a GPU, the process's resident set on the CPU (None if unknown)."""
     device = torch.device(device)

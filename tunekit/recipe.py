@@ -231,7 +231,7 @@ class TrainRecipe:
         process's peak RSS, which also holds the runtime and the allocator's retention (the plan's
         device total counts both)."""
         out = {"peak_mib": round(dev.peak_memory_mb(self.device), 1),
-               "measured_as": "torch max allocated" if self.device.type == "cuda" else "process peak RSS"}
+               "measured_as": dev.peak_memory_kind(self.device)}
         if self.planned is not None:
             out["planned_step_peak_mib"] = round(self.planned.peak / 2**20, 1)
             out["planned_device_total_mib"] = round(self.planned.device_total() / 2**20, 1)
