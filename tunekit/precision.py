@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -118,11 +117,6 @@ def apply(p: Precision, facts: dev.DeviceFacts) -> None:
     settings = matmul_settings(p, facts)
     if "float32_matmul_precision" in settings:
         torch.set_float32_matmul_precision(settings["float32_matmul_precision"])
-
-
-def for_device(name: str, device: torch.device, facts: Optional[dev.DeviceFacts] = None) -> Precision:
-    """decide() for a real device (probed unless `facts` are given)."""
-    return decide(name, facts if facts is not None else dev.probe(device))
 
 
 # ------------------------------------------------------------------ what a step actually ran
