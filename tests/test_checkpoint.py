@@ -168,3 +168,48 @@ def test_a_folder_with_any_run_file_is_not_overwritten(tmp_path, files):
         check_output_dir(tmp_path, resume=False)
     check_output_dir(tmp_path, resume=True)
     check_output_dir(tmp_path / "new", resume=False)
+
+
+def _paging_allocator(calls):
+    """Stands in for bitsandbytes' get_state_buffer on CUDA: a buffer marked paged, as F.get_paged
+    marks the unified-memory tensors it makes (a CPU has none, so bnb never pages there)."""
+
+    def allocate(p, dtype=torch.float32):
+        calls.append((tuple(p.shape), dtype))
+        buf = torch.zeros_like(p, dtype=dtype)
+        buf.is_paged = True
+        return buf
+
+    return allocate
+
+
+@pytest.mark.parametrize("name,state_dtype", [("paged_adamw_32bit", torch.float32), ("paged_adamw_8bit", torch.uint8)])
+def test_a_resumed_paged_optimizer_is_still_paged(tmp_path, name, state_dtype):
+    params, opt, sched = _trained_optimizer(name)
+    ckpt = _save(tmp_path, opt, sched)
+    params2, opt2, sched2 = _trained_optimizer(name)
+    opt2.state.clear()
+    calls = []
+    opt2.get_state_buffer = _paging_allocator(calls)  # what load_checkpoint re-creates the buffers with
+    load_checkpoint(ckpt, opt2, sched2)
+
+    assert opt2.is_paged
+    # both Adam moments of the 128x64 weight come back through the allocator in their own dtype; the
+    # 64-element bias too, in fp32 (bnb keeps 32-bit state under 4096 elements even in 8-bit
+    # optimizers; on CUDA its allocator leaves tensors under 1e5 elements unpaged: its rules, not ours)
+    assert calls == [((128, 64), state_dtype)] * 2 + [((64,), torch.float32)] * 2
+    for p in params2:
+        for key in ("state1", "state2"):
+            assert getattr(opt2.state[p][key], "is_paged", False), (name, key)
+    _assert_same(opt.state_dict(), opt2.state_dict())  # the values are the saved ones
+
+
+def test_an_unpaged_optimizer_keeps_its_loaded_state(tmp_path):
+    params, opt, sched = _trained_optimizer("adamw_8bit")
+    ckpt = _save(tmp_path, opt, sched)
+    params2, opt2, sched2 = _trained_optimizer("adamw_8bit")
+    calls = []
+    opt2.get_state_buffer = _paging_allocator(calls)
+    load_checkpoint(ckpt, opt2, sched2)
+    assert calls == [] and not any(getattr(s.get("state1"), "is_paged", False) for s in opt2.state.values())
+    _assert_same(opt.state_dict(), opt2.state_dict())

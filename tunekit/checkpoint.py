@@ -31,6 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from tunekit import TunekitError
+from tunekit.optim import load_state
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +258,7 @@ def load_checkpoint(ckpt: Path, optimizer, scheduler) -> dict:
     state = read_state(ckpt)
     try:
         tensors = load_file(str(Path(ckpt) / OPTIMIZER_FILE))
-        optimizer.load_state_dict(decode_tree(state["optimizer"], tensors))
+        load_state(optimizer, decode_tree(state["optimizer"], tensors))
         scheduler.load_state_dict(decode_tree(state["scheduler"], {}))
     except (KeyError, ValueError, TypeError, RuntimeError, SafetensorError) as e:
         raise TunekitError(f"{ckpt}: optimizer or scheduler state does not fit this run "

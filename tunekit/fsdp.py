@@ -57,6 +57,7 @@ import torch
 import torch.nn as nn
 
 from tunekit import TunekitError
+from tunekit.optim import load_state
 
 log = logging.getLogger(__name__)
 
@@ -418,4 +419,4 @@ class _RankStates:
         ranks = state.get("ranks") if isinstance(state, dict) else None
         if not isinstance(ranks, list) or len(ranks) != self.world_size:
             raise ValueError(f"expected the optimizer state of {self.world_size} FSDP ranks")
-        self.optimizer.load_state_dict(ranks[self.rank])
+        load_state(self.optimizer, ranks[self.rank])

@@ -48,3 +48,35 @@ def warmup_cosine(optimizer, warmup_steps: int, max_steps: int, min_ratio: float
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# bitsandbytes pages these per-parameter buffers (its init_state makes them with get_state_buffer);
+# the rest of a parameter's state (step, quantization maps, absmax) is small and never paged.
+PAGED_STATE_KEYS = ("state1", "state2")
+
+
+def load_state(optimizer, state_dict: dict, allocate=None) -> None:
+    """optimizer.load_state_dict, keeping a paged optimizer paged.
+
+    bitsandbytes' load_state_dict casts the saved state onto the parameter's device as ordinary
+    tensors, so a resumed paged optimizer would hold its whole state in GPU memory and never spill
+    it to the host again: exactly the memory a paged optimizer was chosen to free. After the load,
+    every buffer bitsandbytes would have paged is re-created through the optimizer's own allocator
+    (`get_state_buffer`: a paged buffer on CUDA for tensors of 1e5+ elements, a plain one
+    elsewhere) and filled with the loaded values. `allocate(param, dtype)` replaces that allocator
+    in tests, which have no CUDA.
+    """
+    optimizer.load_state_dict(state_dict)
+    if not getattr(optimizer, "is_paged", False):
+        return
+    allocate = allocate or optimizer.get_state_buffer
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for key in PAGED_STATE_KEYS:
+                t = state.get(key)
+                if not isinstance(t, torch.Tensor) or getattr(t, "is_paged", False) or t.shape != p.shape:
+                    continue
+                buf = allocate(p, dtype=t.dtype)
+                buf.copy_(t)
+                state[key] = buf
