@@ -159,3 +159,45 @@ def test_the_recipe_hands_accelerate_its_timeout(tiny_model_dir, tiny_data, tmp_
 def test_peak_memory_kind_names_what_is_measured():
     assert dev.peak_memory_kind(torch.device("cuda", 1)) == "torch max allocated"
     assert dev.peak_memory_kind(torch.device("cpu")) == "process peak RSS"
+
+
+@pytest.mark.parametrize("requested, gpus, expected", [
+    (None, 0, "cpu"), ("auto", 0, "cpu"), ("auto", 2, "cuda:0"), ("cpu", 2, "cpu"), ("cuda", 1, "cuda:0"),
+    ("cuda:1", 2, "cuda:1"), (" CUDA:0 ", 1, "cuda:0"),
+])
+def test_a_command_runs_on_the_device_asked_for(requested, gpus, expected):
+    from tunekit.device import command_device
+
+    assert command_device(requested, gpus) == torch.device(expected)
+
+
+@pytest.mark.parametrize("requested, gpus, message", [
+    ("cuda", 0, "--device cuda: this process sees no CUDA GPU"),
+    ("cuda:1", 1, r"--device cuda:1: this process sees 1 GPU \(cuda:0\)"),
+    ("cuda:2", 2, r"--device cuda:2: this process sees 2 GPUs \(cuda:0..cuda:1\)"),
+    ("gpu", 1, "--device: unknown device 'gpu'"), ("cuda:x", 1, "--device: unknown device 'cuda:x'"),
+])
+def test_a_device_that_is_not_there_is_one_error(requested, gpus, message):
+    from tunekit import TunekitError
+    from tunekit.device import command_device
+
+    with pytest.raises(TunekitError, match=message):
+        command_device(requested, gpus)
+
+
+def test_the_inference_check_adds_the_cuda_allocator_margin_only_on_a_gpu():
+    from tunekit import TunekitError
+    from tunekit.device import DeviceFacts
+    from tunekit.plan import CUDA_ALLOCATOR_MARGIN
+    from tunekit.plan.inference import check_fits
+
+    gpu, cpu = DeviceFacts("cuda", 0, (8, 6), "NVIDIA A10", 24 * 2**30), DeviceFacts("cpu")
+    terms = {"base weights": 10 * 2**30}
+    need_gpu = int(10 * 2**30 * (1 + CUDA_ALLOCATOR_MARGIN))
+    assert "of" in check_fits(terms, gpu, need_gpu, "x") and "of" in check_fits(terms, cpu, 10 * 2**30, "x")
+    with pytest.raises(TunekitError, match=r"x needs about 11.00 GiB on cuda:0 \(NVIDIA A10.*--device cpu runs it in host memory; hint"):
+        check_fits(terms, gpu, need_gpu - 1, "x", "hint")
+    with pytest.raises(TunekitError) as e:
+        check_fits(terms, cpu, 10 * 2**30 - 1, "x")
+    assert "--device cpu" not in str(e.value)  # it is on the CPU already
+    assert "not checked" in check_fits(terms, gpu, None, "x")

@@ -238,3 +238,21 @@ def test_a_bigger_batch_or_sequence_never_needs_less():
     peaks = [step_memory(shape, replace(base, micro_batch_size=b, seq_len=s)).total
              for b, s in [(1, 512), (2, 512), (2, 1024), (4, 1024), (4, 4096)]]
     assert peaks == sorted(peaks) and len(set(peaks)) == len(peaks)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_inference_check_counts_the_cache_prefill_keeps(tiny_model_dir, dtype):
+    """The KV-cache term of the eval/generate/chat memory check is the cache transformers holds
+    after a padded prompt pass: every position of the padded width, keys and values, every layer."""
+    from tunekit.generate import prefill
+    from tunekit.model import load_base_model
+    from tunekit.plan.inference import Workload, activation_terms
+
+    shape = model_shape(str(tiny_model_dir), None)
+    model = load_base_model(str(tiny_model_dir), "none", dtype, torch.device("cpu")).eval()
+    rows = [[5] * 7, [6] * 4, [7] * 9]  # left-padded to 9 positions
+    with torch.no_grad():
+        prefix = prefill(model, rows, share_prefix=False)
+    held = sum(t.untyped_storage().nbytes() for layer in prefix.cache.layers for t in (layer.keys, layer.values))
+    e = torch.empty((), dtype=dtype).element_size()
+    assert held == activation_terms(shape, e, Workload(kv_tokens=3 * 9, forward_tokens=0, logit_rows=0))["KV cache"]

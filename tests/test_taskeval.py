@@ -558,3 +558,104 @@ def test_eval_bad_input_is_one_clear_error(args, message, runs, tmp_path):
     with pytest.raises(TunekitError) as err:
         main([a.format(**fill) for a in args])
     assert message.format(**fill) in str(err.value) and "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- where the commands run
+GIB = 2**30
+FAKE_GPUS = {"sm_80": ((8, 0), "NVIDIA A100-SXM4-80GB", torch.bfloat16),
+             "sm_75": ((7, 5), "Tesla T4", torch.float32)}  # no native bf16 below sm_80: fp32
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """One GPU with the given facts and free memory, as far as tunekit's device decisions can tell
+    (this machine has none). Models still load on the CPU: a spy on the loader records the device
+    and dtype tunekit asked for, then loads there instead."""
+    import tunekit.device as dev
+    import tunekit.model as model_pkg
+    from tunekit.device import DeviceFacts
+
+    loads = []
+
+    def install(capability, name, free):
+        facts = DeviceFacts("cuda", 0, capability, name, 24 * GIB)
+        real_probe, real_free, real_load = dev.probe, dev.available_memory_bytes, model_pkg.load_base_model
+        monkeypatch.setattr(dev, "cuda_device_count", lambda: 1)
+        monkeypatch.setattr(dev, "probe", lambda d: facts if torch.device(d).type == "cuda" else real_probe(d))
+        monkeypatch.setattr(dev, "available_memory_bytes",
+                            lambda d: free if torch.device(d).type == "cuda" else real_free(d))
+
+        def load_spy(path, quantize, dtype, device, *a, **k):
+            loads.append((str(device), dtype))
+            return real_load(path, quantize, dtype, CPU, *a, **k)
+
+        monkeypatch.setattr(model_pkg, "load_base_model", load_spy)
+        return loads
+
+    return install
+
+
+def auto_dtype_run(run: Path, tmp_path: Path) -> Path:
+    """A copy of a finished run as if it had trained with model.dtype=auto (the default)."""
+    import shutil
+
+    copy = tmp_path / run.name
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    text = (copy / "config.yaml").read_text()
+    assert "dtype: fp32" in text
+    (copy / "config.yaml").write_text(text.replace("dtype: fp32", "dtype: auto", 1))
+    return copy
+
+
+@pytest.mark.parametrize("gpu", list(FAKE_GPUS))
+def test_eval_generate_and_chat_run_on_the_gpu_in_its_dtype(gpu, runs, fake_gpu, tmp_path, capsys):
+    import io
+
+    from tunekit.chat import main as chat_main
+    from tunekit.generate_cli import main as generate_main
+    from tunekit.taskeval.cli import main as eval_main
+
+    capability, name, dtype = FAKE_GPUS[gpu]
+    loads = fake_gpu(capability, name, free=40 * GIB)
+    run = auto_dtype_run(runs["lora"], tmp_path)
+    eval_main([str(run), "--base", "--max-rows", "2", "--no-generate", "--out", str(tmp_path / "e.json")])
+    report = json.loads((tmp_path / "e.json").read_text())
+    assert f"on cuda:0 ({name}, sm_{capability[0]}{capability[1]}" in report["source"]
+    assert loads == [("cuda:0", dtype)] * 2  # the trained model, then the base for --base
+    generate_main(["--adapter", str(run), "--prompt", "Hi", "--max-new-tokens", "2"])
+    chat_main([str(run), "--max-new-tokens", "2"], stdin=io.StringIO("Hi\n"), stdout=io.StringIO())
+    assert loads == [("cuda:0", dtype)] * 4
+    loads.clear()
+    eval_main([str(run), "--device", "cpu", "--max-rows", "2", "--no-generate", "--out", str(tmp_path / "e.json")])
+    from tunekit import device as dev
+
+    assert loads == [("cpu", dev.compute_dtype("auto", dev.probe(CPU)))]
+
+
+def test_commands_refuse_a_gpu_too_small_before_loading(runs, fake_gpu, tmp_path):
+    from tunekit import TunekitError
+    from tunekit.export import export
+    from tunekit.generate_cli import main as generate_main
+    from tunekit.taskeval.cli import main as eval_main
+
+    loads = fake_gpu((8, 0), "NVIDIA A10G", free=2 * 2**20)  # 2 MiB free: less than the tiny model's weights
+    run = runs["lora"]
+    with pytest.raises(TunekitError, match=r"tunekit eval needs about .* on cuda:0 \(NVIDIA A10G.*--device cpu"):
+        eval_main([str(run), "--max-rows", "2"])
+    with pytest.raises(TunekitError, match=r"tunekit generate needs about .*--device cpu"):
+        generate_main(["--adapter", str(run), "--prompt", "Hi"])
+    with pytest.raises(TunekitError, match=r"tunekit export needs about .* on cuda:0 .*--device cpu"):
+        export(run, "merged", tmp_path / "m")
+    assert loads == [] and not (tmp_path / "m").exists()
+
+
+def test_a_device_this_machine_lacks_is_one_error(runs):
+    from tunekit import TunekitError
+    from tunekit.taskeval.cli import main as eval_main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(TunekitError, match="--device cuda: this process sees no CUDA GPU"):
+        eval_main([str(runs["lora"]), "--device", "cuda"])
+    with pytest.raises(TunekitError, match="--device: unknown device 'tpu'"):
+        eval_main([str(runs["lora"]), "--device", "tpu"])

@@ -14,13 +14,20 @@ two-turn conversation.
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import sys
+from pathlib import Path
 from typing import Callable, Optional, TextIO
 
 import torch
 
 from tunekit import TunekitError
-from tunekit.cliparse import Parser
+from tunekit.cliparse import Parser, add_device_argument
+
+log = logging.getLogger("tunekit")
+DEFAULT_CONTEXT = 2048  # a model whose config.json names no max_position_embeddings
+PLANNED_CONTEXT = 8192  # the longest conversation the memory check plans for
 
 
 class Streamer:
@@ -80,7 +87,7 @@ class Conversation:
         self.stop, self.pad = stop_token_ids(self.lm, tokenizer), pad_token_id(tokenizer)
         self.system = [{"role": "system", "content": system}] if system else []
         self.history: list[dict] = []
-        self.limit = getattr(self.lm.config, "max_position_embeddings", None) or 2048
+        self.limit = getattr(self.lm.config, "max_position_embeddings", None) or DEFAULT_CONTEXT
 
     def reset(self) -> None:
         self.history = []
@@ -112,6 +119,18 @@ class Conversation:
         return reply
 
 
+def chat_workload(src):
+    """One conversation of up to PLANNED_CONTEXT tokens, or the model's context if shorter (the
+    history is cut to fit that): its cache, one prompt forward of that length, one position's
+    logits per new token. Longer conversations on long-context models grow the cache past the check."""
+    from tunekit.plan.inference import Workload
+
+    config = Path(src.base_path) / "config.json"
+    context = (json.loads(config.read_text()).get("max_position_embeddings") if config.is_file() else None)
+    tokens = min(int(context or DEFAULT_CONTEXT), PLANNED_CONTEXT)
+    return Workload(kv_tokens=tokens, forward_tokens=tokens, logit_rows=1)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="tunekit chat",
@@ -128,11 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
     p.add_argument("--top-p", type=float, default=0.9, help="nucleus mass when sampling")
     p.add_argument("--seed", type=int, default=0)
+    add_device_argument(p)
     return p
 
 
 def main(argv: list[str], stdin: TextIO | None = None, stdout: TextIO | None = None) -> None:
-    from tunekit.trained import base_source, load_tokenizer_for, load_trained, open_source
+    from tunekit.device import command_facts
+    from tunekit.trained import base_source, check_memory, load_tokenizer_for, load_trained, open_source
 
     args = build_parser().parse_args(argv)
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
@@ -140,8 +161,10 @@ def main(argv: list[str], stdin: TextIO | None = None, stdout: TextIO | None = N
         raise TunekitError(f"--max-new-tokens: must be > 0, got {args.max_new_tokens}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise TunekitError("--temperature must be >= 0 and --top-p in (0, 1]")
-    src = (open_source(args.source, args.model, args.quantize, args.dtype) if args.source
-           else base_source(args.model, args.quantize, args.dtype))
+    facts = command_facts(args.device)
+    src = (open_source(args.source, args.model, args.quantize, args.dtype, facts=facts) if args.source
+           else base_source(args.model, args.quantize, args.dtype, facts))
+    log.info("%s", check_memory(src, chat_workload(src), "tunekit chat"))
     chat = Conversation(load_trained(src), load_tokenizer_for(src), args.system, args.max_new_tokens,
                         sampler(args.temperature, args.top_p, args.seed), stdout)
     interactive = stdin.isatty()

@@ -17,3 +17,10 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         command = self.prog.removeprefix("tunekit ").strip()
         raise TunekitError(f"{command}: {message} (see {self.prog} --help)")
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    """--device, the same for every command that runs a model (tunekit.device.command_device)."""
+    parser.add_argument("--device", metavar="D", default="auto",
+                        help="where the model runs: auto (default: the first GPU, else the CPU), cpu, cuda or "
+                             "cuda:N; the compute dtype follows the device (bf16 where native, else fp32)")

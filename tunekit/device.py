@@ -21,6 +21,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from tunekit import TunekitError
+
 log = logging.getLogger(__name__)
 
 # Native bf16 tensor cores (and Triton's bf16 tl.dot) need Ampere or newer. torch's
@@ -337,5 +339,32 @@ def cuda_device_count() -> int:
 
 
 def default_device() -> torch.device:
-    """Where a single-process command (generate, eval, doctor) runs: the first GPU, else the CPU."""
-    return torch.device("cuda", 0) if cuda_device_count() else torch.device("cpu")
+    """Where a single-process command (eval, generate, chat, export, doctor) runs by default: the
+    first GPU, else the CPU."""
+    return command_device(None, cuda_device_count())
+
+
+def command_device(requested: Optional[str], cuda_count: int, key: str = "--device") -> torch.device:
+    """The device a single-process command runs on: `requested` (auto | cpu | cuda | cuda:N; None
+    means auto, the first GPU else the CPU) checked against the GPUs this process sees."""
+    text = "auto" if requested is None else str(requested).strip().lower()
+    if text == "auto":
+        return torch.device("cuda", 0) if cuda_count else torch.device("cpu")
+    if text == "cpu":
+        return torch.device("cpu")
+    kind, _, index = text.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise TunekitError(f"{key}: unknown device {requested!r}; choose auto, cpu, cuda or cuda:N")
+    if cuda_count == 0:
+        raise TunekitError(f"{key} {requested}: this process sees no CUDA GPU (torch.cuda.is_available() is False, "
+                         "or CUDA_VISIBLE_DEVICES hides them); use --device cpu")
+    n = int(index or 0)
+    if n >= cuda_count:
+        raise TunekitError(f"{key} {requested}: this process sees {cuda_count} GPU{'s' if cuda_count > 1 else ''} "
+                         f"(cuda:0{f'..cuda:{cuda_count - 1}' if cuda_count > 1 else ''})")
+    return torch.device("cuda", n)
+
+
+def command_facts(requested: Optional[str] = None) -> DeviceFacts:
+    """The facts of the device `--device requested` names on this machine (None: auto)."""
+    return probe(command_device(requested, cuda_device_count()))

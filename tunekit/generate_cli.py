@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Optional
 
 from tunekit import TunekitError
-from tunekit.cliparse import Parser
+from tunekit.cliparse import Parser, add_device_argument
+
+log = logging.getLogger("tunekit")
 
 MIXABLE = ("prompt_tuning", "lora")
 
@@ -60,18 +63,37 @@ def _pair(prompts: list[str], adapters: list[str]) -> list[tuple[str, Optional[s
     return list(zip(prompts, adapters))
 
 
-def batch_model(adapters: list[Optional[str]], model: Optional[str], quantize: Optional[str], dtype: str):
+def generate_workload(prompts: list[str], max_new_tokens: int):
+    """All rows at once: every prompt's tokens (at most its UTF-8 bytes plus a chat template's
+    few dozen) and the new tokens in the cache, one position's logits per row."""
+    from tunekit.plan.inference import Workload
+
+    longest = max(len(p.encode()) for p in prompts) + 64
+    return Workload(kv_tokens=len(prompts) * (longest + max_new_tokens), forward_tokens=len(prompts) * longest,
+                    logit_rows=len(prompts))
+
+
+def batch_model(adapters: list[Optional[str]], model: Optional[str], quantize: Optional[str], dtype: str,
+                facts=None, work=None):
     """(model to run, tokenizer, per-row soft prompts, per-row peft adapter names or None) for rows
-    that use the given adapters (None: the bare base). Checks every source before loading."""
-    from tunekit.trained import base_source, load_base, load_tokenizer_for, load_trained, open_source
+    that use the given adapters (None: the bare base), on the device of `facts` (default the CPU).
+    Checks every source, and with `work` the memory it needs there, before loading."""
+    from tunekit.trained import base_source, check_memory, load_base, load_tokenizer_for, load_trained, open_source
 
     names = list(dict.fromkeys(a for a in adapters if a is not None))
-    sources = {a: open_source(a, model, quantize, dtype, what="--adapter") for a in names}
+    sources = {a: open_source(a, model, quantize, dtype, what="--adapter", facts=facts) for a in names}
+
+    def fits(src) -> None:
+        if work is not None:
+            log.info("%s", check_memory(src, work, "tunekit generate", "fewer prompts at once shrink the KV cache"))
+
     if not sources:  # the bare base for every row
-        src = base_source(model, quantize, dtype)
+        src = base_source(model, quantize, dtype, facts)
+        fits(src)
         return load_trained(src), load_tokenizer_for(src), [None] * len(adapters), None
     if len(sources) == 1 and None not in adapters:
         src = sources[names[0]]
+        fits(src)
         return load_trained(src), load_tokenizer_for(src), [None] * len(adapters), None
     kinds = {s.method for s in sources.values()}
     if len(kinds) > 1 or not kinds <= set(MIXABLE):
@@ -84,6 +106,7 @@ def batch_model(adapters: list[Optional[str]], model: Optional[str], quantize: O
     if other is not None:
         raise TunekitError(f"--adapter: rows use adapters trained over different bases ({first.describe()}; "
                            f"{other.describe()}); run them separately")
+    fits(first)
     base = load_base(first)
     tokenizer = load_tokenizer_for(first)
     if kinds == {"prompt_tuning"}:
@@ -121,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize", choices=["none", "nf4"], help="load an adapter folder's base in 4-bit NF4")
     p.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object per row")
+    add_device_argument(p)
     return p
 
 
@@ -135,7 +159,11 @@ def main(argv: list[str]) -> None:
     if args.max_new_tokens <= 0:
         raise TunekitError(f"--max-new-tokens: must be > 0, got {args.max_new_tokens}")
     rows = _read_rows(args.rows) if args.rows else _pair(args.prompt, args.adapter)
-    model, tokenizer, softs, names = batch_model([a for _, a in rows], args.model, args.quantize, args.dtype)
+    from tunekit.device import command_facts
+
+    model, tokenizer, softs, names = batch_model([a for _, a in rows], args.model, args.quantize, args.dtype,
+                                                 command_facts(args.device),
+                                                 generate_workload([p for p, _ in rows], args.max_new_tokens))
     texts = generate(model, tokenizer, [p for p, _ in rows], softs if any(s is not None for s in softs) else None,
                      args.max_new_tokens, chat_template=not args.no_chat_template, adapter_names=names)
     for i, ((prompt, adapter), text) in enumerate(zip(rows, texts)):

@@ -33,9 +33,9 @@ import torch
 
 from tunekit import TunekitError, __version__
 from tunekit.checkpoint import atomic_dir
-from tunekit.cliparse import Parser
+from tunekit.cliparse import Parser, add_device_argument
 from tunekit.export import artifacts, llamacpp
-from tunekit.device import cpu_emulated_dtypes, cpuinfo_text
+from tunekit.device import command_facts, cpu_emulated_dtypes, cpuinfo_text
 from tunekit.export.fidelity import HalfLinearsInFp32, compare, measure_reference, token_nll
 from tunekit.export.gate import KL_ADAPTER, MIN_GAIN_KEPT, MIN_GAIN_KEPT_LOSSY, decide, table
 from tunekit.export.run import apply_and_load, heldout_batches, load_base, load_original_base, open_run, run_tokenizer
@@ -91,8 +91,10 @@ def merge_target(run, merge_into: Optional[str]) -> str:
 
 def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] = None, requantize: Optional[str] = None,
            force: bool = False, kl_threshold: Optional[float] = None, eval_batches: int = 4,
-           merge_into: Optional[str] = None, min_gain: Optional[float] = None) -> dict:
-    """Export a finished run; returns the fidelity report (also written beside the export)."""
+           merge_into: Optional[str] = None, min_gain: Optional[float] = None, device: Optional[str] = None) -> dict:
+    """Export a finished run; returns the fidelity report (also written beside the export).
+    device: where the models load and the check computes (tunekit.device.command_device; None:
+    the first GPU, else the CPU). llama.cpp's check runs on the CPU either way."""
     started = time.time()
     if fmt not in FORMATS:
         raise TunekitError(f"--format: unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -107,7 +109,8 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
     if min_gain is not None and not 0 <= min_gain <= 1.5:
         raise TunekitError(f"--min-gain: a fraction of the fine-tune's gain (e.g. 0.9), got {min_gain}")
     candidates = _dtypes(fmt, dtype, requantize)
-    run = open_run(run_dir)
+    facts = command_facts(device)
+    run = open_run(run_dir, facts)
     # The check measures the trained weights' own function: base, adapter and every candidate computed
     # in fp32 (the trainer's bf16 arithmetic is a rounding of that function, as a bf16 export's is, and
     # against an exact fp32 merge it alone reads KL ~4e-3 on the default model, the size of what the
@@ -145,6 +148,8 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
 
     tokenizer = run_tokenizer(run)
     batches = heldout_batches(run, tokenizer, eval_batches)
+    log.info("%s", export_memory_check(run, facts, fmt, target, candidates, batches))
+    batches = [{k: v.to(run.device) for k, v in b.items()} for b in batches]
     lap("held_out_data")
     log.info("exporting %s (method %s, base %s%s) as %s to %s", run.run_dir, run.cfg.method.name, run.model_path,
              ", 4-bit NF4" if run.quantize == "nf4" else "", fmt, out)
@@ -191,7 +196,7 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
             else:
                 artifacts.write_merged(merged, tokenizer, tmp, d)
             lap("write")
-            exported, exported_tok = artifacts.reload_merged(tmp), artifacts.reload_tokenizer(tmp)
+            exported, exported_tok = artifacts.reload_merged(tmp, run.device), artifacts.reload_tokenizer(tmp)
         else:
             artifacts.write_gguf_file(run, merged, tokenizer, tmp / out.name, d)
             lap("write")
@@ -201,7 +206,7 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
                 exported, exported_tok = model.logits, llamacpp.LlamaCppTokenizer(model)
             else:
                 with artifacts.gguf_parsed_once():
-                    exported = artifacts.reload_gguf_transformers(tmp / out.name)
+                    exported = artifacts.reload_gguf_transformers(tmp / out.name, run.device)
                     exported_tok = artifacts.reload_tokenizer(tmp, gguf_file=out.name)
         lap("reload")
         with HalfLinearsInFp32(emulated) as half:  # the same numbers up to summation order, ~7x faster
@@ -253,6 +258,7 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
             "requantize": requantize, "merge_into": target,
             "path": str(out), "run_dir": str(run.run_dir.absolute()), "method": run.cfg.method.name,
             "base_model": run.model_path, "base_quantize": run.quantize, "checked_by": checked_by,
+            "device": facts.describe(),
             "gate": result["gate"], "accepted": result["accepted"], "forced": bool(force and not result["accepted"]),
             "fidelity": result["fidelity"],
             "tokens_compared": "KL, logit diff, top-1: every non-padding position of the held-out batches; "
@@ -280,6 +286,36 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
     result = {}
     atomic_dir(out, lambda tmp: result.update(build(tmp)))
     return result
+
+
+def export_memory_check(run, facts, fmt: str, target: Optional[str], candidates: tuple, batches: list[dict]) -> str:
+    """The planner's check, before any model loads, that the export fits on its device. It
+    computes in fp32 and holds, at its peak, either the trained model beside a reloaded adapter
+    (adapter exports) or the merged fp32 model beside one reloaded candidate (merged, gguf), plus
+    the reference logits of every held-out position and one batch's forward."""
+    from tunekit.device import available_memory_bytes
+    from tunekit.plan.inference import Workload, activation_terms, check_fits
+    from tunekit.plan.memory import base_weight_bytes
+    from tunekit.plan.shape import model_shape
+
+    try:
+        shape = model_shape(run.model_path, None)
+    except TunekitError as e:
+        return f"memory: not checked ({e})"
+    tokens = max(int(b["input_ids"].numel()) for b in batches)
+    kept = sum(int(b["attention_mask"].sum()) for b in batches)
+    work = Workload(kv_tokens=0, forward_tokens=tokens, logit_rows=tokens, kept_logit_rows=kept)
+    adapter = 2 * sum(f.stat().st_size for f in run.adapter_dir.glob("*.safetensors"))
+    trained = base_weight_bytes(shape, run.quantize, 4) + adapter
+    if fmt == "adapter":
+        weights = {"trained model": trained, "reloaded adapter export": trained}
+    else:
+        widest = max(4 if c in (None, "fp32") or c in llamacpp.QUANT_TYPES else 2 for c in candidates)
+        reload = 4 if fmt == "gguf" else widest  # transformers' GGUF reader dequantizes to fp32
+        merged = {"merged model (fp32)": shape.total_params * 4, "reloaded export": shape.total_params * reload}
+        weights = merged if target == "original" or run.quantize != "nf4" else {"trained model": trained, **merged}
+    return check_fits({**weights, **activation_terms(shape, 4, work)}, facts, available_memory_bytes(run.device),
+                      "tunekit export", "--eval-batches 1 keeps fewer reference logits")
 
 
 def _threads() -> int:
@@ -331,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="write the export even when the gate refuses it")
     p.add_argument("--eval-batches", type=int, default=4, metavar="N",
                    help="held-out batches (of trainer.micro_batch_size) to measure fidelity on (default 4)")
+    add_device_argument(p)
     return p
 
 
@@ -338,7 +375,7 @@ def main(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
     logging.getLogger("gguf").setLevel(logging.WARNING)  # its per-file "Writing the following files" lines
     report = export(args.run_dir, args.format, args.out, args.dtype, args.requantize, args.force,
-                    args.kl_threshold, args.eval_batches, args.merge_into, args.min_gain)
+                    args.kl_threshold, args.eval_batches, args.merge_into, args.min_gain, args.device)
     out = Path(args.out).expanduser().absolute()
     print(f"exported {args.format} to {out} (fidelity report: {report_path(args.format, out)})", flush=True)
     if report["forced"]:

@@ -88,16 +88,19 @@ def write_merged(merged: nn.Module, tokenizer, out_dir: Path, dtype: str) -> Non
     tokenizer.save_pretrained(out_dir)
 
 
-def reload_merged(folder: Path) -> nn.Module:
-    """As a consumer loads it: plain transformers, stored dtype; bitsandbytes when config asks for it."""
+def reload_merged(folder: Path, device: torch.device) -> nn.Module:
+    """As a consumer loads it, on `device`: plain transformers, stored dtype; bitsandbytes when
+    config asks for it."""
     from transformers import AutoModelForCausalLM
+
+    from tunekit.device import device_map
 
     cfg = json.loads((folder / "config.json").read_text())
     if "quantization_config" not in cfg:
-        return AutoModelForCausalLM.from_pretrained(folder, dtype="auto").eval()
+        return AutoModelForCausalLM.from_pretrained(folder, dtype="auto").to(device).eval()
     from tunekit.model.loader import keep_bnb_layout
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto", device_map="cpu")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto", device_map=device_map(device))
     # Same 4-bit math as training measured it: no bitsandbytes CPU repack on eval forwards (TRAPS.md).
     keep_bnb_layout(model)
     return model.eval()
@@ -116,8 +119,10 @@ def write_requantized_nf4(run: Run, merged: nn.Module, tokenizer, out_dir: Path,
     write_merged(merged, tokenizer, scratch, dtype)
     qcfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=compute_dtype, llm_int8_skip_modules=["lm_head"])
+    from tunekit.device import device_map
+
     model = AutoModelForCausalLM.from_pretrained(scratch, quantization_config=qcfg, dtype=TORCH_DTYPES[dtype],
-                                                 device_map="cpu")
+                                                 device_map=device_map(run.device))
     shutil.rmtree(scratch)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
@@ -167,9 +172,9 @@ def gguf_parsed_once():
         parsed.clear()
 
 
-def reload_gguf_transformers(path: Path) -> nn.Module:
-    """transformers' GGUF loader (an independent reader: dequantizes, undoes the q/k interleave);
-    the fallback check where llama.cpp is not available."""
+def reload_gguf_transformers(path: Path, device: torch.device) -> nn.Module:
+    """transformers' GGUF loader (an independent reader: dequantizes, undoes the q/k interleave),
+    on `device`; the fallback check where llama.cpp is not available."""
     import io
 
     from transformers import AutoModelForCausalLM
@@ -177,7 +182,7 @@ def reload_gguf_transformers(path: Path) -> nn.Module:
     # transformers draws a tqdm bar per GGUF load that its progress-bar switch does not reach;
     # our log lines go through logging's handler (bound to the real stderr), not sys.stderr.
     with contextlib.redirect_stderr(io.StringIO()):
-        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).to(device).eval()
 
 
 def reload_tokenizer(folder: Path, gguf_file: str | None = None):

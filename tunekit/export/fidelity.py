@@ -217,7 +217,7 @@ def compare(ref: Reference, exported, nll_merge_base: Optional[torch.Tensor] = N
     max_abs, kl_sum, agree, n_pos, n_seq = 0.0, 0.0, 0, 0, 0
     nll = []
     for batch, p in zip(ref.batches, ref.logits):
-        z_q = f_exp(batch)  # (batch, seq, vocab)
+        z_q = f_exp(batch).to(p.device)  # (batch, seq, vocab); llama.cpp's come from the CPU
         mask = batch["attention_mask"].bool()  # (batch, seq)
         if z_q.shape[:2] != mask.shape or z_q.shape[-1] != p.shape[-1]:
             raise ValueError(f"logit shapes differ: trained {(*mask.shape, p.shape[-1])}, exported {tuple(z_q.shape)}")

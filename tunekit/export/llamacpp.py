@@ -139,7 +139,7 @@ class LlamaCppModel:
 
     @torch.no_grad()
     def logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+        ids, mask = batch["input_ids"].cpu(), batch["attention_mask"].bool().cpu()  # llama.cpp runs on the CPU
         out = torch.zeros(*ids.shape, self.llm.n_vocab(), dtype=torch.float32)
         for row in range(ids.shape[0]):
             tokens = ids[row][mask[row]].tolist()

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from tunekit import TunekitError
 from tunekit.config import TrainConfig, load_run_config, plain
+from tunekit.device import DeviceFacts, compute_dtype, probe
 
 
 @dataclass
@@ -29,7 +30,8 @@ class Run:
     cfg: TrainConfig
     model_path: str
     quantize: str  # "nf4" | "none"
-    dtype: torch.dtype  # compute dtype of the base, as the run chose it on this device
+    dtype: torch.dtype  # compute dtype of the base: the run's model.dtype on the device it is opened for
+    device: torch.device = torch.device("cpu")  # where its models load (the command's --device)
 
     @property
     def adapter_dir(self) -> Path:
@@ -42,11 +44,13 @@ class Run:
         return get_method(self.cfg.method.name)
 
 
-def open_run(run_dir: str | Path) -> Run:
-    """Read RUN_DIR/config.yaml and check the run finished (adapter/ written); one clear error otherwise."""
+def open_run(run_dir: str | Path, facts: DeviceFacts | None = None) -> Run:
+    """Read RUN_DIR/config.yaml and check the run finished (adapter/ written); one clear error otherwise.
+    `facts`: the device the run's models will load on (default: the CPU); its compute dtype is
+    the run's model.dtype decided for that device, as training decides it."""
     from omegaconf.errors import OmegaConfBaseException
 
-    from tunekit.model import compute_dtype, resolve_model_path
+    from tunekit.model import resolve_model_path
 
     run_dir = Path(run_dir).expanduser()
     if not run_dir.is_dir():
@@ -66,8 +70,9 @@ def open_run(run_dir: str | Path) -> Run:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TunekitError(f"{cfg_path}: not a tunekit config ({first})") from None
     model_path = resolve_model_path(cfg.model.path)
-    device = torch.device("cpu")  # export runs where the files are; a GPU adds nothing at 135M-7B merge sizes
-    return Run(run_dir, cfg, model_path, plain(cfg.model.quantize), compute_dtype(plain(cfg.model.dtype), device))
+    facts = facts or probe(torch.device("cpu"))
+    return Run(run_dir, cfg, model_path, plain(cfg.model.quantize), compute_dtype(plain(cfg.model.dtype), facts),
+               facts.device)
 
 
 def load_base(run: Run) -> nn.Module:
@@ -78,7 +83,7 @@ def load_base(run: Run) -> nn.Module:
     """
     from tunekit.model import load_base_model, prepare_for_training
 
-    model = load_base_model(run.model_path, run.quantize, run.dtype, torch.device("cpu"))
+    model = load_base_model(run.model_path, run.quantize, run.dtype, run.device)
     prepare_for_training(model, run.quantize, gradient_checkpointing=False)
     return model.eval()
 
@@ -105,7 +110,7 @@ def load_original_base(run: Run) -> nn.Module:
     """
     from tunekit.model import load_base_model
 
-    return load_base_model(run.model_path, "none", torch.float32, torch.device("cpu")).eval()
+    return load_base_model(run.model_path, "none", torch.float32, run.device).eval()
 
 
 def run_tokenizer(run: Run):

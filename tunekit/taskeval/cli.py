@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from tunekit import TunekitError
-from tunekit.cliparse import Parser
+from tunekit.cliparse import Parser, add_device_argument
 
 log = logging.getLogger("tunekit")
 DEFAULT_MAX_LEN = 2048
@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=5, help="answers to print (default 5)")
     p.add_argument("--out", metavar="FILE", help="where eval.json goes (default: RUN/eval.json)")
     p.add_argument("--json", action="store_true", help="print eval.json instead of the table")
+    add_device_argument(p)
     return p
 
 
@@ -80,18 +81,38 @@ def heldout_examples(src, tokenizer, data: str | None) -> tuple[list[dict], str]
     return val, "the default data's val split"
 
 
+def eval_workload(rows, classes, batch_size: int, max_new_tokens: int | None):
+    """What one batch of score_rows holds at once (tunekit.taskeval.score): the prompts' cache,
+    its copy repeated for the reference and every class answer, the greedy answers' tokens."""
+    from tunekit.plan.inference import Workload
+
+    r = min(batch_size, len(rows))
+    prompt = max(len(x.prompt) for x in rows)
+    answer = max(len(x.answer) for x in rows)
+    if classes is not None:
+        answer = max([answer, *(len(a) for a in classes.answers)])
+    n_cont = 1 + (len(classes.answers) if classes is not None else 0)
+    budget = max_new_tokens or answer + 4
+    kv = max(r * prompt + r * n_cont * (prompt + answer), r * (prompt + budget))
+    return Workload(kv_tokens=kv, forward_tokens=max(r * prompt, r * n_cont * answer),
+                    logit_rows=max(r * n_cont * answer, prompt, r))
+
+
 def evaluate(args) -> dict:
     from tunekit.taskeval.report import answers_json, difference, sample_lines, table
     from tunekit.taskeval.rows import closed_set, task_rows
     from tunekit.taskeval.score import score_rows
-    from tunekit.trained import load_base, load_tokenizer_for, load_trained, open_source
+    from tunekit.trained import check_memory, load_base, load_tokenizer_for, load_trained, open_source
 
     for key in ("batch_size", "max_rows", "max_new_tokens"):
         value = getattr(args, key)
         if value is not None and value <= 0:
             raise TunekitError(f"--{key.replace('_', '-')}: must be > 0, got {value}")
     start = time.perf_counter()
-    src = open_source(args.source, args.model, args.quantize, args.dtype, args.base_model)
+    from tunekit.device import command_facts
+
+    src = open_source(args.source, args.model, args.quantize, args.dtype, args.base_model,
+                      facts=command_facts(args.device))
     if args.base and src.kind == "model" and args.base_model is None:
         raise TunekitError(f"--base: the base of the model folder {src.path} is unknown; name it with --base-model DIR")
     tokenizer = load_tokenizer_for(src)
@@ -104,6 +125,8 @@ def evaluate(args) -> dict:
                            "(plain-text rows, or replies cut by data.max_seq_len)")
     classes = closed_set(rows)
     kw = dict(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, generate=not args.no_generate)
+    log.info("%s", check_memory(src, eval_workload(rows, classes, args.batch_size, args.max_new_tokens), "tunekit eval",
+                                "a smaller --batch-size shrinks the KV cache and working set"))
 
     timings = {}
     t0 = time.perf_counter()
