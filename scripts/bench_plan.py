@@ -98,7 +98,24 @@ def build_suite_model(out: Path, tokenizer_dir: str) -> Path:
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
     tok.save_pretrained(out)
+    shrink_tokenizer(out / "tokenizer.json", SUITE_LLAMA["vocab_size"])
     return out
+
+
+def shrink_tokenizer(path: Path, size: int) -> None:
+    """Keep the tokenizer's first `size` ids (and the merges that stay inside them), so that it has
+    no id without an embedding row: tunekit refuses such a pair. SmolLM2's special tokens and byte
+    alphabet are among its first ids, so the shrunk BPE still encodes any text."""
+    data = json.loads(path.read_text())
+    vocab = {t: i for t, i in data["model"]["vocab"].items() if i < size}
+    merges = []
+    for m in data["model"]["merges"]:
+        a, b = m.split(" ", 1) if isinstance(m, str) else m
+        if a in vocab and b in vocab and a + b in vocab:
+            merges.append(m)
+    data["model"]["vocab"], data["model"]["merges"] = vocab, merges
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["id"] < size]
+    path.write_text(json.dumps(data, ensure_ascii=False))
 
 
 def worst_batch(seq: int, rows: int, vocab: int, eos: int) -> list[dict]:

@@ -251,3 +251,91 @@ def need_llama_cpp() -> None:
         pytest.fail(f"{why}: scripts/setup.sh should have built it (scripts/llama_cpp_wheel.sh)")
     if why:
         pytest.skip(why)
+
+
+# ---------------------------------------------------------------- what a killed run leaves
+def _in_a_child_that_dies(act) -> int:
+    """Run act() in a forked child that ends with os._exit, as a SIGKILL would end it: no finally
+    block, no exit handler, no cleanup of its own. Returns the child's pid (dead and reaped)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            act()
+        finally:
+            os._exit(9)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 9
+    return pid
+
+
+def die_mid_save(target: Path, at: str = "write") -> int:
+    """What a run killed while saving `target` through tunekit.owned leaves behind: the save runs in a
+    child process that dies at `at`: "write" (a file half written into the new folder), "rename"
+    (the old target already moved aside, the new one not yet in its place), "renamed" (the new one in
+    place, the old one not yet removed) or "file" (atomic_write of a file, half written). Returns the
+    dead child's pid."""
+    from tunekit import owned
+
+    def act():
+        if at == "file":
+            def half(tmp):
+                tmp.write_text("half")
+                os._exit(9)
+
+            owned.atomic_write(target, half)
+        elif at == "write":
+            def half(folder):
+                (folder / "adapter").mkdir()
+                (folder / "adapter" / "adapter_model.safetensors").write_bytes(b"half")
+                os._exit(9)
+
+            owned.atomic_dir(target, half)
+        else:
+            real, renames = os.rename, []
+
+            def rename_then_die(a, b):
+                real(a, b)
+                renames.append(b)
+                if at == "rename" or len(renames) == 2:
+                    os._exit(9)
+
+            os.rename = rename_then_die
+            owned.atomic_dir(target, lambda folder: (folder / "new.txt").write_text("new"))
+
+    return _in_a_child_that_dies(act)
+
+
+def die_holding_lock(output_dir: Path) -> int:
+    """A stale lock: a child takes tunekit's lock on output_dir and dies holding it (its lock file stays)."""
+    from tunekit.runlock import RunLock
+
+    return _in_a_child_that_dies(lambda: RunLock.acquire(output_dir))
+
+
+def snapshot(folder: Path) -> dict[str, bytes | None]:
+    """Every path under folder (hidden ones included) with its bytes (None for a folder)."""
+    return {str(p.relative_to(folder)): (None if p.is_dir() else p.read_bytes())
+            for p in sorted(Path(folder).rglob("*"))}
+
+
+def plant_lookalikes(folder: Path, tag: str = "mine") -> dict[str, bytes | None]:
+    """Files of a user's that look like what atomic writes leave (hidden *.tmp*, *.old), and plain
+    ones; returns their snapshot (relative to folder), to compare after tunekit has run."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / ".draft.tmp").write_text(f"{tag}: a draft")
+    (folder / ".photos.old").mkdir()
+    (folder / ".photos.old" / "cat.jpg").write_bytes(b"\xff\xd8 a cat")
+    (folder / "x.tmp-123").write_text(f"{tag}: x")
+    (folder / ".tunekit.tmp-notes").mkdir()  # tunekit's prefix, but no marker: still the user's
+    (folder / ".tunekit.tmp-notes" / "todo.txt").write_text(f"{tag}: todo")
+    (folder / "notes.txt").write_text(f"{tag}: notes")
+    names = (".draft.tmp", ".photos.old", ".photos.old/cat.jpg", "x.tmp-123", ".tunekit.tmp-notes",
+             ".tunekit.tmp-notes/todo.txt", "notes.txt")
+    return {n: (None if (folder / n).is_dir() else (folder / n).read_bytes()) for n in names}
+
+
+def lost_or_changed(folder: Path, planted: dict[str, bytes | None]) -> list[str]:
+    """The planted paths that are gone or changed (empty when every one survived)."""
+    now = snapshot(folder)
+    return [n for n, data in planted.items() if n not in now or now[n] != data]

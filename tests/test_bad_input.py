@@ -31,7 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import fork_server, run_cli
+from _helpers import fork_server, run_cli, snapshot
+from tunekit.runlock import RunLock
 
 HERE = Path(__file__).resolve().parent
 
@@ -246,8 +247,33 @@ CASES = [
     train("model-truncated-weights", f"model.path={M}/truncated", "model.path: {w}/models/truncated/model.safetensors is truncated"),
     train("model-garbage-weights", f"model.path={M}/garbage", "model.safetensors is not a valid safetensors file"),
     train("model-missing-shard", f"model.path={M}/sharded", "lacks 1 weight file(s) its model.safetensors.index.json lists"),
-    train("model-weights-too-few-layers", f"model.path={M}/threelayers", "model.path: {w}/models/threelayers: the weights lack 9 of the tensors"),
-    train("model-weights-other-shape", f"model.path={M}/wider", "model.path: {w}/models/wider: tensor embed_tokens.weight has shape [49152, 64] in the weights, [49152, 96]"),
+    # weights that do not fit their config.json (transformers would fill the gaps with random values)
+    train("model-weights-too-few-layers", f"model.path={M}/threelayers",
+          "model.path: the weights in {w}/models/threelayers do not fit its config.json: 9 weight(s) the config expects "
+          "are missing from the files (model.layers.2.input_layernorm.weight, model.layers.2.mlp.down_proj.weight"),
+    train("model-weights-too-many-layers", f"model.path={M}/onelayer",
+          "model.path: the weights in {w}/models/onelayer do not fit its config.json: 9 tensor(s) in the files fit no "
+          "weight of the config (model.layers.1.input_layernorm.weight, model.layers.1.mlp.down_proj.weight"),
+    train("model-weights-renamed", f"model.path={M}/renamed",
+          "model.path: the weights in {w}/models/renamed do not fit its config.json: 20 weight(s) the config expects are "
+          "missing from the files (model.embed_tokens.weight, model.layers.0.input_layernorm.weight, "
+          "model.layers.0.mlp.down_proj.weight, ...); 20 tensor(s) in the files fit no weight of the config "
+          "(decoder.embed_tokens.weight, "),
+    # prompt tuning wraps no projection: before this check, GPT-2 trained from random weights
+    train("model-weights-other-architecture", f"recipe=prompt_tuning model.path={M}/gpt2",
+          "model.path: the weights in {w}/models/gpt2 do not fit its config.json: 28 weight(s) the config expects are "
+          "missing from the files (transformer.h.0.attn.c_attn.bias, "),
+    train("model-weights-other-shape", f"model.path={M}/wider",
+          "model.path: the weights in {w}/models/wider do not fit its config.json: 20 tensor(s) have another shape than "
+          "the config gives them (model.embed_tokens.weight is [49152, 64] in the files, [49152, 96] in the config"),
+    train("model-weights-one-shape", f"model.path={M}/oneshape",
+          "model.path: the weights in {w}/models/oneshape do not fit its config.json: 1 tensor(s) have another shape than "
+          "the config gives them (model.layers.1.self_attn.q_proj.weight is [32, 64] in the files, [64, 64] in the config)"),
+    train("model-weights-one-shape-4bit", f"recipe=qlora model.path={M}/oneshape", "model.path: the weights in "
+          "{w}/models/oneshape do not fit its config.json: 1 tensor(s) have another shape"),
+    train("model-tokenizer-past-embeddings", f"model.path={M}/addedtok",
+          "model.path: the tokenizer of {w}/models/addedtok has 49,154 token ids, its model 49,152 embedding rows "
+          "(vocab_size in config.json): 2 added token(s) have none, e.g. 'What is' (id 49,152)"),
     train("model-no-tokenizer", f"model.path={M}/notok", "model.path: {w}/models/notok has no tokenizer"),
     train("model-bad-tokenizer", f"model.path={M}/badtok", "model.path: {w}/models/badtok/tokenizer.json is not a whole JSON object"),
     train("model-bad-values", f"model.path={M}/badvalues", "models/badvalues/config.json: Class validation error for validator 'validate_architecture': ValueError: The hidden size (64) is not a multiple"),
@@ -261,6 +287,14 @@ CASES = [
     train("out-under-file", "output_dir={w}/afile/run", "output_dir: {w}/afile/run lies under {w}/afile, which is a file"),
     train("out-read-only", "output_dir={w}/ro/run", "output_dir: cannot create {w}/ro/run in {w}/ro (Permission denied)",
           user="nobody"),
+    train("out-not-empty", "output_dir={w}/userfiles",
+          "output_dir: {w}/userfiles is not empty and holds no tunekit run (.draft.tmp, notes.txt); give a new or empty"),
+    train("out-not-empty-resume", "output_dir={w}/userfiles trainer.resume=true",
+          "output_dir: {w}/userfiles is not empty and holds no tunekit run"),
+    train("out-locked", "output_dir={w}/locked", "output_dir: {w}/locked is in use by another tunekit run (pid "),
+    train("out-hand-made-checkpoint", "output_dir={w}/handmade trainer.resume=true",
+          "output_dir: {w}/handmade/checkpoints/step-000002 is not a tunekit checkpoint (no trainer_state.json)"),
+    train("out-allow-nonempty-word", "trainer.allow_nonempty_output_dir=maybe", "trainer.allow_nonempty_output_dir:"),
     # ---- export and generate: generic argument errors (their own rows come with their rewrites)
     export("export-no-run-dir", "--format adapter --out {out}", "export: the following arguments are required: RUN_DIR"),
     export("export-bad-format", "{w} --format zip --out {out}", "export: argument --format: invalid choice: 'zip'"),
@@ -386,6 +420,27 @@ def build_world(w: Path, tiny: Path) -> None:
         "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
     model("threelayers", cfg={**config, "num_hidden_layers": 3})
+    model("onelayer", cfg={**config, "num_hidden_layers": 1})
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer, GPT2Config
+
+    tensors = load_file(tiny / "model.safetensors")
+    save_file({k.replace("model.", "decoder.", 1): v for k, v in tensors.items()},
+              model("renamed", weights=False) / "model.safetensors", metadata={"format": "pt"})
+    q_proj = "model.layers.1.self_attn.q_proj.weight"
+    save_file({**tensors, q_proj: tensors[q_proj][:32].clone()}, model("oneshape", weights=False) / "model.safetensors",
+              metadata={"format": "pt"})
+    gpt2 = GPT2Config(vocab_size=config["vocab_size"], n_embd=config["hidden_size"], n_layer=2, n_head=4,
+                      n_positions=config["max_position_embeddings"], bos_token_id=config["bos_token_id"],
+                      eos_token_id=config["eos_token_id"]).to_dict()
+    model("gpt2", cfg={**gpt2, "architectures": ["GPT2LMHeadModel"]})
+    # tokens added to the tokenizer, the embeddings never resized; "What is" opens every row of the data
+    tok = AutoTokenizer.from_pretrained(tiny)
+    tok.add_tokens(["What is", "<|tool|>"])
+    tok.save_pretrained(model("addedtok", tokenizer=False))
+    save_file({k: torch.full_like(v, float("nan")) for k, v in tensors.items()},
+              model("nan", weights=False) / "model.safetensors", metadata={"format": "pt"})
     model("wider", cfg={**config, "hidden_size": 96, "head_dim": 16})
     f = model("badtok", tokenizer=False)
     (f / "tokenizer.json").write_text('{"version": "1.0", "model": ')
@@ -400,6 +455,13 @@ def build_world(w: Path, tiny: Path) -> None:
         "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
 
     (w / "afile").write_text("not a folder\n")
+    (w / "userfiles").mkdir()  # a folder of the user's, given as output_dir
+    (w / "userfiles" / ".draft.tmp").write_text("a draft\n")
+    (w / "userfiles" / "notes.txt").write_text("notes\n")
+    (w / "handmade" / "checkpoints" / "step-000002").mkdir(parents=True)  # a run with a folder named as a checkpoint
+    (w / "handmade" / "config.yaml").write_text("recipe: lora\n")
+    (w / "handmade" / "checkpoints" / "step-000002" / "notes.txt").write_text("mine\n")
+    (w / "locked").mkdir()  # held by the test process itself (the `world` fixture), as by a running run
     (w / "ro").mkdir()
     (w / "ro").chmod(0o555)
 
@@ -429,7 +491,10 @@ def world(tiny_model_dir, tiny_data):
         (w / sub).mkdir()
         (w / sub).chmod(0o777)
     build_world(w, Path(tiny_model_dir))
-    yield {"w": w, "tiny": Path(tiny_model_dir), "data": Path(tiny_data)}
+    lock = RunLock.acquire(w / "locked")
+    untouched = {name: snapshot(w / name) for name in UNTOUCHED}
+    yield {"w": w, "tiny": Path(tiny_model_dir), "data": Path(tiny_data), "untouched": untouched}
+    lock.release()
     (w / "ro").chmod(0o755)
     shutil.rmtree(w, ignore_errors=True)
 
@@ -487,6 +552,15 @@ def test_bad_input(case, results, world):
     assert not any(places["cwd"].iterdir()), f"wrote into the working directory: {list(places['cwd'].iterdir())}"
 
 
+# Folders of build_world that refused runs were pointed at: they must come out exactly as they went in.
+UNTOUCHED = ("userfiles", "handmade", "locked")
+
+
+def test_refused_output_dirs_are_untouched(results, world):
+    for name in UNTOUCHED:
+        assert snapshot(world["w"] / name) == world["untouched"][name], name
+
+
 def test_forker_matches_the_console_script(results, world):
     """Two rows through the installed `tunekit` script (a config error found before torch is
     imported, a model-folder error after): same exit code, same stderr as the forked child."""
@@ -495,6 +569,33 @@ def test_forker_matches_the_console_script(results, world):
         places = {**places_of(world, case), "cwd": world["w"] / "cwds" / case.id}
         r = run_cli(shlex.split(_fill(case.argv, places)), places["cwd"], env={"OMP_NUM_THREADS": "1"}, fresh=True)
         assert (r.returncode, r.stderr.strip()) == (results[case.id]["code"], results[case.id]["stderr"].strip())
+
+
+def test_nan_weights_stop_before_training(world):
+    """NaN weights show only in the loaded values (one pass over them, after the load): the run stops
+    there, before any step, naming the folder and the first tensor. Not a catalogue row: the run's
+    own progress lines (data, memory plan, precision) come before it on stderr."""
+    out = world["w"] / "outs" / "nan-weights"
+    args = shlex.split(_fill(TRAIN_BASE, {**world, "out": out})) + [f"model.path={world['w']}/models/nan"]
+    r = run_cli(["train", *args], world["w"] / "cwds")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert lines[-1].startswith(f"tunekit: error: model.path: the weights in {world['w']}/models/nan hold NaN or "
+                                "infinite values, in 20 tensor(s), first model.embed_tokens.weight"), lines[-1]
+    assert not out.exists()
+
+
+def test_generate_refuses_a_misfit_model_folder(world):
+    """Every command that loads a base checks it as training does: `generate --model` on a folder whose
+    config.json has one layer fewer than its weights. (Its memory line comes first: not a catalogue row.)"""
+    cwd = world["w"] / "cwds"
+    r = run_cli(["generate", "--model", f"{world['w']}/models/onelayer", "--prompt", "hi"], cwd)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert lines[-1].startswith(f"tunekit: error: model.path: the weights in {world['w']}/models/onelayer do not "
+                                "fit its config.json: 9 tensor(s) in the files fit no weight of the config "
+                                "(model.layers.1.input_layernorm.weight, "), lines[-1]
+    assert not r.stdout.strip()  # nothing generated
 
 
 def test_missing_optional_library_is_one_line(monkeypatch):

@@ -1,17 +1,21 @@
-"""Checkpoint files: state without pickle, integrity checks, fallback, leftovers (no model needed)."""
+"""Checkpoint files: state without pickle, integrity checks, fallback, leftovers, output_dir rules (no model needed)."""
 
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import time
 
 import pytest
 import torch
 
 from tunekit import TunekitError
 from tunekit import device as dev
-from tunekit.checkpoint import (cleanup_leftovers, damage, decode_tree, encode_tree, find_resumable,
-                                load_checkpoint, save_checkpoint)
+from _helpers import die_holding_lock, die_mid_save, lost_or_changed, plant_lookalikes, snapshot
+from tunekit.checkpoint import (atomic_dir, atomic_write_text, cleanup_leftovers, damage, decode_tree, encode_tree,
+                                find_resumable, load_checkpoint, save_checkpoint)
+from tunekit.owned import is_scratch
 from tunekit.optim import build_optimizer, warmup_cosine
 from tunekit.resume import check_output_dir, check_same_run
 
@@ -137,20 +141,111 @@ def test_keep_prunes_old_checkpoints(tmp_path):
 
 
 def test_cleanup_leftovers_of_interrupted_saves(tmp_path):
+    """Real leftovers (saves in child processes killed at each point) are undone; the user's
+    look-alikes beside them, in the run folder and in checkpoints/, are not touched."""
     ck = tmp_path / "checkpoints"
-    (ck / ".step-000004.tmp-abc" / "adapter").mkdir(parents=True)
-    (tmp_path / ".adapter.tmp-xyz").mkdir()
+    atomic_dir(tmp_path / "adapter", lambda d: (d / "adapter_model.safetensors").write_text("w"))
+    atomic_dir(ck / "step-000002", lambda d: (d / "trainer_state.json").write_text("{}"))
+    mine = plant_lookalikes(tmp_path)
+    (tmp_path / ".adapter.tmp-xyz").mkdir()  # what older versions' saves left: no marker, so not provably ours
     (tmp_path / ".config.yaml.tmp").write_text("half")
-    (tmp_path / ".adapter.old").mkdir()  # killed between atomic_dir's two renames: adapter/ is missing
-    (tmp_path / ".adapter.old" / "adapter_model.safetensors").write_text("w")
-    (ck / "step-000002").mkdir()
-    (ck / ".step-000002.old").mkdir()  # replaced and already renamed back: just delete
+    (ck / ".step-000004.tmp-abc" / "adapter").mkdir(parents=True)
+    (ck / ".step-000002.old").mkdir()
+    (ck / "step-5").mkdir()  # made by hand, no trainer_state.json
+    (ck / "step-5" / "notes.txt").write_text("mine")
+    forged = tmp_path / ".tunekit.tmp-forged"  # a marker that points a restore outside the folder
+    forged.mkdir()
+    (forged / "tunekit-scratch.json").write_text(json.dumps({"tunekit": "tunekit scratch folder v1", "target": "../x"}))
+    (forged / "old").mkdir()
+
+    def user_files():  # all but what the saves below replace
+        return {k: v for k, v in snapshot(tmp_path).items() if not k.startswith("checkpoints/step-000002/")}
+
+    user = user_files()
+
+    die_mid_save(tmp_path / "adapter", at="rename")  # killed between atomic_dir's two renames: adapter/ is missing
+    die_mid_save(ck / "step-000004", at="write")  # killed while writing a new checkpoint
+    die_mid_save(tmp_path / "config.yaml", at="file")  # killed while writing a file
+    die_mid_save(ck / "step-000002", at="renamed")  # replaced, killed before the old one was removed
+    assert not (tmp_path / "adapter").exists() and not (tmp_path / "config.yaml").exists()
+    assert len([p for p in (*tmp_path.iterdir(), *ck.iterdir()) if is_scratch(p)]) == 4
+
     done = cleanup_leftovers(tmp_path)
-    assert len(done) == 5
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "checkpoints"]
+    assert len(done) == 5 and sum(line.startswith("removed") for line in done) == 4, done
+    assert done[0].startswith(f"restored {tmp_path / 'adapter'} from .tunekit.tmp-adapter-")
     assert (tmp_path / "adapter" / "adapter_model.safetensors").read_text() == "w"
-    assert [p.name for p in ck.iterdir()] == ["step-000002"]
+    assert sorted(p.name for p in (ck / "step-000002").iterdir()) == ["new.txt"]  # the new one stays
+    assert not (tmp_path / "config.yaml").exists() and not (ck / "step-000004").exists()
+    assert user_files() == user and lost_or_changed(tmp_path, mine) == []  # every look-alike as it was
     assert cleanup_leftovers(tmp_path) == []
+
+
+def test_cleanup_keeps_the_scratch_folder_of_a_live_writer(tmp_path):
+    """A save still in progress (its process alive: an export writing beside the run, say) is not a leftover."""
+    go_read, go_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            atomic_dir(tmp_path / "adapter", lambda d: (os.read(go_read, 1), (d / "a").write_text("new")))
+        finally:
+            os._exit(0)
+    try:
+        deadline = time.time() + 30
+        while not [p for p in tmp_path.iterdir() if is_scratch(p)] and time.time() < deadline:
+            time.sleep(0.01)
+        (line,) = cleanup_leftovers(tmp_path)
+        assert line.startswith("kept ") and f"pid {pid} is still writing it" in line
+    finally:
+        os.write(go_write, b"x")
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["adapter"] and (tmp_path / "adapter" / "a").read_text() == "new"
+
+
+def test_atomic_writes_leave_only_their_target(tmp_path, monkeypatch):
+    target = tmp_path / "adapter"
+    for text in ("one", "two"):  # a new target, then a replaced one
+        atomic_dir(target, lambda d: (d / "w").write_text(text))
+    atomic_write_text(tmp_path / "config.yaml", "a: 1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "config.yaml"]
+    assert (target / "w").read_text() == "two"
+
+    def fail(d):
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        atomic_dir(target, fail)
+    # Ctrl-C between the two renames (the old target already moved aside): it is put back on the way out
+    real, calls = os.rename, []
+
+    def rename(a, b):
+        calls.append(b)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real(a, b)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_dir(target, lambda d: (d / "w").write_text("three"))
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "config.yaml"]
+    assert (target / "w").read_text() == "two"
+
+
+def test_a_hand_made_checkpoint_folder_is_never_replaced_or_pruned(tmp_path):
+    _, opt, sched = _trained_optimizer("adamw")
+    ck = tmp_path / "checkpoints"
+    for name in ("step-5", "step-000003"):  # no trainer_state.json: not tunekit's
+        (ck / name).mkdir(parents=True)
+        (ck / name / "notes.txt").write_text("mine")
+    for step in (1, 2):
+        _save(tmp_path, opt, sched, step=step, keep=1)
+    with pytest.raises(TunekitError, match=r"step-000003 exists and is not a tunekit checkpoint \(no trainer_state.json\)"):
+        _save(tmp_path, opt, sched, step=3, keep=1)
+    assert sorted(p.name for p in ck.iterdir()) == ["step-000002", "step-000003", "step-5"]
+    assert all((ck / n / "notes.txt").read_text() == "mine" for n in ("step-5", "step-000003"))
+    with pytest.raises(TunekitError, match=r"step-000003 is not a tunekit checkpoint .* move it out of"):
+        check_output_dir(tmp_path, resume=True)  # refused when the run starts, not at that save
 
 
 def test_fingerprint_changes_are_named(tmp_path):
@@ -168,6 +263,27 @@ def test_a_folder_with_any_run_file_is_not_overwritten(tmp_path, files):
         check_output_dir(tmp_path, resume=False)
     check_output_dir(tmp_path, resume=True)
     check_output_dir(tmp_path / "new", resume=False)
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_folder_of_other_files_is_refused_unless_allowed(tmp_path, resume):
+    (tmp_path / ".draft.tmp").write_text("x")
+    (tmp_path / "photos").mkdir()
+    with pytest.raises(TunekitError, match=rf"^output_dir: {tmp_path} is not empty and holds no tunekit run "
+                                           r"\(\.draft\.tmp, photos\).*trainer\.allow_nonempty_output_dir=true"):
+        check_output_dir(tmp_path, resume=resume)
+    check_output_dir(tmp_path, resume=resume, allow_nonempty=True)
+
+
+def test_what_tunekit_leaves_does_not_make_a_folder_foreign(tmp_path):
+    """A stale lock and a marked scratch folder of a run killed before its config.yaml: still empty."""
+    die_holding_lock(tmp_path)
+    die_mid_save(tmp_path / "config.yaml", at="file")
+    (tmp_path / "student_base").mkdir()  # a distillation builds its student first
+    check_output_dir(tmp_path, resume=False)
+    (tmp_path / ".tunekit.tmp-unmarked").mkdir()  # the prefix alone proves nothing
+    with pytest.raises(TunekitError, match=r"\(\.tunekit\.tmp-unmarked\)"):
+        check_output_dir(tmp_path, resume=False)
 
 
 def _paging_allocator(calls):

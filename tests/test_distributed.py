@@ -6,12 +6,14 @@ that launcher gives them (tests/_helpers.py: launch_two_ranks)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import torch
 from safetensors.torch import load_file
 
-from _helpers import launch_two_ranks, read_jsonl, run_cli, tiny_args
+from _helpers import launch_two_ranks, read_jsonl, run_cli, snapshot, tiny_args
+from tunekit.runlock import LOCK_NAME, RunLock
 
 
 def test_two_ranks_match_one_process(tiny_model_dir, tiny_data, tmp_path):
@@ -29,6 +31,7 @@ def test_two_ranks_match_one_process(tiny_model_dir, tiny_data, tmp_path):
 
     summary = json.loads((two / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["ranks_in_sync"]
+    assert not (two / LOCK_NAME).exists()  # rank 0's lock, released; rank 1 never contended for it
     # only rank 0 writes: one row per step, one info line per message
     assert [row["step"] for row in read_jsonl(two / "metrics.jsonl") if "loss" in row] == [1, 2, 3]
     assert r.stderr.count("no paging on cpu") == 1
@@ -66,3 +69,21 @@ def test_two_ranks_resume_each_with_its_own_random_state(tiny_model_dir, tiny_da
     assert all(torch.equal(a[k], b[k]) for k in a)
     state = json.loads((crashed / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
     assert len(state["rng"]) == 2 and state["rng"][0]["torch"] != state["rng"][1]["torch"]
+
+
+def test_two_ranks_on_a_locked_output_dir_stop_together(tiny_model_dir, tiny_data, tmp_path):
+    """Rank 0 finds output_dir locked by another run; rank 1, which takes no lock of its own, stops with it
+    (rank 0's verdict is broadcast) instead of waiting for rank 0 in the next collective."""
+    out = tmp_path / "run"
+    lock = RunLock.acquire(out)  # this test process is the other run
+    before = snapshot(out)
+    try:
+        r = launch_two_ranks(tiny_args(tiny_model_dir, tiny_data, out, "recipe=lora"), tmp_path, 29524, timeout=120)
+    finally:
+        after = snapshot(out)
+        lock.release()
+    assert r.returncode == 2, r.stderr[-3000:]
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("tunekit: error:")]
+    assert len(errors) == 2 and len(set(errors)) == 1, r.stderr[-3000:]  # one line per rank, the same
+    assert f"output_dir: {out} is in use by another tunekit run (pid {os.getpid()} on " in errors[0]
+    assert after == before

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import bitsandbytes as bnb
 import bitsandbytes.functional as bnbf
 import pytest
@@ -132,3 +135,72 @@ def test_unwritable_model_cache_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("TUNEKIT_CACHE", str(blocker / "cache"))  # a folder under a file: cannot exist
     with pytest.raises(TunekitError, match="cannot write its cache folder .*TUNEKIT_CACHE"):
         default_module.default_model_dir()
+
+
+# ---------------------------------------------------------------- weights that do not fit, or are not finite
+def _variant(tiny: Path, out: Path, tensors: dict | None = None, config: dict | None = None,
+             pickle: bool = False) -> Path:
+    """A copy of the tiny model folder with other tensors and/or another config.json (the rest linked)."""
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    for p in tiny.iterdir():
+        if p.name not in ("config.json", "model.safetensors"):
+            (out / p.name).symlink_to(p)
+    (out / "config.json").write_text(json.dumps({**json.loads((tiny / "config.json").read_text()), **(config or {})}))
+    if tensors is None:
+        (out / "model.safetensors").symlink_to(tiny / "model.safetensors")
+    elif pickle:  # no header to read before the load: only the loading info and the loaded model tell
+        torch.save(tensors, out / "pytorch_model.bin")
+    else:
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_tensors(tiny_model_dir):
+    from safetensors.torch import load_file
+
+    return load_file(tiny_model_dir / "model.safetensors")
+
+
+def test_tied_head_and_old_buffers_are_not_misfits(tiny_model_dir, tiny_tensors, tmp_path):
+    """A tied pair is present under either name (here only the head's), and a per-layer rotary inv_freq
+    of an older checkpoint is a buffer the model computes: neither is a missing or surplus weight."""
+    from tunekit.model.folder import check_weights_fit, model_skeleton
+
+    tensors = {k: v for k, v in tiny_tensors.items() if k != "model.embed_tokens.weight"}
+    tensors["lm_head.weight"] = tiny_tensors["model.embed_tokens.weight"]
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    folder = _variant(tiny_model_dir, tmp_path / "head-only", tensors)
+    check_weights_fit(folder, model_skeleton(str(folder)), "model.path")
+    model = load_base_model(str(folder), "none", torch.bfloat16, CPU)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.model.embed_tokens.weight, tiny_tensors["model.embed_tokens.weight"])
+
+
+def test_nonfinite_4bit_weight_is_found_in_its_block_scales(tiny_model_dir, tiny_tensors, tmp_path):
+    """A 4-bit weight is packed codes; one NaN weight makes its block's scale NaN, and that is checked."""
+    name = "model.layers.1.mlp.up_proj.weight"
+    bad = tiny_tensors[name].clone()
+    bad[5, 7] = float("nan")
+    folder = _variant(tiny_model_dir, tmp_path / "nan-one", {**tiny_tensors, name: bad})
+    with pytest.raises(TunekitError, match=rf"^model.path: the weights in {folder} hold NaN or infinite values, "
+                                           rf"in 1 tensor\(s\), first {name}:"):
+        load_base_model(str(folder), "nf4", torch.bfloat16, CPU)
+
+
+def test_loading_info_catches_what_no_header_shows(tiny_model_dir, tiny_tensors, tmp_path):
+    """Pickle checkpoints have no header to read: the loading info (config with one layer fewer than the
+    weights) and, for a 4-bit load that quantizes a wrong-shaped tensor without a word, the quantization
+    state's shape against the layer's."""
+    fewer = _variant(tiny_model_dir, tmp_path / "fewer", dict(tiny_tensors), {"num_hidden_layers": 1}, pickle=True)
+    with pytest.raises(TunekitError, match=r"do not fit its config.json: 9 tensor\(s\) in the files fit no weight of "
+                                           r"the config \(model.layers.1.input_layernorm.weight, "):
+        load_base_model(str(fewer), "none", torch.bfloat16, CPU)
+    q = "model.layers.1.self_attn.q_proj.weight"
+    narrow = _variant(tiny_model_dir, tmp_path / "narrow", {**tiny_tensors, q: tiny_tensors[q][:32].clone()},
+                      pickle=True)
+    with pytest.raises(TunekitError, match=rf"1 tensor\(s\) have another shape than the config gives them \({q} is "
+                                           r"\[32, 64\] in the files, \[64, 64\] in the config\)"):
+        load_base_model(str(narrow), "nf4", torch.bfloat16, CPU)

@@ -11,7 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _helpers import read_jsonl, run_cli, tiny_args
+from _helpers import (die_holding_lock, die_mid_save, lost_or_changed, plant_lookalikes, read_jsonl, run_cli, snapshot,
+                      tiny_args)
+from tunekit.owned import PREFIX
+from tunekit.runlock import LOCK_NAME
 
 # LoRA dropout on, so the resumed run must also restore the random stream exactly.
 COMMON = ("recipe=lora", "method.dropout=0.1", "trainer.max_steps=4")
@@ -40,7 +43,7 @@ def crashed_copy(full_run: Path, dest: Path) -> Path:
 
 def test_resume_restores_rng_and_reports_first_eval(full_run, tiny_model_dir, tiny_data, tmp_path):
     run = crashed_copy(full_run, tmp_path / "run")
-    (run / "checkpoints" / ".step-000004.tmp-x1").mkdir()  # what a kill during a save leaves
+    die_mid_save(run / "checkpoints" / "step-000004")  # what a kill during a save leaves
     r = run_cli(["train", *tiny_args(tiny_model_dir, tiny_data, run, *COMMON, "trainer.resume=true")], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "leftover of an interrupted save: removed" in r.stderr
@@ -139,8 +142,66 @@ def test_sigterm_behaves_like_ctrl_c(tiny_model_dir, tiny_data, tmp_path):
     assert "tunekit: error: interrupted by SIGTERM; the last checkpoint is step-" in err and "trainer.resume=true" in err
     assert "Traceback" not in err
     assert not [p for p in run.rglob(".*") if ".tmp" in p.name or p.name.endswith(".old")]
+    assert not (run / LOCK_NAME).exists()  # released on the way out: the resume below needs no takeover
     # resumed for one more step past its last checkpoint (the other 30-odd of the 40 would only add time)
     last = max(int(p.name.removeprefix("step-")) for p in (run / "checkpoints").glob("step-*"))
     r = run_cli(["train", *args, "trainer.resume=true", f"trainer.max_steps={last + 1}"], tmp_path)
     assert r.returncode == 0 and "resumed from" in r.stderr and f"step {last}" in r.stderr, r.stderr[-2000:]
     assert [row["step"] for row in read_jsonl(run / "metrics.jsonl") if "loss" in row][-1] == last + 1
+
+
+def test_user_files_survive_a_run_a_crash_a_resume_and_an_export(tiny_model_dir, tiny_data, tmp_path):
+    """A folder of the user's as output_dir: refused, then allowed; files that look like leftovers
+    (hidden *.tmp*, *.old, a hand-made checkpoints/step-5) beside real leftovers of a killed run
+    and a stale lock; an export beside more of them. tunekit removes its own, and nothing else."""
+    run = tmp_path / "mine"
+    mine = plant_lookalikes(run)
+    args = tiny_args(tiny_model_dir, tiny_data, run, *COMMON, "trainer.max_steps=2")
+    before = snapshot(run)
+    r = run_cli(["train", *args], tmp_path)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"tunekit: error: output_dir: {run} is not empty and holds no tunekit run (.draft.tmp, .photos.old, "
+        ".tunekit.tmp-notes and 2 more); give a new or empty folder, or pass trainer.allow_nonempty_output_dir=true "
+        "to write the run beside these files (tunekit leaves them alone)"], r.stderr[-2000:]
+    assert snapshot(run) == before
+
+    r = run_cli(["train", *args, "trainer.allow_nonempty_output_dir=true"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert lost_or_changed(run, mine) == [] and not (run / LOCK_NAME).exists()
+
+    # the user's look-alikes in checkpoints/; a run killed between the renames that replace adapter/,
+    # and while it wrote step 4; its lock left behind
+    ck = run / "checkpoints"
+    in_ck = plant_lookalikes(ck, tag="ck")
+    (ck / "step-5").mkdir()
+    (ck / "step-5" / "notes.txt").write_text("a folder of mine, named like a checkpoint")
+    in_ck["step-5/notes.txt"] = (ck / "step-5" / "notes.txt").read_bytes()
+    adapter_before = snapshot(run / "adapter")
+    die_mid_save(run / "adapter", at="rename")
+    die_mid_save(ck / "step-000004", at="write")
+    stale = die_holding_lock(run)
+    assert not (run / "adapter").exists()
+    r = run_cli(["train", *tiny_args(tiny_model_dir, tiny_data, run, *COMMON, "trainer.resume=true")], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"took over the lock of a run that ended without releasing it (pid {stale} on " in r.stderr
+    assert f"leftover of an interrupted save: restored {run / 'adapter'} from {PREFIX}adapter-" in r.stderr
+    assert r.stderr.count("leftover of an interrupted save: removed") == 2 and "resumed from" in r.stderr
+    assert snapshot(run / "adapter") != adapter_before  # the restored one, then replaced by the final adapter
+    assert lost_or_changed(run, mine) == [] and lost_or_changed(ck, in_ck) == []
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step-")) == ["step-000002", "step-000004", "step-5"]
+    assert not [p for p in run.rglob(f"{PREFIX}*") if p.name != ".tunekit.tmp-notes"] and not (run / LOCK_NAME).exists()
+
+    # an export, then a second one over it, beside the user's files
+    exports = tmp_path / "exports"
+    beside = plant_lookalikes(exports, tag="exports")
+    (exports / ".mine-adapter.old").mkdir()  # named as older versions named a replaced export
+    (exports / ".mine-adapter.old" / "keep.txt").write_text("mine")
+    beside[".mine-adapter.old/keep.txt"] = b"mine"
+    out = exports / "mine-adapter"
+    for _ in range(2):
+        r = run_cli(["export", str(run), "--format", "adapter", "--out", str(out), "--eval-batches", "1"], tmp_path)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert (out / "fidelity.json").is_file() and lost_or_changed(exports, beside) == []
+    assert sorted(p.name for p in exports.iterdir()) == sorted(
+        {n.split("/")[0] for n in beside} | {"mine-adapter"})
+    assert lost_or_changed(run, mine) == []

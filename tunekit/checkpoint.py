@@ -9,8 +9,8 @@ output_dir/checkpoints/step-000020/
                              Written last: its presence marks a complete checkpoint.
 
 Checkpoints get shared, so loading one must never run code: everything is safetensors (raw
-tensors) or JSON (plain values). Each checkpoint is built in a hidden temp folder and renamed into
-place, so a crash leaves the old set of checkpoints or the new one; a file damaged later
+tensors) or JSON (plain values). Each checkpoint is built in a marked scratch folder (tunekit.owned)
+and renamed into place, so a crash leaves the old set of checkpoints or the new one; a file damaged later
 (truncated copy, disk error) fails its checksum, and resume falls back to the newest intact one.
 """
 
@@ -20,9 +20,7 @@ import hashlib
 import json
 import logging
 import math
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -32,6 +30,8 @@ from safetensors.torch import load_file, save_file
 
 from tunekit import TunekitError
 from tunekit.optim import load_state
+# The atomic writes live in tunekit.owned (what tunekit may delete); imported from here by older callers.
+from tunekit.owned import atomic_dir, atomic_write_text, cleanup_leftovers  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -59,64 +59,6 @@ def checkpoint_dirs(output_dir: Path) -> list[Path]:
 def latest_checkpoint(output_dir: Path) -> Optional[Path]:
     dirs = checkpoint_dirs(output_dir)
     return dirs[-1] if dirs else None
-
-
-# ------------------------------------------------------------------ atomic writes
-def atomic_dir(target: Path, write: Callable[[Path], None]) -> None:
-    """Call write(tmp_dir), then move tmp_dir to target (replacing an older target).
-
-    Replacing renames the old target to `.name.old` first; `cleanup_leftovers` restores it if a
-    crash falls between the two renames.
-    """
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        write(tmp)
-        if target.exists():
-            old = target.with_name(f".{target.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            target.rename(old)
-            tmp.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def cleanup_leftovers(output_dir: Path) -> list[str]:
-    """Remove what interrupted saves left behind in a run folder; returns what was done.
-
-    `.X.tmp-*` folders and `.X.tmp` files are unfinished writes (the target was never replaced).
-    `.X.old` is a replaced target: deleted when X exists, renamed back when the crash came
-    between the two renames of atomic_dir and X is missing.
-    """
-    done = []
-    for folder in (Path(output_dir), Path(output_dir) / "checkpoints"):
-        if not folder.is_dir():
-            continue
-        for p in sorted(folder.glob(".*")):
-            name = p.name
-            if ".tmp" in name:
-                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-                done.append(f"removed {p}")
-            elif name.endswith(".old") and p.is_dir():
-                target = p.with_name(name[1:-len(".old")])
-                if target.exists():
-                    shutil.rmtree(p, ignore_errors=True)
-                    done.append(f"removed {p}")
-                else:
-                    p.rename(target)
-                    done.append(f"restored {target} from {p.name}")
-    return done
 
 
 # ------------------------------------------------------------------ state trees without pickle
@@ -194,6 +136,11 @@ def save_checkpoint(output_dir: Path, step: int, save_adapter: Callable[[Path], 
     one `tunekit.device.rng_state` per rank, in rank order.
     """
     target = Path(output_dir) / "checkpoints" / f"step-{step:06d}"
+    if target.exists() and not (target / STATE_JSON).is_file():
+        # Replacing it would delete a folder tunekit cannot show it wrote (a checkpoint always has its
+        # trainer_state.json: it is written last, inside the scratch folder).
+        raise TunekitError(f"{target} exists and is not a tunekit checkpoint (no {STATE_JSON}); tunekit will not "
+                           f"replace it: move it out of {target.parent}")
 
     def write(tmp: Path) -> None:
         save_adapter(tmp / "adapter")

@@ -248,6 +248,8 @@ def _train(obj, output_dir: Path) -> None:
         fail(f"interrupted by {name}; {where}", code=code)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        # Whatever the way out: the next run may use output_dir at once (process death drops the lock too).
+        recipe.release()
     if recipe.main:
         changes = []
         for name in ("loss", "kl", "ce"):

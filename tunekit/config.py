@@ -122,6 +122,9 @@ class TrainerConfig:
     save_every: int = 20
     keep_checkpoints: int = 2
     resume: bool = False
+    # A fresh run wants an empty or new output_dir; true lets it write beside files already there
+    # (which it leaves alone: tunekit deletes only what it can show it wrote).
+    allow_nonempty_output_dir: bool = False
     # refuse, before loading, a run whose planned peak exceeds the device's free memory
     memory_check: bool = True
     # At every evaluation (rank 0; tunekit.taskeval.training): eval_samples held-out prompts answered

@@ -48,7 +48,8 @@ from tunekit.model import (decoder_and_head, load_base_model, load_tokenizer, pr
                            quantized_bits_per_param, resolve_model_path)
 from tunekit.optim import build_optimizer, warmup_cosine
 from tunekit.plan.choose import resolve_memory_settings
-from tunekit.resume import check_output_dir, check_same_run, fingerprint
+from tunekit.resume import check_not_foreign, check_output_dir, check_same_run, fingerprint
+from tunekit.runlock import RunLock
 from tunekit.tracking import NullTracker, Tracker
 
 log = logging.getLogger("tunekit")
@@ -58,6 +59,7 @@ class TrainRecipe:
     def __init__(self, cfg: TrainConfig, output_dir: Path):
         self.cfg = cfg
         self.output_dir = Path(output_dir)
+        self.lock = None  # rank 0's RunLock on output_dir, from setup() on
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -69,10 +71,7 @@ class TrainRecipe:
         self.main = self.acc.is_main_process
         if not self.main:  # one copy of every info line, from rank 0
             logging.getLogger("tunekit").setLevel(logging.WARNING)
-        check_output_dir(self.output_dir, cfg.trainer.resume)
-        if self.main:
-            for line in cleanup_leftovers(self.output_dir):
-                self._info(f"leftover of an interrupted save: {line}")
+        self._take_output_dir()
 
         # Same seed on every rank: identical adapter init, identical data schedule.
         set_seed(cfg.seed)
@@ -185,6 +184,39 @@ class TrainRecipe:
                         if self.main else NullTracker())
         self._setup_task_eval()
 
+    def _take_output_dir(self) -> None:
+        """Rank 0 locks output_dir (tunekit.runlock), then checks what it holds and removes leftovers of
+        interrupted saves; every rank gets its verdict. The other ranks never touch the lock: they are
+        the same run, and a lock per rank would make rank 1 refuse rank 0's run."""
+        cfg, problem = self.cfg, None
+        if self.main:
+            try:
+                # A folder of the user's files is refused before a lock file goes into it; everything else
+                # is checked under the lock, where no other run can come between the check and the
+                # first write (and a folder in use is refused as such, naming its run).
+                check_not_foreign(self.output_dir, cfg.trainer.allow_nonempty_output_dir)
+                self.lock = RunLock.acquire(self.output_dir)
+                if self.lock.stale:
+                    self._info(f"output_dir: took over the lock of a run that ended without releasing it "
+                               f"({self.lock.describe_stale()})")
+                check_output_dir(self.output_dir, cfg.trainer.resume, cfg.trainer.allow_nonempty_output_dir)
+                for line in cleanup_leftovers(self.output_dir):
+                    self._info(f"leftover of an interrupted save: {line}")
+            except (TunekitError, OSError) as e:
+                self.release()
+                problem = str(e) if isinstance(e, TunekitError) else f"output_dir: {self.output_dir}: {e.strerror or e}"
+        if self.acc.num_processes > 1:  # all ranks stop together, none left waiting in a collective
+            problem = broadcast_from_rank0(problem)
+        if problem is not None:
+            raise TunekitError(problem)
+
+    def release(self) -> None:
+        """Let go of output_dir (rank 0's lock); every way out of a run calls it (tunekit.cli._train),
+        and the kernel drops the lock anyway if the process dies first."""
+        lock, self.lock = self.lock, None
+        if lock is not None:
+            lock.release()
+
     def _process_group_kwargs(self):
         """The collectives' timeout, set explicitly (accelerate's NCCL default is 10 minutes, shorter
         than rank 0 may spend alone saving a large checkpoint): tunekit.device.dist_timeout_s of the
@@ -267,9 +299,10 @@ class TrainRecipe:
         if self.cfg.objective == "sft":
             return SFTObjective()
         d = self.cfg.distill
-        check_same_vocabulary(self.tokenizer, load_tokenizer(self.teacher_path), student.config,
+        check_same_vocabulary(self.tokenizer, load_tokenizer(self.teacher_path, key="distill.teacher"), student.config,
                               AutoConfig.from_pretrained(self.teacher_path), self.teacher_path)
-        teacher = load_base_model(self.teacher_path, plain(d.teacher_quantize), self.dtype, self.device)
+        teacher = load_base_model(self.teacher_path, plain(d.teacher_quantize), self.dtype, self.device,
+                                  key="distill.teacher")
         self._info(f"distill: teacher {self.teacher_path} ({plain(d.teacher_quantize)}), {plain(d.divergence)}, "
                    f"alpha {d.alpha}, T {d.temperature}")
         return DistillObjective(teacher, d)
@@ -542,6 +575,7 @@ class TrainRecipe:
                        + (f" (keep_best: step {self.best.step}, {self.best.metric} {self.best.value:.4f})" if best else ""))
 
     def cleanup(self) -> None:
+        self.release()
         self.acc.end_training()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             # The model, its FSDP state and the optimizer hold tensors and collective handles tied to

@@ -10,13 +10,16 @@ change: `MAY_CHANGE` below.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from tunekit import TunekitError
-from tunekit.checkpoint import sha256_file
+from tunekit.checkpoint import STATE_JSON, sha256_file
 from tunekit.config import plain
+from tunekit.owned import is_scratch
+from tunekit.runlock import LOCK_NAME
 
 # Keys (or key prefixes, ending in ".") a resumed run may change.
 MAY_CHANGE = (
@@ -24,6 +27,7 @@ MAY_CHANGE = (
     "trainer.max_steps",                          # train longer or shorter (the cosine schedule follows)
     "trainer.eval_every", "trainer.save_every", "trainer.keep_checkpoints", "trainer.resume",
     "trainer.memory_check",                       # a safety check, not part of the run
+    "trainer.allow_nonempty_output_dir",          # where the run may live, not what it trains
     "data.max_val_examples",                      # only what is evaluated
     "trainer.eval_samples", "trainer.eval_task", "trainer.eval_task_rows", "trainer.eval_max_new_tokens",
     "trainer.keep_best", "trainer.best_metric",   # what is reported, and which adapter/ is exported
@@ -82,11 +86,50 @@ def check_same_run(saved: dict, current: dict, ckpt: Path) -> None:
                        "or train into a new output_dir")
 
 
-def check_output_dir(output_dir: Path, resume: bool) -> None:
-    """Never start a run over another one: a folder with any run file needs trainer.resume=true."""
-    if resume:
-        return
-    found = [name for name in RUN_FILES if (Path(output_dir) / name).exists()]
-    if found:
-        raise TunekitError(f"output_dir: {output_dir} already holds a run ({', '.join(found)}); pass "
+def check_output_dir(output_dir: Path, resume: bool, allow_nonempty: bool = False) -> None:
+    """Never start a run over another one, nor into a folder of someone else's files.
+
+    A folder with any run file needs trainer.resume=true. A folder without one must be empty (what
+    tunekit itself leaves there, its lock and marked scratch folders, does not count) unless
+    trainer.allow_nonempty_output_dir=true: tunekit would then write beside those files, and they
+    stay as they are (it deletes only what it can show it wrote, tunekit.owned).
+    """
+    out = Path(output_dir)
+    found = [name for name in RUN_FILES if (out / name).exists()]
+    if found and not resume:
+        raise TunekitError(f"output_dir: {out} already holds a run ({', '.join(found)}); pass "
                            "trainer.resume=true to continue it, or choose another output_dir")
+    if found:
+        _check_checkpoint_names(out)
+    else:
+        check_not_foreign(out, allow_nonempty)
+
+
+def check_not_foreign(out: Path, allow_nonempty: bool) -> None:
+    """A folder without a run file is empty but for what tunekit left there, unless allowed."""
+    if allow_nonempty or not out.is_dir() or any((out / name).exists() for name in RUN_FILES):
+        return
+    others = sorted(p.name for p in out.iterdir() if not _tunekit_entry(p))
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise TunekitError(f"output_dir: {out} is not empty and holds no tunekit run ({shown}); give a new or empty "
+                           "folder, or pass trainer.allow_nonempty_output_dir=true to write the run beside these "
+                           "files (tunekit leaves them alone)")
+
+
+def _tunekit_entry(p: Path) -> bool:
+    """What tunekit may have left in a folder before its config.yaml: its lock, a marked scratch
+    folder, the student a distillation builds first."""
+    return p.name in (LOCK_NAME, "student_base") or is_scratch(p)
+
+
+def _check_checkpoint_names(out: Path) -> None:
+    """A folder named as tunekit names a checkpoint, without the trainer_state.json every checkpoint
+    has, was not written by tunekit (or was emptied by hand): saving that step would replace it."""
+    root = out / "checkpoints"
+    if not root.is_dir():
+        return
+    for p in sorted(root.iterdir()):
+        if re.fullmatch(r"step-\d{6}", p.name) and not (p / STATE_JSON).is_file():
+            raise TunekitError(f"output_dir: {p} is not a tunekit checkpoint (no {STATE_JSON}) but has a "
+                               f"checkpoint's name, which a save would replace; move it out of {root}")

@@ -77,10 +77,12 @@ def plot_losses(rows: list[dict], out: Path) -> None:
         ax2.grid(alpha=0.3)
         ax2.legend()
     fig.tight_layout()
-    tmp = Path(out).with_name(f".{Path(out).name}.tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, out)
+    from tunekit.owned import atomic_write
+
+    try:
+        atomic_write(Path(out), fig.savefig)  # a marked scratch file, not a fixed name a user file could have
+    finally:
+        plt.close(fig)
 
 
 def _clip(text: str, width: int) -> str:

@@ -1,22 +1,23 @@
 """Where an export may be written, and writing a single file (GGUF) atomically with its report.
 
-Folders (adapter, merged) go through tunekit.checkpoint.atomic_dir; a GGUF is one file plus
-PATH.fidelity.json beside it.
+Folders (adapter, merged) go through tunekit.checkpoint.atomic_dir; a GGUF (a model, or a LoRA
+adapter for llama.cpp) is one file plus PATH.fidelity.json beside it.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
 from tunekit import TunekitError
+from tunekit.owned import Scratch
+
+FILE_FORMATS = ("gguf", "gguf-adapter")  # one file at PATH; the other formats write a folder
 
 
 def report_path(fmt: str, out: Path) -> Path:
-    return out.with_name(out.name + ".fidelity.json") if fmt == "gguf" else out / "fidelity.json"
+    return out.with_name(out.name + ".fidelity.json") if fmt in FILE_FORMATS else out / "fidelity.json"
 
 
 def check_out(fmt: str, out: Path, run_dir: Path) -> None:
@@ -25,7 +26,7 @@ def check_out(fmt: str, out: Path, run_dir: Path) -> None:
         raise TunekitError(f"--out: {out} is inside the run folder {run_dir}; export somewhere else")
     if not out.exists():
         return
-    is_dir_format = fmt != "gguf"
+    is_dir_format = fmt not in FILE_FORMATS
     if is_dir_format != out.is_dir():
         raise TunekitError(f"--out: {out} exists and is a {'folder' if out.is_dir() else 'file'}; "
                            f"--format {fmt} writes a {'folder' if is_dir_format else 'file'}")
@@ -37,12 +38,10 @@ def check_out(fmt: str, out: Path, run_dir: Path) -> None:
 def atomic_file(out: Path, build: Callable[[Path], dict], report_name: str) -> dict:
     """build(tmp_dir) writes tmp_dir/out.name and tmp_dir/report_name; both are then moved beside
     PATH, the report first and the GGUF last, so a GGUF at PATH always has its report."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        report = build(tmp)
-        os.replace(tmp / report_name, report_path("gguf", out))
-        os.replace(tmp / out.name, out)
+    # built in a marked scratch folder beside PATH (tunekit.owned), removed with everything in it
+    with Scratch(out) as scratch:
+        scratch.new.mkdir()
+        report = build(scratch.new)
+        os.replace(scratch.new / report_name, report_path("gguf", out))
+        os.replace(scratch.new / out.name, out)
         return report
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

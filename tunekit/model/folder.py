@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import struct
 from pathlib import Path
@@ -142,37 +143,160 @@ def check_weights(folder: Path, key: str) -> Optional[dict[str, list[int]]]:
     return shapes
 
 
-def check_weights_fit(folder: Path, model, key: str) -> None:
-    """The weights hold every parameter of the model config.json describes, in its shape.
+def _natural(name: str) -> list:
+    """Sort key that puts layers.2 before layers.10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
-    transformers fills a parameter missing from the checkpoint with random values and only logs
-    it (a config.json edited to more layers, weights of a smaller sibling): training would start
-    from a partly random model. `model` is the skeleton (meta device). Names are compared
-    without the base-model prefix; a checkpoint that shares no name with the model (another
-    naming scheme, which transformers converts on load) is left to the load.
+
+def _some(names, limit: int = 3) -> str:
+    shown = sorted(names, key=_natural)
+    return ", ".join(shown[:limit]) + (", ..." if len(shown) > limit else "")
+
+
+def misfit_message(key: str, folder, missing, unexpected, mismatched) -> Optional[str]:
+    """One line for weights that do not fit the model their config.json describes, or None when they fit.
+
+    missing: parameter names the model has and the files lack; unexpected: tensor names in the files
+    that no weight of the model takes; mismatched: (name, shape in the files, shape in the model).
+    """
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} weight(s) the config expects are missing from the files ({_some(missing)})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} tensor(s) in the files fit no weight of the config ({_some(unexpected)})")
+    if mismatched:
+        first = sorted(mismatched, key=lambda m: _natural(m[0]))[0]
+        parts.append(f"{len(mismatched)} tensor(s) have another shape than the config gives them ({first[0]} is "
+                     f"{list(first[1])} in the files, {list(first[2])} in the config"
+                     + (", ..." if len(mismatched) > 1 else "") + ")")
+    if not parts:
+        return None
+    return (f"{key}: the weights in {folder} do not fit its config.json: " + "; ".join(parts)
+            + ". A model loaded from them would be partly random values (another model's weights, or an edited "
+            "config.json?)")
+
+
+def _ignored(model, which: str):
+    """transformers' own exceptions to missing ("missing") or unexpected ("unexpected") keys, as one regex.
+
+    The per-class patterns, and for unexpected keys what the loader itself adds: rotary inv_freq
+    buffers (older checkpoints saved one per layer) and position_ids (once a persistent buffer).
+    """
+    patterns = set(getattr(model, f"_keys_to_ignore_on_load_{which}", None) or ())
+    if which == "unexpected":
+        buffers = [name for name, _ in model.named_buffers()]
+        if any(b.endswith("rotary_emb.inv_freq") for b in buffers):
+            patterns.add(r"rotary_emb\.inv_freq")
+        if any(b.endswith("position_ids") for b in buffers):
+            patterns.add(r"(^|\.)position_ids$")
+    return re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
+
+
+def tied_groups(model) -> dict[str, set[str]]:
+    """{parameter name: every name that shares its tensor}: a tied output head is the input embedding
+    under a second name, saved once (either name loads both)."""
+    groups: dict[int, set[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), set()).add(name)
+    by_name = {name: group for group in groups.values() for name in group}
+    # a skeleton that was not tied yet still declares its ties
+    for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        if target in by_name and source in by_name and by_name[target] is not by_name[source]:
+            merged = by_name[target] | by_name[source]
+            for name in merged:
+                by_name[name] = merged
+    return by_name
+
+
+def _checkpoint_renamer(model, expected: dict):
+    """(rename, exact): rename maps a checkpoint name to ([model names], converted?) by transformers'
+    own rules: its renamings of legacy names, its converters (several checkpoint tensors fused into
+    one weight, e.g. MoE experts, or one split into several, a fused qkv; their shapes cannot be
+    compared one to one), and the base-model prefix added or dropped. exact is False where this
+    transformers lacks that (internal) API: then only the prefix is handled."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        mapping = get_model_conversion_mapping(model)
+        renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+        converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    except Exception:  # an internal API of transformers: absent, or changed, in another version
+        def rename(name: str) -> tuple[list[str], bool]:
+            if name in expected:
+                return [name], False
+            bare = name[len(prefix) + 1:] if prefix and name.startswith(prefix + ".") else name
+            if bare in expected:
+                return [bare], False
+            return [f"{prefix}.{bare}" if prefix else bare], False
+
+        return rename, False
+
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+
+    def rename(name: str) -> tuple[list[str], bool]:
+        new, pattern = rename_source_key(name, renamings, converters, prefix or None, expected)
+        if new not in expected and name in expected:  # as the loader does: a name that needed no renaming
+            new, pattern = rename_source_key(name, [], [], prefix or None, expected)
+        if pattern is None:
+            return [new], False
+        targets = by_pattern[pattern].target_patterns  # one checkpoint tensor may fill several weights
+        return [new.replace(targets[0], t) for t in targets], True
+
+    return rename, True
+
+
+def weights_misfit(shapes: dict[str, list[int]], model) -> tuple[list[str], list[str], list[tuple]]:
+    """(missing, unexpected, mismatched) of checkpoint tensors {name: shape} against `model` (a
+    skeleton on the meta device), as transformers' loader will match them.
+
+    Missing counts parameters only: buffers are computed (rotary inv_freq) or have a defined
+    initial value, and a tied weight is present when any of its names is.
+    """
+    expected = {name: list(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+    buffers = {name for name, _ in model.named_buffers()}
+    rename, exact = _checkpoint_renamer(model, expected)
+    found: set[str] = set()
+    unexpected, mismatched = [], []
+    for name, shape in shapes.items():
+        targets, converted = rename(name)
+        if not any(t in expected for t in targets):
+            if not any(t in buffers for t in targets):
+                unexpected.append(name)
+            continue
+        found.update(targets)
+        if not converted and list(shape) != expected[targets[0]]:
+            mismatched.append((targets[0], list(shape), expected[targets[0]]))
+    if not exact and not found:
+        return [], [], []  # another naming scheme that this transformers may convert: left to the load
+    groups = tied_groups(model)
+    missing = [name for name, _ in model.named_parameters() if not groups[name] & found]  # a tied pair once
+    skip_missing, skip_unexpected = _ignored(model, "missing"), _ignored(model, "unexpected")
+    if skip_missing is not None:
+        missing = [n for n in missing if not skip_missing.search(n)]
+    if skip_unexpected is not None:
+        unexpected = [n for n in unexpected if not skip_unexpected.search(n)]
+    return missing, unexpected, mismatched
+
+
+def check_weights_fit(folder: Path, model, key: str) -> None:
+    """The weight files hold every parameter of the model config.json describes, in its shape, and
+    nothing else; checked from the safetensors headers against `model`, the skeleton (meta device).
+
+    transformers fills a weight it cannot match (renamed tensors, a config.json edited to more or
+    fewer layers, another architecture's config over these weights) with random values and only logs
+    it; a 4-bit load even quantizes a tensor of the wrong shape without a word. Training would start
+    from a partly random model. A pickle checkpoint (no readable header) and an already quantized
+    one (its files hold packed codes and scales) are checked after the load instead
+    (tunekit.model.loader).
     """
     shapes = check_weights(folder, key)
-    if not shapes:
+    if not shapes or getattr(model.config, "quantization_config", None) is not None:
         return
-    prefix = (getattr(model, "base_model_prefix", "") or "") + "."
-
-    def bare(name: str) -> str:
-        return name[len(prefix):] if name.startswith(prefix) else name
-
-    have = {bare(k): v for k, v in shapes.items()}
-    want = {bare(n): list(p.shape) for n, p in model.named_parameters()}  # tied weights once
-    common = sorted(want.keys() & have.keys())
-    if not common:
-        return
-    for name in common:
-        if have[name] != want[name]:
-            raise TunekitError(f"{key}: {folder}: tensor {name} has shape {have[name]} in the weights, "
-                               f"{want[name]} in the model config.json describes (another model's weights?)")
-    missing = sorted(want.keys() - have.keys())
-    if missing:
-        raise TunekitError(f"{key}: {folder}: the weights lack {len(missing)} of the tensors the model in "
-                           f"config.json needs, e.g. {missing[0]} (another model's weights, or an edited "
-                           "config.json?); transformers would fill them with random values")
+    message = misfit_message(key, folder, *weights_misfit(shapes, model))
+    if message:
+        raise TunekitError(message)
 
 
 def _looks_whole(path: Path, key: str) -> None:

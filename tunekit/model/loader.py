@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 
 from tunekit import TunekitError
-from tunekit.model.folder import one_line, resolve_model_path  # noqa: F401  (resolve_model_path: re-exported)
+from tunekit.model.folder import check_weights_fit, misfit_message, model_skeleton, one_line
+from tunekit.model.folder import resolve_model_path  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,9 @@ def _load_error(path: str, what: str, err: Exception) -> TunekitError:
     return TunekitError(f"model.path: cannot load the {what} of {path}: {type(err).__name__}: {one_line(err)}")
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, key: str = "model.path"):
+    """The tokenizer of a model folder (or hub id); in a folder with config.json, checked against the
+    embeddings of the model that folder holds. `key` is the config key or flag naming the folder."""
     from transformers import AutoTokenizer
 
     try:
@@ -44,7 +47,10 @@ def load_tokenizer(path: str):
     except Exception as e:  # tokenizers, sentencepiece and json raise their own types for a bad file
         raise _load_error(path, "tokenizer", e) from None
     if tok.eos_token_id is None:
-        raise TunekitError(f"model.path: the tokenizer of {path} has no EOS token")
+        raise TunekitError(f"{key}: the tokenizer of {path} has no EOS token")
+    if (Path(path) / "config.json").is_file():
+        rows = model_skeleton(path, key).get_input_embeddings().num_embeddings
+        check_vocab_fits(tok, rows, path, key)
     if tok.pad_token_id is None:
         # Padding positions are masked by length, never by id, so reusing EOS as pad is safe.
         tok.pad_token = tok.eos_token
@@ -82,24 +88,119 @@ def load_kwargs(quantize: str, dtype: torch.dtype, device: torch.device,
     return kwargs
 
 
+def check_vocab_fits(tokenizer, rows: int, path: str, key: str = "model.path") -> None:
+    """Every token id the tokenizer can produce has an embedding row.
+
+    A tokenizer given added tokens without the embeddings being resized yields ids past the last
+    row: an IndexError in the middle of a run, as soon as the data holds such a token (a pad token
+    feeds its id at every padded position). We refuse rather than resize: the new rows would be
+    random, and a fine-tuning method that freezes the embeddings would never train them.
+    """
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids = max(len(tokenizer), max(added, default=-1) + 1)
+    if ids > rows:
+        past = sorted(i for i in added if i >= rows)
+        which = (f": {len(past)} added token(s) have none, e.g. {str(added[past[0]])[:40]!r} (id {past[0]:,})" if past
+                 else f": ids {rows:,} and up have none")
+        raise TunekitError(
+            f"{key}: the tokenizer of {path} has {ids:,} token ids, its model {rows:,} embedding rows (vocab_size in "
+            f"config.json){which}. Resize the embeddings and save the model with this tokenizer "
+            "(model.resize_token_embeddings(len(tokenizer))), or use the tokenizer the model was saved with")
+
+
 def load_base_model(path: str, quantize: str, dtype: torch.dtype, device: torch.device,
-                    quant_storage: Optional[torch.dtype] = None) -> nn.Module:
-    """Frozen base in `dtype`; with quantize='nf4', linear layers as bitsandbytes Linear4bit."""
+                    quant_storage: Optional[torch.dtype] = None, key: str = "model.path") -> nn.Module:
+    """Frozen base in `dtype`; with quantize='nf4', linear layers as bitsandbytes Linear4bit.
+
+    Never a partly random model: the weight files are checked against config.json before the load
+    (safetensors headers against a skeleton of the model), what transformers matched is checked
+    after it, and every weight must be finite. `key` is the config key or flag naming the folder,
+    for the error.
+    """
     from transformers import AutoModelForCausalLM
 
+    if Path(path).is_dir():
+        check_weights_fit(Path(path), model_skeleton(path, key), key)
     kwargs = load_kwargs(quantize, dtype, device, quant_storage)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        # ignore_mismatched_sizes: a tensor of the wrong shape is reported in the loading info (and
+        # refused below, with its name and shapes) instead of raising an error that points at a log
+        model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True,
+                                                           ignore_mismatched_sizes=True, **kwargs)
     except (ImportError, MemoryError):
         raise  # a missing library or too little memory is not the folder's fault: keep the details
     except Exception as e:  # safetensors, json and shape errors of a damaged or foreign folder
         raise _load_error(path, "model", e) from None
+    check_loaded(model, info, path, key)
     if quantize != "nf4":
         model.to(device)
     else:
         keep_bnb_layout(model)
     model.requires_grad_(False)
     return model
+
+
+def check_loaded(model: nn.Module, info: dict, path: str, key: str = "model.path") -> None:
+    """What from_pretrained matched (`output_loading_info`) leaves no weight at random values, and
+    every weight is finite.
+
+    Covers what the header check cannot see: pickle checkpoints, already quantized folders, hub ids,
+    and a 4-bit load, which quantizes a tensor of the wrong shape without reporting it (its
+    quantization state keeps the shape it was given, compared here with the layer's own).
+    """
+    if info.get("error_msgs"):
+        raise TunekitError(f"{key}: cannot load the model of {path}: {one_line(info['error_msgs'][0])}")
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    buffers = {name for name, _ in model.named_buffers()}
+    missing = {k for k in info.get("missing_keys") or () if k in params}  # a buffer is computed, not loaded
+    ties = getattr(model, "all_tied_weights_keys", None) or {}  # {tied name: the name it shares a tensor with}
+    missing = [k for k in missing if ties.get(k) not in missing]  # a tied pair counts once
+    unexpected = [k for k in info.get("unexpected_keys") or () if k not in buffers]
+    mismatched = [(name, tuple(a), tuple(b)) for name, a, b in info.get("mismatched_keys") or ()]
+    for name, module in model.named_modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        want = (getattr(module, "out_features", None), getattr(module, "in_features", None))
+        if state is not None and None not in want and tuple(state.shape) != want:
+            mismatched.append((f"{name}.weight", tuple(state.shape), want))
+    message = misfit_message(key, path, missing, unexpected, mismatched)
+    if message:
+        raise TunekitError(message)
+    bad = nonfinite_weights(model)
+    if bad:
+        raise TunekitError(f"{key}: the weights in {path} hold NaN or infinite values, in {len(bad)} tensor(s), "
+                           f"first {bad[0]}: damaged files, or a model that diverged in its own training; nothing "
+                           "trained on or computed from it would mean anything")
+
+
+def nonfinite_weights(model: nn.Module, chunk: int = 1 << 24) -> list[str]:
+    """Names of the weights holding a NaN or an infinity, in model order.
+
+    One reduction per tensor: a sum is finite unless an element is not (or the sum overflows, which
+    the exact per-element test below then rules out), accumulated in fp32 so that fp16 weights
+    cannot overflow it; one device sync for the whole model. A 4-bit weight is packed codes: its
+    block scales (absmax, and with double quantization their own scales and offset) go non-finite
+    when any weight of the block was, so those are what is checked.
+    """
+    named: list[tuple[str, torch.Tensor]] = []
+    for name, p in model.named_parameters():
+        state = getattr(p, "quant_state", None)
+        if state is not None:
+            second = getattr(state, "state2", None)  # double quantization: the scales' own scales
+            parts = [state.absmax, getattr(state, "offset", None), getattr(second, "absmax", None)]
+            named += [(name, t) for t in parts if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        elif p.is_floating_point() and not p.is_meta:
+            named.append((name, p.detach()))
+    if not named:
+        return []
+    with torch.no_grad():
+        sums = torch.stack([t.sum(dtype=torch.float32).to(named[0][1].device) for _, t in named])
+        suspects = (~torch.isfinite(sums)).nonzero().flatten().tolist()
+        bad = []
+        for i in suspects:
+            name, t = named[i]
+            if name not in bad and not all(bool(c.isfinite().all()) for c in t.reshape(-1).split(chunk)):
+                bad.append(name)
+    return bad
 
 
 def keep_bnb_layout(model: nn.Module) -> None:
