@@ -221,7 +221,7 @@ def test_auto_dtype_widens_when_the_narrow_one_loses_the_gain(runs, tmp_path, mo
     out = tmp_path / "auto"
     report = export(runs["qlora"], "merged", out, eval_batches=1)
     assert written == ["bf16", "fp16"] and report["dtype"] == "fp16" and report["dtype_asked"] == "auto"
-    assert report["merge_into"] == "original"  # the default over a 4-bit base (README: measured)
+    assert report["merge_into"] == "dequantized"  # the default over a 4-bit base: the model eval scored
     assert [t["accepted"] for t in report["dtype_tried"]] == [False, True]
     assert "fp16: the narrowest of bf16, fp16, fp32" in report["dtype_why"]
     assert json.loads((out / "config.json").read_text())["dtype"] == "float16"
@@ -560,3 +560,77 @@ def test_default_model_qlora_merged_and_gguf(default_model_dir, tmp_path):
     # exact fp32 merge shows against the bf16-computing trained model (the gate's KL_FALLBACK);
     # a wrong rope layout or GQA mapping costs tenths of a nat
     assert f["tokenizer_agreement"] == 1.0 and f["kl_mean"] <= KL_FALLBACK
+
+
+# ---------------------------------------------------------------- the task check
+def _task(trained: int, exported: int, lost: int, won: int, rows: int = 150, base: int = 53) -> dict:
+    from tunekit.export.task import TaskCheck, compare_task
+
+    # rows 0..trained-1 right for the trained model; the export loses `lost` of them and wins `won` others
+    t = [i < trained for i in range(rows)]
+    e = [(i < trained and i >= lost) or (trained <= i < trained + won) for i in range(rows)]
+    assert sum(e) == exported
+    check = TaskCheck(rows=[None] * rows, classes=None, where="x", base=[i < base for i in range(rows)], trained=t)
+    return compare_task(check, e)
+
+
+def test_the_task_gate_refuses_changed_answers_and_not_a_flipped_row():
+    from tunekit.export.gate import TASK_MIN_GAIN_KEPT, task_verdict
+
+    # an export that answers 126 of 150 rows where the trained model answered 137 (base 53):
+    # 13 lost, 2 won: McNemar 11 / sqrt(15) = 2.8, it keeps (126-53)/(137-53) = 87% of the task gain
+    changed = _task(137, 126, 13, 2)
+    assert changed["gain_kept"] == pytest.approx(73 / 84) and changed["z"] == pytest.approx(11 / 15 ** 0.5)
+    refusal = task_verdict(changed, lossy=False)
+    assert refusal["rule"] == "task" and refusal["bound"] == TASK_MIN_GAIN_KEPT and not refusal["accepted"]
+    assert "84.0% where the trained model's is 91.3%" in refusal["why"] and "13 rows lost, 2 won" in refusal["why"]
+    assert task_verdict(changed, lossy=False, min_task_gain=0.8) is None  # the user's own bound
+    # rounding flips a row or two either way: kept ~100%, never refused
+    assert task_verdict(_task(137, 137, 2, 2), lossy=False) is None
+    # few rows: 3 lost of a 10-row gain is 70% kept, but 3 / sqrt(3) = 1.7 cannot tell it from chance
+    few = _task(14, 11, 3, 0, rows=20, base=4)
+    assert few["gain_kept"] == pytest.approx(0.7) and task_verdict(few, lossy=False) is None
+    # a run that gained nothing on the task has nothing to keep
+    assert task_verdict(_task(53, 50, 3, 0), lossy=False) is None
+    # the loss rule decides first; an export it accepts is then refused on the task
+    fid = {"gain": 0.5, "gain_kept": 0.99, "gain_kept_se": 0.01, "kl_mean": 1e-3, "task": changed}
+    assert decide(fid, adapter=False, lossy=False)["rule"] == "task"
+    assert decide(dict(fid, gain_kept=0.5), adapter=False, lossy=False)["rule"] == "gain_kept"
+
+
+def test_export_scores_the_task_as_tunekit_eval_does(runs, tmp_path):
+    """The task section of the report: the run's held-out rows (alpaca answers: exact match),
+    scored for base, trained and exported as `tunekit eval` scores them."""
+    from tunekit.taskeval.cli import build_parser, evaluate
+
+    report = export(runs["lora"], "merged", tmp_path / "m", dtype="fp32", eval_batches=1)
+    task = report["fidelity"]["task"]
+    assert task["metric"] == "exact_match" and task["rows"] > 0 and task["classes"] is None
+    scored = evaluate(build_parser().parse_args([str(runs["lora"]), "--base", "--device", "cpu",
+                                                 "--dtype", "fp32", "--batch-size", "16"]))
+    assert scored["rows"] == task["rows"]
+    assert task["trained"] == scored["trained"]["exact_match"] and task["base"] == scored["base"]["exact_match"]
+    assert task["exported"] == task["trained"] and task["lost_rows"] == task["won_rows"] == 0  # an fp32 merge
+    skipped = export(runs["lora"], "merged", tmp_path / "n", dtype="fp32", eval_batches=1, task_rows=0)
+    assert "task" not in skipped["fidelity"] and skipped["fidelity"]["task_skipped"] == "--task-rows 0"
+
+
+def test_an_export_that_changes_the_answers_is_refused(runs, tmp_path, monkeypatch):
+    """Simulated: the base answers no row, the trained model every row, the export none again (on
+    the tiny model two steps teach no answer). The loss check passes; the task check refuses."""
+    from tunekit.export.task import TaskCheck
+
+    calls = []
+
+    def score(self, model, tokenizer):
+        calls.append(model)
+        return [len(calls) == 2] * len(self.rows)  # base, trained, then the candidates
+
+    monkeypatch.setattr(TaskCheck, "score", score)
+    out = tmp_path / "refused"
+    with pytest.raises(TunekitError, match=r"export refused: .*keeps 0.0% of the task gain .*nothing written"):
+        export(runs["qlora"], "merged", out, dtype="fp32", eval_batches=1)
+    assert not out.exists()
+    calls.clear()
+    report = export(runs["qlora"], "merged", out, dtype="fp32", eval_batches=1, min_task_gain=0.0)
+    assert report["accepted"] and report["fidelity"]["task"]["gain_kept"] == 0.0

@@ -1,4 +1,5 @@
-"""Open what a user trained, for generation, chat and evaluation: a run, an adapter or a model folder.
+"""Open what a user trained, for generation, chat and evaluation: a run, an adapter or a model folder
+(and, for evaluation, a GGUF file).
 
 A source is one of:
 
@@ -10,6 +11,9 @@ A source is one of:
                                        bottleneck adapters or BitFit ("method"), over --model, else the base its
                                        config names, else the default model; --quantize nf4 for a 4-bit base
     a model folder (config.json)       a merged export, a full fine-tune, any causal LM, loaded as it is
+    a .gguf file                       scored by llama.cpp on the CPU (tunekit.taskeval.gguf; `tunekit eval`
+                                       only); its tokenizer is the one inside the file, unless --model names
+                                       a folder with the model's tokenizer or one sits beside the file
 
 `open_source` checks the path and reads configs only; `load_trained` / `load_base` build models
 (fresh every call, in eval mode, frozen) on the source's device: the command's --device, by
@@ -39,7 +43,7 @@ ADAPTER_KINDS = {"LORA": "lora", "PROMPT_TUNING": "prompt_tuning", "TUNEKIT_BOTT
 @dataclass
 class Source:
     path: Path
-    kind: str  # run | adapter | model
+    kind: str  # run | adapter | model | gguf
     method: Optional[str]  # lora | prompt_tuning | adapter | bitfit | full; None for a model folder
     base_path: str  # the base model folder (a model folder is its own base)
     quantize: str  # none | nf4
@@ -47,7 +51,8 @@ class Source:
     run: object = None  # tunekit.export.run.Run for kind "run"
     adapter_dir: Optional[Path] = None
     adapter_cfg: dict = field(default_factory=dict)
-    base_override: Optional[str] = None  # --base-model: the untuned base of a model folder
+    base_override: Optional[str] = None  # --base-model: the untuned base of a model folder or GGUF file
+    tokenizer_dir: Optional[str] = None  # a GGUF's tokenizer folder (--model, or beside it); None: the GGUF's own
     facts: DeviceFacts = field(default_factory=lambda: dev.probe(torch.device("cpu")))  # where it loads
 
     @property
@@ -55,6 +60,10 @@ class Source:
         return self.facts.device
 
     def describe(self) -> str:
+        if self.kind == "gguf":
+            tok = f"tokenizer from {self.tokenizer_dir}" if self.tokenizer_dir else "its own tokenizer"
+            base = f"; --base-model {self.base_override} on {self.facts.describe()}" if self.base_override else ""
+            return f"{self.path}: GGUF file ({tok}), scored by llama.cpp on the CPU{base}"
         if self.kind == "run":
             what = f"run ({self.run.cfg.recipe}: {self.method})"
         else:
@@ -116,9 +125,12 @@ def open_source(path: str | Path, model: Optional[str] = None, quantize: Optiona
         raise TunekitError(f"--quantize: unknown {quantize!r}; choose none or nf4")
     p = Path(path).expanduser()
     if not p.exists():
-        raise TunekitError(f"{what}: no such folder: {path}")
+        raise TunekitError(f"{what}: no such {'file' if p.suffix.lower() == '.gguf' else 'folder'}: {path}")
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        return _open_gguf(p, model, quantize, dtype, base_model, what, facts)
     if not p.is_dir():
-        raise TunekitError(f"{what}: {path} is a file; give a run folder, an adapter folder or a model folder")
+        raise TunekitError(f"{what}: {path} is a file; give a run folder, an adapter folder or a model folder "
+                           "(tunekit eval also takes a .gguf file)")
     run_dir = p if (p / "config.yaml").is_file() else (_enclosing_run(p) if (p / "adapter_config.json").is_file()
                                                        or (p / "config.json").is_file() else None)
     if run_dir is not None:
@@ -151,6 +163,66 @@ def open_source(path: str | Path, model: Optional[str] = None, quantize: Optiona
                        "(adapter_config.json) nor a model folder (config.json)")
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """`path` names an existing .gguf file (what open_source takes as a GGUF source)."""
+    p = Path(path).expanduser()
+    return p.suffix.lower() == ".gguf" and p.is_file()
+
+
+def _open_gguf(p: Path, model: Optional[str], quantize: Optional[str], dtype: str, base_model: Optional[str],
+               what: str, facts: DeviceFacts) -> Source:
+    """A GGUF file: the magic checked here (the model is loaded by llama.cpp when scored); the
+    tokenizer folder chosen: --model, else a tokenizer saved beside the file, else the file's own."""
+    from tunekit.export.llamacpp import unavailable
+    from tunekit.model import resolve_model_path
+
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise TunekitError(f"{what}: cannot read {p} ({e.strerror})") from None
+    if magic != GGUF_MAGIC:
+        raise TunekitError(f"{what}: {p} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    if quantize is not None:
+        raise TunekitError(f"--quantize: {p} is a GGUF file, scored as its tensors are stored; drop --quantize")
+    why = unavailable()
+    if why:
+        raise TunekitError(f"{what}: {p} is scored by llama.cpp, and {why}; bash scripts/setup.sh builds it")
+    tok_dir = None
+    if model is not None:
+        tok_dir = resolve_model_path(model, key="--model")
+    elif any((p.parent / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        tok_dir = str(p.parent)
+    return Source(p, "gguf", None, str(p), "none", dev.compute_dtype(dtype, facts), base_override=base_model,
+                  tokenizer_dir=tok_dir, facts=facts)
+
+
+def load_gguf_tokenizer(path: Path):
+    """The tokenizer stored in a GGUF file, as transformers reads it (vocabulary, merges, special
+    ids, chat template)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as e:  # gguf's reader and transformers' converter raise their own types for a bad file
+        raise TunekitError(f"{path}: transformers cannot read the tokenizer in this GGUF file "
+                           f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); pass --model DIR naming "
+                           "a folder with the model's tokenizer") from None
+    if tok.eos_token_id is None:
+        raise TunekitError(f"{path}: the tokenizer in this GGUF file has no EOS token; pass --model DIR")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token  # as tunekit.model.load_tokenizer: padding is masked by length
+    return tok
+
+
+def _not_torch(src: Source):
+    return TunekitError(f"{src.path}: a GGUF file runs in llama.cpp, which only `tunekit eval` drives; "
+                        "generate and chat take a run, an adapter folder or a model folder")
+
+
 def _plain_base(path: str, quantize: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
     from tunekit.model import load_base_model, prepare_for_training
 
@@ -171,6 +243,9 @@ def load_base(src: Source) -> nn.Module:
         return run_base(src.run)
     if src.kind == "model":
         raise TunekitError(f"--base: the base of the model folder {src.path} is unknown; name it with --base-model DIR")
+    if src.kind == "gguf":
+        raise TunekitError(f"--base: the base of the GGUF file {src.path} is unknown; name its untuned Hugging Face "
+                           "model folder with --base-model DIR")
     return _plain_base(src.base_path, src.quantize, src.dtype, src.device)
 
 
@@ -189,6 +264,8 @@ def _method_cfg(src: Source):
 
 def load_trained(src: Source) -> nn.Module:
     """Base + trained part, exactly as trained; frozen, eval mode."""
+    if src.kind == "gguf":
+        raise _not_torch(src)
     if src.kind == "run":
         from tunekit.export.run import trained_model
 
@@ -228,6 +305,8 @@ def load_tokenizer_for(src: Source):
         from tunekit.export.run import run_tokenizer
 
         return run_tokenizer(src.run)
+    if src.kind == "gguf":
+        return load_tokenizer(src.tokenizer_dir) if src.tokenizer_dir else load_gguf_tokenizer(src.path)
     folder = src.adapter_dir if src.kind == "adapter" else src.path
     has_tok = any((Path(folder) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
     return load_tokenizer(str(folder) if has_tok else src.base_path)
@@ -246,7 +325,7 @@ def trained_part_bytes(src: Source) -> int:
     """Memory of what is loaded on top of the base: the adapter's tensors, at most fp32 (its files
     hold them in their stored dtype). A full fine-tune and a model folder replace the base's own
     weights instead: nothing on top."""
-    if src.kind == "model" or src.method == "full" or src.adapter_dir is None:
+    if src.kind in ("model", "gguf") or src.method == "full" or src.adapter_dir is None:
         return 0
     stored = sum(f.stat().st_size for f in Path(src.adapter_dir).glob("*.safetensors"))
     return 2 * stored  # bf16 files loaded as fp32 masters at worst
@@ -256,10 +335,23 @@ def check_memory(src: Source, work, what: str, hint: str = "") -> str:
     """The planner's check that `src` and `work` (tunekit.plan.inference.Workload) fit on the
     source's device, before anything loads: a line for the log, or a TunekitError naming the
     largest terms and what to change. A model the planner cannot read (not a Llama-style
-    config.json) is not checked."""
+    config.json) is not checked.
+
+    A GGUF file is not checked: llama.cpp maps it (its pages are the file's, shared and evictable)
+    and its scoring cache is sized to one batch. With --base, what loads on the device is the
+    untuned Hugging Face base (--base-model): that is checked."""
     from tunekit.plan.inference import check_fits, inference_memory
     from tunekit.plan.shape import model_shape
 
+    if src.kind == "gguf":
+        if src.base_override is None:
+            return (f"memory: not checked for a GGUF file ({src.path.stat().st_size / 2**20:.0f} MiB, mapped by "
+                    "llama.cpp on the CPU)")
+        from dataclasses import replace
+
+        from tunekit.model import resolve_model_path
+
+        src = replace(src, kind="model", base_path=resolve_model_path(src.base_override, key="--base-model"))
     try:
         shape = model_shape(src.base_path, None, key=str(src.base_path))
     except TunekitError as e:

@@ -1,4 +1,4 @@
-"""`tunekit export RUN_DIR --format adapter|merged|gguf --out PATH`: ship a trained run, checked.
+"""`tunekit export RUN_DIR --format adapter|merged|gguf|gguf-adapter --out PATH`: ship a trained run, checked.
 
 Every export is rebuilt fresh from RUN_DIR (config.yaml + adapter/), written into a hidden temp
 folder beside PATH, reloaded from there by the program that will consume it (peft, transformers,
@@ -11,9 +11,11 @@ enough of it (or --force) is renamed into place, with its fidelity report beside
               with --requantize nf4: the merged weights in NF4 + double quant (bitsandbytes)
     gguf      PATH  : one GGUF file (Llama architecture) + PATH.fidelity.json; f16/bf16/f32 written by
               tunekit, Q8_0 / Q6_K / Q5_K_M / Q4_K_M by llama.cpp's quantizer; checked by llama.cpp
+    gguf-adapter PATH : a LoRA as llama.cpp's LoRA adapter GGUF (applied over the base's own GGUF, unmerged)
+              + PATH.fidelity.json; f32 (or f16); checked by llama.cpp over an f32 GGUF of the base it trained on
 
 Without --dtype, the narrowest dtype that keeps the gain is chosen (merged: bf16, fp16, fp32;
-gguf: f16, f32) and the report says which and why. Existing PATH: a previous tunekit export
+gguf: f16, f32; gguf-adapter: f32) and the report says which and why. Existing PATH: a previous tunekit export
 there (recognised by its fidelity report) is replaced only once the new export has passed;
 anything else at PATH is never touched (error).
 """
@@ -34,30 +36,38 @@ import torch
 from tunekit import TunekitError, __version__
 from tunekit.checkpoint import atomic_dir
 from tunekit.cliparse import Parser, add_device_argument
-from tunekit.export import artifacts, llamacpp
+from tunekit.export import artifacts, gguf_adapter, llamacpp
 from tunekit.device import command_facts, cpu_emulated_dtypes, cpuinfo_text
 from tunekit.export.fidelity import HalfLinearsInFp32, compare, measure_reference, token_nll
-from tunekit.export.gate import KL_ADAPTER, MIN_GAIN_KEPT, MIN_GAIN_KEPT_LOSSY, decide, table
+from tunekit.export.gate import (KL_ADAPTER, MIN_GAIN_KEPT, MIN_GAIN_KEPT_LOSSY, TASK_MIN_GAIN_KEPT,
+                                 TASK_MIN_GAIN_KEPT_LOSSY, decide, table)
+from tunekit.export.task import DEFAULT_TASK_ROWS, compare_task, scorer_for, task_check
 from tunekit.export.run import apply_and_load, heldout_batches, load_base, load_original_base, open_run, run_tokenizer
 from tunekit.export.writing import atomic_file, check_out, report_path
 
 log = logging.getLogger("tunekit")
-FORMATS = ("adapter", "merged", "gguf")
+FORMATS = ("adapter", "merged", "gguf", "gguf-adapter")
 REPORT = "fidelity.json"
 FLOAT_DTYPES = ("bf16", "fp16", "fp32")
 ALIASES = {"f16": "fp16", "f32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 # Narrowest first. merged: bf16 is the base's own dtype; gguf: f16 is llama.cpp's usual float
 # type (every backend runs it) and keeps 3 more significand bits than bf16.
-AUTO_ORDER = {"merged": ("bf16", "fp16", "fp32"), "gguf": ("fp16", "fp32")}
+AUTO_ORDER = {"merged": ("bf16", "fp16", "fp32"), "gguf": ("fp16", "fp32"), "gguf-adapter": ("fp32",)}
+# gguf-adapter: f32 by default, f16 on request, nothing narrower. The LoRA tensors are r * (in + out)
+# per adapted matrix (~1% of SmolLM2-135M at r=16), so halving them saves little, while ggml multiplies
+# an f16 tensor by activations rounded to f16: x for lora_a, then A x for lora_b, two more roundings
+# of the fine-tune's update than an f32 file gets. bf16 (8 significand bits) would round far more.
+ADAPTER_GGUF_DTYPES = ("fp32", "fp16")
 LOSSY = ("q4_k_m", "q5_k_m")
 MERGE_TARGETS = ("dequantized", "original")
-# Measured on the default run (benchmarks/export-cpu.md): the same adapter merged into the
-# original bf16 weights gives held-out ppl 8.37 (f32) / 9.04 (Q4_K_M), against 9.51 for the
-# trained model and 9.51 / 10.41 merged into the dequantized NF4 weights: SmolLM2-135M loses much
-# to NF4 (base ppl 19.8 vs 14.8), and the fine-tune still does 78% of its work on the original
-# weights. So over a 4-bit base the default is the original weights; `dequantized` reproduces
-# the trained model itself (KL 7e-4 in f16).
-DEFAULT_MERGE_INTO = "original"
+# Over a 4-bit base the default merge is into the dequantized NF4 weights the adapter trained
+# against: that reproduces the model `tunekit eval` scored (KL 7e-4 in f16 on the default run).
+# Merged into the original high-precision weights instead, the default run's held-out perplexity
+# even improves (8.37 vs 9.51 trained: SmolLM2-135M loses much to NF4), but it is another model:
+# on the tweet-sentiment task 23 of 150 answers changed (benchmarks/deploy-tweet-sentiment-*.md).
+# A user who evaluated one model must get that model unless they ask for the other; the task
+# check reports what `--merge-into original` trades.
+DEFAULT_MERGE_INTO = "dequantized"
 
 
 def gguf_name(dtype: str) -> str:
@@ -74,9 +84,13 @@ def _dtypes(fmt: str, dtype: Optional[str], requantize: Optional[str]) -> tuple[
         raise TunekitError("--dtype applies to --format merged and gguf (an adapter is saved as trained)")
     d = ALIASES.get(dtype.lower(), dtype.lower())
     allowed = FLOAT_DTYPES + (tuple(llamacpp.QUANT_TYPES) if fmt == "gguf" and not requantize else ())
+    if fmt == "gguf-adapter":
+        allowed = ADAPTER_GGUF_DTYPES
     if d not in allowed:
         names = ", ".join(["auto", *FLOAT_DTYPES] + ([llamacpp.QUANT_TYPES[q][1] for q in llamacpp.QUANT_TYPES]
                                                        if fmt == "gguf" else []))
+        if fmt == "gguf-adapter":
+            names = "auto (f32), f32, f16"
         raise TunekitError(f"--dtype: {dtype!r} is not a dtype of --format {fmt}; choose one of {names}")
     return (d,)
 
@@ -91,10 +105,13 @@ def merge_target(run, merge_into: Optional[str]) -> str:
 
 def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] = None, requantize: Optional[str] = None,
            force: bool = False, kl_threshold: Optional[float] = None, eval_batches: int = 4,
-           merge_into: Optional[str] = None, min_gain: Optional[float] = None, device: Optional[str] = None) -> dict:
+           merge_into: Optional[str] = None, min_gain: Optional[float] = None, device: Optional[str] = None,
+           data: Optional[str] = None, task_rows: int = DEFAULT_TASK_ROWS, min_task_gain: Optional[float] = None) -> dict:
     """Export a finished run; returns the fidelity report (also written beside the export).
     device: where the models load and the check computes (tunekit.device.command_device; None:
-    the first GPU, else the CPU). llama.cpp's check runs on the CPU either way."""
+    the first GPU, else the CPU). llama.cpp's check runs on the CPU either way. data / task_rows:
+    the held-out rows of the task check (tunekit.export.task; default the run's held-out split,
+    task_rows=0 skips it)."""
     started = time.time()
     if fmt not in FORMATS:
         raise TunekitError(f"--format: unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -102,12 +119,18 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
         raise TunekitError(f"--requantize: unknown {requantize!r}; only nf4")
     if requantize and fmt != "merged":
         raise TunekitError("--requantize nf4 applies to --format merged only")
-    if merge_into is not None and fmt == "adapter":
+    if merge_into is not None and fmt in ("adapter", "gguf-adapter"):
         raise TunekitError("--merge-into applies to --format merged and gguf (an adapter is not merged)")
     if eval_batches < 1:
         raise TunekitError(f"--eval-batches: must be >= 1, got {eval_batches}")
     if min_gain is not None and not 0 <= min_gain <= 1.5:
         raise TunekitError(f"--min-gain: a fraction of the fine-tune's gain (e.g. 0.9), got {min_gain}")
+    if min_task_gain is not None and not 0 <= min_task_gain <= 1.5:
+        raise TunekitError(f"--min-task-gain: a fraction of the fine-tune's task gain (e.g. 0.95), got {min_task_gain}")
+    if task_rows < 0:
+        raise TunekitError(f"--task-rows: must be >= 0, got {task_rows}")
+    if data is not None and not Path(data).expanduser().is_file():
+        raise TunekitError(f"--data: file not found: {data}")
     candidates = _dtypes(fmt, dtype, requantize)
     facts = command_facts(device)
     run = open_run(run_dir, facts)
@@ -120,11 +143,17 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
     run = dataclasses.replace(run, dtype=torch.float32)
     out = Path(out).expanduser().absolute()
     check_out(fmt, out, run.run_dir.absolute())
+    if fmt == "gguf-adapter":  # before anything loads: what llama.cpp cannot apply, and llama.cpp itself
+        gguf_adapter.refuse_early(run)
+        why = llamacpp.unavailable()
+        if why:  # no other program applies a LoRA GGUF as llama.cpp does: there would be no check
+            raise TunekitError(f"--format gguf-adapter is checked by llama.cpp, which is not available: {why}; "
+                               "bash scripts/setup.sh builds it")
     if fmt != "adapter" and not run.method.can_merge:
         from tunekit.methods import cannot_merge
 
         raise cannot_merge(run.cfg.method.name)
-    target = merge_target(run, merge_into) if fmt != "adapter" else None
+    target = merge_target(run, merge_into) if fmt not in ("adapter", "gguf-adapter") else None
     checked_by = {"adapter": "peft / tunekit", "merged": "transformers"}.get(fmt)
     if fmt == "gguf":
         why = llamacpp.unavailable()
@@ -137,6 +166,10 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
         repack, repack_why = llamacpp.weight_repacking(cpuinfo_text())
         if not why and not repack:
             checked_by += f" ({repack_why})"
+    if fmt == "gguf-adapter":
+        repack, repack_why = llamacpp.weight_repacking(cpuinfo_text())
+        checked_by = llamacpp.version() + ", adapter applied over an f32 GGUF of its base" + (
+            "" if repack else f" ({repack_why})")
 
     timings: dict[str, float] = {}
     clock = [started]
@@ -150,6 +183,7 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
     batches = heldout_batches(run, tokenizer, eval_batches)
     log.info("%s", export_memory_check(run, facts, fmt, target, candidates, batches))
     batches = [{k: v.to(run.device) for k, v in b.items()} for b in batches]
+    task, task_note = task_check(run.cfg, tokenizer, data, task_rows)
     lap("held_out_data")
     log.info("exporting %s (method %s, base %s%s) as %s to %s", run.run_dir, run.cfg.method.name, run.model_path,
              ", 4-bit NF4" if run.quantize == "nf4" else "", fmt, out)
@@ -159,10 +193,20 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
     emulated = cpu_emulated_dtypes()
     # One load of the base: its loss, then (same storage) the trained model's logits and loss.
     with HalfLinearsInFp32(emulated):
-        ref, trained = measure_reference(load_base(run), lambda base: apply_and_load(run, base), batches)
+        base = load_base(run)
+        if task is not None:
+            task.base = task.score(base, tokenizer)
+        ref, trained = measure_reference(base, lambda b: apply_and_load(run, b), batches)
+        del base  # its storage is the trained model's now
+        if task is not None:
+            task.trained = task.score(trained, tokenizer)
     lap("load_and_measure_trained")
     merged, nll_merge_base = None, None
-    if fmt != "adapter":
+    if fmt == "gguf-adapter":  # the LoRA's tensors, and the base it trained over as a plain fp32 model
+        prepared = gguf_adapter.prepare(run, trained)
+        trained = None
+        lap("read_adapter")
+    elif fmt != "adapter":
         if run.quantize == "nf4" and target == "dequantized":
             merged = run.method.merge(trained)  # fp32: dequantized NF4 codes + delta, exact
         else:
@@ -179,6 +223,8 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
     def label(d: Optional[str]) -> str:
         if fmt == "adapter":
             return "adapter"
+        if fmt == "gguf-adapter":
+            return f"gguf-adapter {gguf_name(d)} (over the {'dequantized NF4 ' if run.quantize == 'nf4' else ''}base)"
         into = {"dequantized": "into the dequantized NF4 weights", "original": "into the original weights"}[target]
         if requantize:
             return f"merged nf4 (re-quantized from {d}, {into})"
@@ -197,6 +243,11 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
                 artifacts.write_merged(merged, tokenizer, tmp, d)
             lap("write")
             exported, exported_tok = artifacts.reload_merged(tmp, run.device), artifacts.reload_tokenizer(tmp)
+        elif fmt == "gguf-adapter":
+            n_ctx = max(int(b["attention_mask"].sum(1).max()) for b in batches)
+            model = gguf_adapter.write_and_load(prepared, tokenizer, tmp, out.name, d, n_ctx, _threads(), repack)
+            lap("write")
+            exported, exported_tok = model.logits, llamacpp.LlamaCppTokenizer(model)
         else:
             artifacts.write_gguf_file(run, merged, tokenizer, tmp / out.name, d)
             lap("write")
@@ -213,16 +264,25 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
             fid = compare(ref, exported, nll_merge_base)
         if half.seen:
             fid["half_linears"] = half.describe()
+        if task is None:
+            fid["task_skipped"] = task_note
+        elif (scorer := scorer_for(exported)) is None:
+            fid["task_skipped"] = f"{checked_by} gives logits only here, no task scorer"
+        else:
+            with HalfLinearsInFp32(emulated):
+                fid["task"] = compare_task(task, task.score(scorer, tokenizer))
         fid["tokenizer_agreement"] = artifacts.tokenizer_agreement(tokenizer, exported_tok, batches)
         lossy = bool(requantize) or d in LOSSY
-        gate = decide(fid, adapter=fmt == "adapter", lossy=lossy, min_gain=min_gain, kl_threshold=kl_threshold)
+        gate = decide(fid, adapter=fmt == "adapter", lossy=lossy, min_gain=min_gain, kl_threshold=kl_threshold,
+                      min_task_gain=min_task_gain)
         if gate["rule"] == "kl (gain not measurable)" and nll_merge_base is not None and kl_threshold is None:
             # Merged into the original weights, the export is not meant to match the trained
             # model (NF4 rounding apart): where KL decides, it is KL against the exact fp32 merge.
             fid["kl_vs_exact_merge"] = compare(exact_merge_reference(), exported)["kl_mean"]
-            gate = decide(dict(fid, kl_mean=fid["kl_vs_exact_merge"]), adapter=False, lossy=lossy, min_gain=min_gain)
+            gate = decide(dict(fid, kl_mean=fid["kl_vs_exact_merge"]), adapter=False, lossy=lossy, min_gain=min_gain,
+                          min_task_gain=min_task_gain)
             gate["against"] = "the exact fp32 merge"
-        if fmt == "gguf" and checked_by.startswith("llama.cpp"):
+        if fmt in ("gguf", "gguf-adapter") and checked_by.startswith("llama.cpp"):
             exported_tok.model.close()
         del exported, exported_tok
         lap("compare")
@@ -251,7 +311,7 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
                       flush=True)
         result = tried[-1]
         report = {
-            "format": fmt, "dtype": None if fmt == "adapter" else (gguf_name(result["dtype"]) if fmt == "gguf" else result["dtype"]),
+            "format": fmt, "dtype": None if fmt == "adapter" else (gguf_name(result["dtype"]) if fmt.startswith("gguf") else result["dtype"]),
             "dtype_asked": "auto" if len(candidates) > 1 or dtype in (None, "auto") else dtype,
             "dtype_tried": [{"dtype": t["dtype"], "gain_kept": t["fidelity"]["gain_kept"],
                              "kl_mean": t["fidelity"]["kl_mean"], "accepted": t["accepted"]} for t in tried],
@@ -270,6 +330,8 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
                                    f"that passes the gate ({result['gate']['rule']} >= {result['gate']['bound']:g})"
                                    if result["gate"]["rule"] == "gain_kept" else
                                    f"{report['dtype']}: the narrowest of {', '.join(candidates)} that passes the gate")
+        if fmt == "gguf-adapter":  # which base the check applied it over, and which one the user must
+            report["base_gguf"] = prepared.about_base
         report["timings_s"] = dict(timings, total=round(time.time() - started, 2))
         report["export_s"] = report["timings_s"]["total"]
         print(table(label(result["dtype"]), report), flush=True)
@@ -281,7 +343,7 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
         (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
         return report
 
-    if fmt == "gguf":
+    if fmt in ("gguf", "gguf-adapter"):
         return atomic_file(out, build, REPORT)
     result = {}
     atomic_dir(out, lambda tmp: result.update(build(tmp)))
@@ -311,7 +373,7 @@ def export_memory_check(run, facts, fmt: str, target: Optional[str], candidates:
         weights = {"trained model": trained, "reloaded adapter export": trained}
     else:
         widest = max(4 if c in (None, "fp32") or c in llamacpp.QUANT_TYPES else 2 for c in candidates)
-        reload = 4 if fmt == "gguf" else widest  # transformers' GGUF reader dequantizes to fp32
+        reload = 4 if fmt.startswith("gguf") else widest  # transformers' GGUF reader dequantizes to fp32
         merged = {"merged model (fp32)": shape.total_params * 4, "reloaded export": shape.total_params * reload}
         weights = merged if target == "original" or run.quantize != "nf4" else {"trained model": trained, **merged}
     return check_fits({**weights, **activation_terms(shape, 4, work)}, facts, available_memory_bytes(run.device),
@@ -346,14 +408,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "  tunekit export runs/x --format merged --merge-into original --out exports/x-orig\n"
                        "  tunekit export runs/x --format merged --requantize nf4 --out exports/x-nf4\n"
                        "  tunekit export runs/x --format gguf --out exports/x.gguf                # f16, checked by llama.cpp\n"
-                       "  tunekit export runs/x --format gguf --dtype Q4_K_M --out exports/x-q4km.gguf")
+                       "  tunekit export runs/x --format gguf --dtype Q4_K_M --out exports/x-q4km.gguf\n"
+                       "  tunekit export runs/x --format gguf-adapter --out exports/x-lora.gguf   # llama-cli -m base.gguf --lora x-lora.gguf")
     p.add_argument("run_dir", metavar="RUN_DIR", help="output_dir of a finished `tunekit train` run")
     p.add_argument("--format", required=True, choices=FORMATS, help="what to write")
     p.add_argument("--out", required=True, metavar="PATH", help="folder (adapter, merged) or .gguf file to write")
     p.add_argument("--dtype", metavar="D",
                    help="stored dtype. merged: auto (default: bf16, else fp16, else fp32, the narrowest that keeps "
                         "the gain), bf16, fp16, fp32. gguf: auto (f16, else f32), bf16, f16, f32, or a llama.cpp "
-                        "quantized type: Q8_0, Q6_K, Q5_K_M, Q4_K_M")
+                        "quantized type: Q8_0, Q6_K, Q5_K_M, Q4_K_M. gguf-adapter: f32 (default), f16")
     p.add_argument("--merge-into", choices=MERGE_TARGETS,
                    help="over a 4-bit base: add the fine-tune to the dequantized NF4 weights it trained against, or "
                         f"to the base's original high-precision weights (default {DEFAULT_MERGE_INTO})")
@@ -364,6 +427,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kl-threshold", type=float, metavar="X",
                    help="also refuse above this mean KL(trained||exported), nats/token (adapters: default "
                         f"{KL_ADAPTER:g}, they reload exactly)")
+    p.add_argument("--min-task-gain", type=float, metavar="F",
+                   help=f"refuse an export that keeps less than this fraction of the trained model's task gain "
+                        f"(accuracy or exact match over the base, on held-out rows with answers; default "
+                        f"{TASK_MIN_GAIN_KEPT}, {TASK_MIN_GAIN_KEPT_LOSSY} for the lossy types)")
+    p.add_argument("--data", metavar="FILE", help="held-out rows for the task check (any file `tunekit train` reads; "
+                                                  "default: the run's held-out split)")
+    p.add_argument("--task-rows", type=int, default=DEFAULT_TASK_ROWS, metavar="N",
+                   help=f"held-out rows the task check scores (default {DEFAULT_TASK_ROWS}; 0 skips it)")
     p.add_argument("--force", action="store_true", help="write the export even when the gate refuses it")
     p.add_argument("--eval-batches", type=int, default=4, metavar="N",
                    help="held-out batches (of trainer.micro_batch_size) to measure fidelity on (default 4)")
@@ -375,8 +446,12 @@ def main(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
     logging.getLogger("gguf").setLevel(logging.WARNING)  # its per-file "Writing the following files" lines
     report = export(args.run_dir, args.format, args.out, args.dtype, args.requantize, args.force,
-                    args.kl_threshold, args.eval_batches, args.merge_into, args.min_gain, args.device)
+                    args.kl_threshold, args.eval_batches, args.merge_into, args.min_gain, args.device,
+                    args.data, args.task_rows, args.min_task_gain)
     out = Path(args.out).expanduser().absolute()
     print(f"exported {args.format} to {out} (fidelity report: {report_path(args.format, out)})", flush=True)
+    if args.format == "gguf-adapter":  # the adapter is only the model the run evaluated over that base
+        print(f"checked over {report['base_gguf']['checked_over']}; apply it over {report['base_gguf']['apply_over']}",
+              flush=True)
     if report["forced"]:
         log.warning("the export is refused by its fidelity gate and was written because of --force")

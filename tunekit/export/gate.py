@@ -20,6 +20,13 @@ nats on 57 tokens, and an exact fp32 merge then reads 116% +- 15%) the gate fall
 KL(trained || exported) <= KL_FALLBACK; for a merge into the original weights, KL against the
 exact fp32 merge. Adapters reload onto the same base with the same weights: they must be exact
 (KL_ADAPTER).
+
+The loss cannot see every change a user cares about: on a task with short answers most of the
+loss gain is the answer's format, which an export can keep while its answers change. So an
+export the loss rule accepts must also keep the trained model's *task* result where the run has
+held-out rows with answers (tunekit.export.task: accuracy over a closed answer set, else exact
+match, scored as `tunekit eval` scores): at least TASK_MIN_GAIN_KEPT of the task gain over the
+base, refused only when the rows lost outnumber the rows won beyond chance.
 """
 
 from __future__ import annotations
@@ -45,11 +52,45 @@ SE_MARGIN = 2.0
 # (5.4e-3 on SmolLM2 QLoRA).
 KL_FALLBACK = 3e-3
 KL_ADAPTER = 1e-5
+# The task check (tunekit.export.task): the share of the trained model's task gain (accuracy or
+# exact match over base) an export must keep, when the rows can tell (McNemar's statistic over the
+# rows lost and won >= TASK_Z, about 2% one-sided). Exports that only round the trained model
+# (bf16/fp16/f16 of the dequantized merge, the adapter itself) flip a row or two either way and
+# keep ~100%; a merge into other weights that changes answers keeps less (see
+# benchmarks/deploy-*.md for the figures behind these bounds).
+TASK_MIN_GAIN_KEPT = 0.95
+TASK_MIN_GAIN_KEPT_LOSSY = 0.80
+TASK_Z = 2.0
 
 
 def decide(fid: dict, *, adapter: bool, lossy: bool, min_gain: Optional[float] = None,
-           kl_threshold: Optional[float] = None) -> dict:
-    """The gate's verdict: {"accepted", "rule", "bound", "why"} (why: the one-line reason to refuse)."""
+           kl_threshold: Optional[float] = None, min_task_gain: Optional[float] = None) -> dict:
+    """The gate's verdict: {"accepted", "rule", "bound", "why"} (why: the one-line reason to refuse).
+    The loss (or KL) rule first; an export it accepts must then keep the task (task_verdict)."""
+    verdict = _decide_loss(fid, adapter=adapter, lossy=lossy, min_gain=min_gain, kl_threshold=kl_threshold)
+    if verdict["accepted"] and fid.get("task"):
+        verdict = task_verdict(fid["task"], lossy, min_task_gain) or verdict
+    return verdict
+
+
+def task_verdict(task: dict, lossy: bool, min_task_gain: Optional[float] = None) -> Optional[dict]:
+    """A refusal when the export keeps less than the bound of the trained model's task gain and
+    the rows lost against the rows won say it is not chance; else None."""
+    if task.get("gain_kept") is None:  # the run gained nothing on the task: nothing to keep
+        return None
+    bound = min_task_gain if min_task_gain is not None else (TASK_MIN_GAIN_KEPT_LOSSY if lossy else TASK_MIN_GAIN_KEPT)
+    if task["gain_kept"] >= bound or task["z"] < TASK_Z:
+        return None
+    name = "accuracy" if task["metric"] == "accuracy" else "exact match"
+    return {"accepted": False, "rule": "task", "bound": bound,
+            "why": f"its {name} on {task['rows']} held-out rows is {100 * task['exported']:.1f}% where the trained "
+                   f"model's is {100 * task['trained']:.1f}% (base {100 * task['base']:.1f}%): it keeps "
+                   f"{100 * task['gain_kept']:.1f}% of the task gain (refused below {100 * bound:.0f}%; "
+                   f"{task['lost_rows']} rows lost, {task['won_rows']} won)"}
+
+
+def _decide_loss(fid: dict, *, adapter: bool, lossy: bool, min_gain: Optional[float] = None,
+                 kl_threshold: Optional[float] = None) -> dict:
     if fid.get("tokenizer_agreement", 1.0) < 1.0:
         return {"accepted": False, "rule": "tokenizer", "bound": 1.0,
                 "why": f"the exported tokenizer encodes only {100 * fid['tokenizer_agreement']:.1f}% of held-out texts alike"}
@@ -103,6 +144,15 @@ def table(label: str, report: dict) -> str:
     lines += [f"  {name:<11}{loss:>9.4f}{ppl:>11.4g}  {note}".rstrip() for name, loss, ppl, note in rows]
     lines.append(f"  gain kept {kept} of {f['gain']:.4f} nats/token   KL(trained||exported) {f['kl_mean']:.2e}   "
                  f"max |logit diff| {f['max_abs_logit_diff']:.3f}   top-1 {100 * f['top1_agreement']:.2f}%")
+    if f.get("task"):
+        t = f["task"]
+        kept = "n/a (no task gain)" if t["gain_kept"] is None else f"{100 * t['gain_kept']:.1f}%"
+        lines.append(f"  task ({'accuracy' if t['metric'] == 'accuracy' else 'exact match'}, {t['rows']} rows): "
+                     f"base {100 * t['base']:.1f}%  trained {100 * t['trained']:.1f}%  exported "
+                     f"{100 * t['exported']:.1f}%  task gain kept {kept} ({t['lost_rows']} rows lost, "
+                     f"{t['won_rows']} won)")
+    elif f.get("task_skipped"):
+        lines.append(f"  task: not scored ({f['task_skipped']})")
     if "half_linears" in f:
         lines.append(f"  {f['half_linears']}")
     if "kl_vs_exact_merge" in f:
@@ -112,7 +162,8 @@ def table(label: str, report: dict) -> str:
     else:
         verdict = ("REFUSED, written anyway (--force): " if report["forced"] else "REFUSED: ") + g["why"]
     bound = (f"KL {g['bound']:.0e}" if g["rule"].startswith("kl") else "identical tokenization"
-             if g["rule"] == "tokenizer" else f"{100 * g['bound']:.0f}% of the gain")
+             if g["rule"] == "tokenizer" else f"{100 * g['bound']:.0f}% of the task gain" if g["rule"] == "task"
+             else f"{100 * g['bound']:.0f}% of the gain")
     if g.get("against"):
         bound += f" vs {g['against']}"
     lines.append(f"  -> {verdict}  [gate: {bound}]")

@@ -164,7 +164,7 @@ def _as_numpy(t: torch.Tensor, dtype: str) -> tuple[np.ndarray, object]:
     """A tensor as the array GGUFWriter stores, and its raw ggml type. 1-D tensors stay f32."""
     import gguf
 
-    t = t.detach().float().contiguous()
+    t = t.detach().float().cpu().contiguous()  # the merged model may live on a GPU
     if t.dim() == 1 or dtype == "fp32":
         return t.numpy(), gguf.GGMLQuantizationType.F32
     if dtype == "fp16":

@@ -125,13 +125,22 @@ class LlamaCppModel:
     logits for every position: (batch, seq, vocab) fp32, zeros at padding (masked by the caller).
     """
 
-    def __init__(self, path: Path, n_ctx: int, threads: int, repack: bool):
+    def __init__(self, path: Path, n_ctx: int, threads: int, repack: bool, lora: Optional[Path] = None):
+        """lora: a LoRA adapter GGUF that llama.cpp applies over `path` at load (scale 1), as `--lora` does."""
         from llama_cpp import Llama
 
         self.n_ctx = max(n_ctx, 8)
-        with _quiet_stderr(), _model_params(use_extra_bufts=repack):
-            self.llm = Llama(model_path=str(path), n_ctx=self.n_ctx, n_batch=self.n_ctx, n_ubatch=self.n_ctx,
-                             logits_all=True, n_threads=threads, n_threads_batch=threads, verbose=False)
+        extra = {"lora_path": str(lora)} if lora is not None else {}
+        try:
+            with _quiet_stderr(), _model_params(use_extra_bufts=repack):
+                self.llm = Llama(model_path=str(path), n_ctx=self.n_ctx, n_batch=self.n_ctx, n_ubatch=self.n_ctx,
+                                 logits_all=True, n_threads=threads, n_threads_batch=threads, verbose=False, **extra)
+        except (RuntimeError, ValueError) as e:
+            if lora is None:
+                raise
+            # llama.cpp's own reason went to the silenced stderr; the binding raises a generic line
+            raise TunekitError(f"llama.cpp did not apply the LoRA adapter {lora.name} over {path.name} "
+                               f"({str(e).splitlines()[0][:160]})") from None
         if bool(self.llm.model_params.use_extra_bufts) != repack:  # the load read other defaults
             self.llm.close()
             raise TunekitError(f"llama-cpp-python {version_of()} did not take use_extra_bufts={repack} when loading "
@@ -151,6 +160,15 @@ class LlamaCppModel:
             scores = np.asarray(self.llm.scores[: len(tokens)], dtype=np.float32)  # (n, vocab)
             out[row, mask[row]] = torch.from_numpy(scores.copy())
         return out
+
+    def score_task(self, rows, classes, tokenizer=None, batch_size: int = 16, max_new_tokens=None,
+                   generate: bool = True):
+        """`tunekit eval`'s figures for this file on task rows (tunekit.taskeval.gguf.score_rows_gguf):
+        a TaskResult. tokenizer: the one that made the rows (None: llama.cpp's own vocabulary
+        decodes the greedy answers)."""
+        from tunekit.taskeval.gguf import score_rows_gguf
+
+        return score_rows_gguf(self, tokenizer, rows, classes, batch_size, max_new_tokens, generate)
 
     def tokenize(self, text: str) -> list[int]:
         """llama.cpp's own tokenizer (the GGUF's vocabulary, merges and pre-split), special tokens parsed."""

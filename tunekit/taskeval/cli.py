@@ -1,12 +1,13 @@
 """`tunekit eval RUN [--data FILE] [--base]`: score what a run learned on held-out rows.
 
-RUN is a run folder, an adapter folder or a model folder (tunekit.trained). The rows are the
+RUN is a run folder, an adapter folder, a model folder or a GGUF file (tunekit.trained; a GGUF is
+scored by llama.cpp on the CPU with the same figures, tunekit.taskeval.gguf). The rows are the
 run's own held-out split unless --data names a file (any format `tunekit train` reads; chat and
 alpaca rows are scored on their final reply). Figures: response loss and perplexity, exact match
 of greedy answers (normalised: case, surrounding whitespace and punctuation), and, when the
 references form a small closed set, accuracy by log-likelihood of each class's answer with
 per-class counts. --base scores the untuned base the same way, side by side. The table goes to
-stdout, eval.json into the evaluated folder (or --out).
+stdout, eval.json into the evaluated folder (beside a GGUF file: FILE.eval.json; or --out).
 """
 
 from __future__ import annotations
@@ -34,12 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "untuned base side by side.",
         epilog="example: tunekit eval runs/x --base   |   tunekit eval runs/x --data test.jsonl --max-rows 200",
     )
-    p.add_argument("source", metavar="RUN", help="a run folder, an adapter folder or a model folder")
+    p.add_argument("source", metavar="RUN", help="a run folder, an adapter folder, a model folder or a .gguf file "
+                                                  "(scored by llama.cpp)")
     p.add_argument("--data", metavar="FILE", help="held-out rows (.jsonl/.json/.csv/.parquet; default: the run's "
                                                   "held-out split, or the default data's for a folder)")
     p.add_argument("--base", action="store_true", help="also score the untuned base, side by side")
-    p.add_argument("--base-model", metavar="DIR", help="the untuned base of a model folder (for --base)")
-    p.add_argument("--model", metavar="DIR", help="base model for an adapter folder outside a run")
+    p.add_argument("--base-model", metavar="DIR", help="the untuned base of a model folder or GGUF file (for --base)")
+    p.add_argument("--model", metavar="DIR", help="base model for an adapter folder outside a run; for a GGUF file, "
+                                                  "the folder whose tokenizer to use instead of the file's own")
     p.add_argument("--quantize", choices=["none", "nf4"], help="load an adapter folder's base in 4-bit NF4")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="compute dtype for a folder outside a run (a run keeps its own)")
@@ -55,13 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def heldout_examples(src, tokenizer, data: str | None) -> tuple[list[dict], str]:
-    """Tokenized held-out examples and a line saying where they come from."""
+def heldout_examples(cfg, tokenizer, data: str | None) -> tuple[list[dict], str]:
+    """Tokenized held-out examples and a line saying where they come from: `data` (any file
+    `tunekit train` reads), else the run's held-out split (cfg: its TrainConfig), else the default
+    data's."""
     from tunekit.config import plain
     from tunekit.data import load_splits, tokenize_rows
     from tunekit.data.formats import detect_format, read_rows
 
-    cfg = src.run.cfg if src.kind == "run" else None
     max_len = cfg.data.max_seq_len if cfg is not None else DEFAULT_MAX_LEN
     if data is not None:
         if not Path(data).is_file():
@@ -99,10 +103,7 @@ def eval_workload(rows, classes, batch_size: int, max_new_tokens: int | None):
 
 
 def evaluate(args) -> dict:
-    from tunekit.taskeval.report import answers_json, difference, sample_lines, table
-    from tunekit.taskeval.rows import closed_set, task_rows
-    from tunekit.taskeval.score import score_rows
-    from tunekit.trained import check_memory, load_base, load_tokenizer_for, load_trained, open_source
+    from tunekit.trained import is_gguf_file, open_source
 
     for key in ("batch_size", "max_rows", "max_new_tokens"):
         value = getattr(args, key)
@@ -111,12 +112,39 @@ def evaluate(args) -> dict:
     start = time.perf_counter()
     from tunekit.device import command_facts
 
+    gguf_file = is_gguf_file(args.source)
+    # A GGUF file runs in llama.cpp's CPU build whatever --device says; only a --base model loads there.
     src = open_source(args.source, args.model, args.quantize, args.dtype, args.base_model,
-                      facts=command_facts(args.device))
-    if args.base and src.kind == "model" and args.base_model is None:
-        raise TunekitError(f"--base: the base of the model folder {src.path} is unknown; name it with --base-model DIR")
+                      facts=None if gguf_file and not args.base else command_facts(args.device))
+    if args.base and src.kind in ("model", "gguf") and args.base_model is None:
+        raise TunekitError(f"--base: the base of the {'model folder' if src.kind == 'model' else 'GGUF file'} "
+                           f"{src.path} is unknown; name it with --base-model DIR")
+    if src.kind == "gguf" and args.device != "auto":
+        log.info("--device %s: the GGUF file is scored by llama.cpp on the CPU; --device %s", args.device,
+                 "applies to the --base model" if args.base else "is not used")
+    gguf = None
+    if src.kind == "gguf":
+        from tunekit.taskeval.gguf import load_gguf
+
+        t0 = time.perf_counter()
+        # before the tokenizer is read from the file: a damaged file is llama.cpp's one line, at once
+        gguf = load_gguf(src.path)
+        gguf_load_s = time.perf_counter() - t0
+    try:
+        return _evaluate(args, src, gguf, gguf_load_s if gguf is not None else 0.0, start)
+    finally:
+        if gguf is not None:
+            gguf.close()
+
+
+def _evaluate(args, src, gguf, gguf_load_s: float, start: float) -> dict:
+    from tunekit.taskeval.report import answers_json, difference, sample_lines, table
+    from tunekit.taskeval.rows import closed_set, task_rows
+    from tunekit.taskeval.score import score_rows
+    from tunekit.trained import check_memory, load_base, load_tokenizer_for, load_trained
+
     tokenizer = load_tokenizer_for(src)
-    examples, where = heldout_examples(src, tokenizer, args.data)
+    examples, where = heldout_examples(src.run.cfg if src.kind == "run" else None, tokenizer, args.data)
     rows, skipped = task_rows(examples, tokenizer)
     if args.max_rows is not None:
         rows = rows[:args.max_rows]
@@ -129,14 +157,23 @@ def evaluate(args) -> dict:
                                 "a smaller --batch-size shrinks the KV cache and working set"))
 
     timings = {}
-    t0 = time.perf_counter()
-    model = load_trained(src)
-    timings["load_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    trained = score_rows(model, tokenizer, rows, classes, **kw)
-    timings["score_s"] = time.perf_counter() - t0
-    del model
-    gc.collect()
+    if gguf is not None:
+        from tunekit.taskeval.gguf import score_rows_gguf
+
+        timings["load_s"] = gguf_load_s
+        t0 = time.perf_counter()
+        trained = score_rows_gguf(gguf, tokenizer, rows, classes, **kw)
+        timings["score_s"] = time.perf_counter() - t0
+        gguf.close()  # before a --base model loads (closing twice is harmless)
+    else:
+        t0 = time.perf_counter()
+        model = load_trained(src)
+        timings["load_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        trained = score_rows(model, tokenizer, rows, classes, **kw)
+        timings["score_s"] = time.perf_counter() - t0
+        del model
+        gc.collect()
     base = None
     if args.base:
         t0 = time.perf_counter()
@@ -165,7 +202,9 @@ def evaluate(args) -> dict:
 def main(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
     report = evaluate(args)
-    out = Path(args.out) if args.out else Path(args.source).expanduser() / "eval.json"
+    source = Path(args.source).expanduser()
+    out = Path(args.out) if args.out else (source.with_name(source.name + ".eval.json") if source.is_file()
+                                           else source / "eval.json")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({k: v for k, v in report.items() if k not in ("table", "samples")}, indent=2) + "\n")

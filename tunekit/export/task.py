@@ -1,0 +1,106 @@
+"""The export's task check: does the exported model still answer the held-out rows as the trained one did?
+
+The loss check (tunekit.export.fidelity) measures held-out loss over every response token. On a
+task with short answers most of a fine-tune's loss gain is learning the answer's format, which a
+merge into other weights keeps while the answers themselves change: a QLoRA adapter merged into
+the original high-precision weights keeps ~100% of the loss gain on the tweet-sentiment task
+while 23 of its 150 answers change (benchmarks/deploy-tweet-sentiment-*.md). So where the
+held-out rows have answers (the rows `tunekit eval` scores: a closed set of answers is scored by
+likelihood, anything else by exact match of the greedy answer), the export is also scored on
+them, exactly as `tunekit eval` scores a model, and compared row by row with the trained model:
+
+    task gain kept = (exported - base) / (trained - base)   on the task metric, over the same rows
+
+The gate (tunekit.export.gate) refuses an export that keeps less than a set share of that gain,
+when the rows can tell: the rows the trained model got right and the export wrong (lost) against
+the reverse (won) must differ beyond chance (McNemar's statistic (lost - won) / sqrt(lost + won)
+>= TASK_Z), so that one row flipped by rounding among a few dozen is not a refusal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from tunekit.taskeval.rows import ClassSet, TaskRow
+
+# Rows scored by default: enough that a few lost rows can read as significant, few enough that
+# scoring a 135M model several times stays a fraction of the export.
+DEFAULT_TASK_ROWS = 200
+
+
+@dataclass
+class TaskCheck:
+    """The held-out task rows and the base's and trained model's per-row results on them."""
+
+    rows: list[TaskRow]
+    classes: Optional[ClassSet]
+    where: str  # where the rows come from
+    base: Optional[list[bool]] = None  # per row: the untuned base answered it right
+    trained: Optional[list[bool]] = None  # per row: the trained model answered it right
+
+    @property
+    def metric(self) -> str:
+        return "accuracy" if self.classes is not None else "exact_match"
+
+    def score(self, model, tokenizer) -> list[bool]:
+        """Per row: `model` answers it right, scored as `tunekit eval` scores (batches of 16).
+        model: a torch model, or a callable (rows, classes) -> TaskResult (llama.cpp's scorer)."""
+        from tunekit.taskeval.score import score_rows
+
+        closed = self.classes is not None
+        if callable(model) and not hasattr(model, "parameters"):
+            result = model(self.rows, self.classes, tokenizer=tokenizer, batch_size=16, generate=not closed)
+        else:
+            result = score_rows(model, tokenizer, self.rows, self.classes, batch_size=16, generate=not closed)
+        return [(r.predicted == r.truth) if closed else r.exact for r in result.rows]
+
+
+def task_check(cfg, tokenizer, data: Optional[str], max_rows: int) -> tuple[Optional[TaskCheck], str]:
+    """The rows of the task check, or (None, why not)."""
+    from tunekit.taskeval.cli import heldout_examples
+    from tunekit.taskeval.rows import closed_set, task_rows
+
+    if max_rows <= 0:
+        return None, "--task-rows 0"
+    examples, where = heldout_examples(cfg, tokenizer, data)
+    rows, _ = task_rows(examples, tokenizer)
+    if not rows:
+        return None, f"{where}: no held-out row has a prompt and a reply to score"
+    rows = rows[:max_rows]
+    return TaskCheck(rows, closed_set(rows), where), where
+
+
+def _rate(correct: list[bool]) -> float:
+    return sum(correct) / max(len(correct), 1)
+
+
+def compare_task(check: TaskCheck, exported: list[bool]) -> dict:
+    """The task section of the fidelity report: the metric for base, trained and exported, the
+    share of the trained model's task gain the export keeps, and the row-by-row changes."""
+    base, trained = _rate(check.base), _rate(check.trained)
+    exp = _rate(exported)
+    lost = sum(t and not e for t, e in zip(check.trained, exported))
+    won = sum(e and not t for t, e in zip(check.trained, exported))
+    gain = trained - base
+    return {
+        "metric": check.metric, "rows": len(check.rows), "data": check.where,
+        "classes": check.classes.labels if check.classes is not None else None,
+        "base": base, "trained": trained, "exported": exp,
+        "gain": gain, "gain_kept": (exp - base) / gain if gain > 0 else None,
+        "lost_rows": lost, "won_rows": won,
+        "z": (lost - won) / math.sqrt(lost + won) if lost + won else 0.0,
+    }
+
+
+def scorer_for(exported) -> Optional[Callable]:
+    """What TaskCheck.score takes for a reloaded export: the model itself, llama.cpp's task
+    scorer for a llama.cpp model, or None when there is none."""
+    from torch import nn
+
+    if isinstance(exported, nn.Module):
+        return exported
+    owner = getattr(exported, "__self__", None)  # LlamaCppModel.logits, bound
+    score = getattr(owner, "score_task", None)
+    return score
