@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _helpers import need_llama_cpp, scaled_tiny_model
-from test_taskeval import colour_rows, train_run
+from test_taskeval import colour_rows, task_data, train_run  # noqa: F401 (task_data: a fixture)
 
 # ---------------------------------------------------------------- tolerance
 # Derived from an f32 rounding-error analysis of the scaled tiny model (2 layers, hidden d = 64,
@@ -51,19 +51,12 @@ def per_token_tolerance(model) -> float:
 
 # ---------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def task_file(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("gguf-task") / "colours.jsonl"
-    out.write_text("".join(json.dumps(r) + "\n" for r in colour_rows()))
-    return out
-
-
-@pytest.fixture(scope="module")
-def lora_run(tiny_model_dir, task_file, tmp_path_factory) -> Path:
+def lora_run(tiny_model_dir, task_data, tmp_path_factory) -> Path:
     """A short fp32 LoRA run over the scaled tiny model (diverse greedy answers; see _helpers)."""
     need_llama_cpp()  # before training a run that only llama.cpp's tests use
     root = tmp_path_factory.mktemp("gguf-eval")
     scaled = scaled_tiny_model(tiny_model_dir, root / "scaled", seed=1)
-    return train_run("lora", scaled, task_file, root / "run", "trainer.eval_samples=0")
+    return train_run("lora", scaled, task_data, root / "run", "trainer.eval_samples=0")
 
 
 @pytest.fixture(scope="module")
@@ -180,12 +173,12 @@ def test_gguf_greedy_stops_and_budget_as_the_torch_scorer(trained, gguf_file):
 
 
 # ---------------------------------------------------------------- the command
-def test_eval_cli_scores_a_gguf_file_as_its_run(lora_run, gguf_file, task_file, trained, tmp_path, capsys):
+def test_eval_cli_scores_a_gguf_file_as_its_run(lora_run, gguf_file, task_data, trained, tmp_path, capsys):
     """`tunekit eval X.gguf`: the table and X.gguf.eval.json, the same shape and figures as the run's
     own evaluation on the same rows (the GGUF's own tokenizer makes the same rows)."""
     from tunekit.taskeval.cli import main
 
-    main([str(gguf_file), "--data", str(task_file), "--max-rows", "15", "--batch-size", "4", "--device", "cpu"])
+    main([str(gguf_file), "--data", str(task_data), "--max-rows", "15", "--batch-size", "4", "--device", "cpu"])
     printed = capsys.readouterr().out
     out = Path(f"{gguf_file}.eval.json")
     for line in ("response loss", "exact match", "accuracy (likelihood)", "per class", "answers (trained):",
@@ -193,7 +186,7 @@ def test_eval_cli_scores_a_gguf_file_as_its_run(lora_run, gguf_file, task_file, 
         assert line in printed
     report = json.loads(out.read_text())
     assert "GGUF file (its own tokenizer), scored by llama.cpp on the CPU" in report["source"]
-    main([str(lora_run), "--data", str(task_file), "--max-rows", "15", "--out", str(tmp_path / "run.json")])
+    main([str(lora_run), "--data", str(task_data), "--max-rows", "15", "--out", str(tmp_path / "run.json")])
     capsys.readouterr()
     run_report = json.loads((tmp_path / "run.json").read_text())
     assert set(report) == set(run_report) and set(report["trained"]) == set(run_report["trained"])
