@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from _helpers import fork_server, run_cli, snapshot
+from tunekit.checkpoint import sha256_file
 from tunekit.runlock import RunLock
 
 HERE = Path(__file__).resolve().parent
@@ -295,6 +296,38 @@ CASES = [
     train("out-hand-made-checkpoint", "output_dir={w}/handmade trainer.resume=true",
           "output_dir: {w}/handmade/checkpoints/step-000002 is not a tunekit checkpoint (no trainer_state.json)"),
     train("out-allow-nonempty-word", "trainer.allow_nonempty_output_dir=maybe", "trainer.allow_nonempty_output_dir:"),
+    # ---- training-side inputs: keys added with +, positions, targets, symlinks, runs with nothing to resume
+    train("plus-key-typo", "+trainer.lr_typo=1", "trainer.lr_typo: unknown config key"),
+    train("plus-key-toplevel", "+foo=1", "foo: unknown config key"),
+    train("prompt-tokens-past-context", "recipe=prompt_tuning data.max_seq_len=500 method.num_virtual_tokens=20",
+          "method.num_virtual_tokens: 20 virtual tokens + data.max_seq_len 500 = 520 positions, more than the 512"),
+    train("lora-targets-modulelist", "method.target_modules=[layers]",
+          "method.target_modules: 'layers' names ModuleList modules (model.layers), not Linear projections"),
+    train("lora-targets-attention", "method.target_modules=[self_attn]",
+          "method.target_modules: 'self_attn' names LlamaAttention modules"),
+    train("lora-targets-embeddings", "method.target_modules=[embed_tokens]",
+          "method.target_modules: 'embed_tokens' names Embedding modules"),
+    train("out-symlink-loop", "output_dir={w}/loop", "output_dir: {w}/loop is a symlink loop"),
+    train("out-dangling-symlink", "output_dir={w}/dangling/run",
+          "output_dir: {w}/dangling/run lies under {w}/dangling, which is a dangling symlink"),
+    train("resume-finished", "output_dir={w}/finished trainer.resume=true",
+          "trainer.max_steps: the run in {w}/finished is finished; its checkpoint {w}/finished/checkpoints/step-000002 "
+          "is at step 2, already at trainer.max_steps=2: nothing to resume. To train longer, raise trainer.max_steps"),
+    train("resume-past-max-steps", "output_dir={w}/stepfive trainer.resume=true",
+          "trainer.max_steps: the checkpoint {w}/stepfive/checkpoints/step-000005 is at step 5, past"),
+    train("resume-finished-no-checkpoint", "output_dir={w}/finished_bare trainer.resume=true",
+          "trainer.resume: the run in {w}/finished_bare is finished"),
+    train("resume-metrics-not-utf8", "output_dir={w}/metrics_latin1 trainer.resume=true trainer.max_steps=9",
+          "{w}/metrics_latin1/metrics.jsonl: line 2: not UTF-8 text"),
+    train("resume-metrics-list-row", "output_dir={w}/metrics_list trainer.resume=true trainer.max_steps=9",
+          "{w}/metrics_list/metrics.jsonl: line 2: a JSON list, not an object"),
+    train("resume-checkpoints-file", "output_dir={w}/ckpt_file trainer.resume=true",
+          "output_dir: {w}/ckpt_file/checkpoints is not a folder"),
+    train("resume-step-text", "output_dir={w}/step_text trainer.resume=true trainer.max_steps=9",
+          "trainer.resume: no intact checkpoint in {w}/step_text/checkpoints (step-000002: "
+          "{w}/step_text/checkpoints/step-000002/trainer_state.json: 'step' must be a whole number"),
+    train("resume-rng-missing", "output_dir={w}/no_rng trainer.resume=true trainer.max_steps=9",
+          "{w}/no_rng/checkpoints/step-000002/trainer_state.json: 'rng' (the random state of every rank) is missing"),
     # ---- export and generate: generic argument errors (their own rows come with their rewrites)
     export("export-no-run-dir", "--format adapter --out {out}", "export: the following arguments are required: RUN_DIR"),
     export("export-bad-format", "{w} --format zip --out {out}", "export: argument --format: invalid choice: 'zip'"),
@@ -323,6 +356,29 @@ CASES = [
     raw("doctor-steps", "doctor --steps 1", "--steps: need at least 2"),
     raw("doctor-override", "doctor --out {out} nonsense", "doctor: 'nonsense' is not a KEY=VALUE config override"),
     raw("unknown-command", "fly", "fly: unknown command (choose from: train, generate"),
+    # ---- eval, generate, chat, export and plan on bad runs, adapters and values
+    raw("plan-memory-nan", "plan --memory nan", "plan: --memory: must be > 0 GiB and finite, got nan"),
+    raw("plan-memory-inf", "plan --memory inf", "plan: --memory: must be > 0 GiB and finite, got inf"),
+    raw("chat-temperature-nan", "chat --temperature nan", "--temperature: must be >= 0 and finite, got nan"),
+    raw("chat-temperature-inf", "chat --temperature inf", "--temperature: must be >= 0 and finite, got inf"),
+    generate("generate-rows-not-utf8", f"--rows {D}/latin1.jsonl", "{w}/data/latin1.jsonl: not UTF-8 text (byte 0xe9"),
+    generate("generate-adapter-truncated", "--adapter {w}/adapters/truncated --prompt hi",
+             "--adapter: {w}/adapters/truncated/adapter_model.safetensors is truncated"),
+    generate("generate-adapter-config-binary", "--adapter {w}/adapters/binary --prompt hi",
+             "{w}/adapters/binary/adapter_config.json: not readable JSON (UnicodeDecodeError"),
+    generate("generate-mixed-soft-prompt-corrupt", f"--rows {D}/mixed_rows.jsonl",
+             "--adapter: {w}/adapters/soft_bad/adapter_model.safetensors is not a valid safetensors file"),
+    raw("eval-config-python-tag", "eval {w}/tagged", "{w}/tagged/config.yaml: not a tunekit config (could not determine a constructor"),
+    export("export-config-python-tag", "{w}/tagged --format adapter --out {out}",
+           "{w}/tagged/config.yaml: not a tunekit config (could not determine a constructor"),
+    raw("eval-data-changed", "eval {w}/fakerun",
+        "data.path: {w}/data/changed.jsonl changed since the run {w}/fakerun trained on it"),
+    export("export-out-symlink-into-run", "{w}/fakerun --format adapter --out {w}/runlink/export",
+           "--out: {w}/runlink/export is inside the run folder {w}/fakerun (through a link"),
+    export("export-out-under-file", "{w}/fakerun --format adapter --out {w}/afile/export",
+           "--out: {w}/afile/export lies under {w}/afile, which is a file"),
+    export("export-out-read-only", "{w}/fakerun --format adapter --out {w}/ro/export",
+           "--out: cannot write in {w}/ro", user="nobody"),
 ]
 
 
@@ -464,6 +520,90 @@ def build_world(w: Path, tiny: Path) -> None:
     (w / "locked").mkdir()  # held by the test process itself (the `world` fixture), as by a running run
     (w / "ro").mkdir()
     (w / "ro").chmod(0o555)
+    _bad_runs_and_adapters(w, tiny, config["hidden_size"])
+
+
+def _bad_runs_and_adapters(w: Path, tiny: Path, hidden: int) -> None:
+    """Hand-made run and adapter folders for eval, export and generate: configs and headers only,
+    no model is ever loaded for them."""
+    import torch
+    from safetensors.torch import save_file
+
+    (w / "tagged" / "adapter").mkdir(parents=True)  # executes nothing: a safe loader refuses the tag
+    (w / "tagged" / "config.yaml").write_text(f'recipe: lora\nmodel: !!python/object/apply:os.system ["touch {w}/pwned"]\n')
+    (w / "tagged" / "adapter" / "adapter_model.safetensors").write_bytes(b"")
+    run = w / "fakerun"  # a run whose data file changed after training started
+    (run / "adapter").mkdir(parents=True)
+    _jsonl(w / "data" / "changed.jsonl", [{"instruction": "What is 2 plus 2?", "output": "4."}] * 6)
+    # its base: a folder of world's own (readable by the `nobody` of the permission rows; never loaded)
+    shutil.copytree(tiny, w / "models" / "copied")
+    for f in [w / "models" / "copied", *(w / "models" / "copied").iterdir()]:
+        f.chmod(0o755 if f.is_dir() else 0o644)
+    (run / "config.yaml").write_text(f"recipe: lora\nmodel:\n  path: {w}/models/copied\n"
+                                     f"data:\n  path: {w}/data/changed.jsonl\n")
+    (run / "adapter" / "adapter_model.safetensors").write_bytes(b"")
+    (run / "data.sha256.json").write_text(json.dumps({"data.path:sha256": "0" * 64, "data.val_path:sha256": None}))
+    (w / "runlink").symlink_to(run)
+    a = w / "adapters"
+    for name, kind in (("truncated", "LORA"), ("soft_ok", "PROMPT_TUNING"), ("soft_bad", "PROMPT_TUNING")):
+        (a / name).mkdir(parents=True)
+        (a / name / "adapter_config.json").write_text(json.dumps(
+            {"peft_type": kind, "base_model_name_or_path": str(tiny), "num_virtual_tokens": 4}))
+    save_file({"prompt_embeddings": torch.zeros(4, hidden)}, a / "soft_ok" / "adapter_model.safetensors")
+    (a / "soft_bad" / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
+    save_file({"base_model.model.x.lora_A.weight": torch.zeros(8, 64)}, a / "truncated" / "adapter_model.safetensors")
+    blob = (a / "truncated" / "adapter_model.safetensors").read_bytes()
+    (a / "truncated" / "adapter_model.safetensors").write_bytes(blob[:-100])
+    (a / "binary").mkdir()
+    (a / "binary" / "adapter_config.json").write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe binary")
+    (a / "binary" / "adapter_model.safetensors").write_bytes(b"")
+    _jsonl(w / "data" / "mixed_rows.jsonl", [{"prompt": "hi", "adapter": str(a / "soft_ok")},
+                                             {"prompt": "hi", "adapter": str(a / "soft_bad")}])
+    # a killed run: config.yaml and a checkpoint, no adapter/ and no summary.json
+    ckpt = w / "killed" / "checkpoints" / "step-000002" / "adapter"
+    ckpt.mkdir(parents=True)
+    (w / "killed" / "config.yaml").write_text(f"recipe: lora\nmodel:\n  path: {tiny}\ndata:\n  path: {w}/data/alpaca.jsonl\n")
+    (ckpt / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": str(tiny)}))
+    save_file({"base_model.model.x.lora_A.weight": torch.zeros(8, 64)}, ckpt / "adapter_model.safetensors")
+    build_resume_world(w)
+
+
+def build_resume_world(w: Path) -> None:
+    """Run folders to resume that hold nothing to resume, or files resume cannot read back."""
+    from safetensors.torch import save_file
+
+    (w / "loop").symlink_to(w / "loop2")
+    (w / "loop2").symlink_to(w / "loop")
+    (w / "dangling").symlink_to(w / "gone")
+
+    def run(name, step=2, finished=False, state_edit=None, metrics=b'{"step": 1, "loss": 2.0}\n'):
+        out = w / name
+        (out / "checkpoints").mkdir(parents=True)
+        (out / "config.yaml").write_text("recipe: lora\n")
+        (out / "metrics.jsonl").write_bytes(metrics)
+        if finished:
+            (out / "adapter").mkdir()
+            (out / "adapter" / "adapter_model.safetensors").write_bytes(b"weights")
+            (out / "summary.json").write_text('{"steps": 2}\n')
+        if step is None:
+            return
+        ckpt = out / "checkpoints" / f"step-{step:06d}"
+        ckpt.mkdir()
+        save_file({}, str(ckpt / "optimizer.safetensors"))
+        state = {"format": 2, "step": step, "rng": [{}], "fingerprint": {},
+                 "files": {"optimizer.safetensors": sha256_file(ckpt / "optimizer.safetensors")}}
+        (ckpt / "trainer_state.json").write_text(json.dumps(state_edit(state) if state_edit else state))
+
+    run("finished", finished=True)
+    run("stepfive", step=5)
+    run("finished_bare", step=None, finished=True)
+    run("metrics_latin1", metrics=b'{"step": 1}\n{"note": "caf\xe9"}\n')
+    run("metrics_list", metrics=b'{"step": 1}\n[1, 2]\n')
+    run("ckpt_file", step=None)
+    (w / "ckpt_file" / "checkpoints").rmdir()
+    (w / "ckpt_file" / "checkpoints").write_text("not a folder\n")
+    run("step_text", state_edit=lambda st: {**st, "step": "two"})
+    run("no_rng", state_edit=lambda st: {k: v for k, v in st.items() if k != "rng"})
 
 
 def _fill(text: str, places: dict) -> str:
@@ -553,7 +693,8 @@ def test_bad_input(case, results, world):
 
 
 # Folders of build_world that refused runs were pointed at: they must come out exactly as they went in.
-UNTOUCHED = ("userfiles", "handmade", "locked")
+UNTOUCHED = ("userfiles", "handmade", "locked", "finished", "stepfive", "finished_bare", "metrics_latin1",
+             "metrics_list", "ckpt_file", "step_text", "no_rng")
 
 
 def test_refused_output_dirs_are_untouched(results, world):
@@ -592,7 +733,7 @@ def test_generate_refuses_a_misfit_model_folder(world):
     r = run_cli(["generate", "--model", f"{world['w']}/models/onelayer", "--prompt", "hi"], cwd)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert lines[-1].startswith(f"tunekit: error: model.path: the weights in {world['w']}/models/onelayer do not "
+    assert lines[-1].startswith(f"tunekit: error: --model: the weights in {world['w']}/models/onelayer do not "
                                 "fit its config.json: 9 tensor(s) in the files fit no weight of the config "
                                 "(model.layers.1.input_layernorm.weight, "), lines[-1]
     assert not r.stdout.strip()  # nothing generated
@@ -615,3 +756,96 @@ def test_missing_optional_library_is_one_line(monkeypatch):
     with pytest.raises(TunekitError, match=r"^tracker.name: wandb needs the wandb package"):
         _check_libraries(TrainConfig(tracker=TrackerConfig(name="wandb")))
     _check_libraries(TrainConfig())  # adamw on a bf16 base needs neither
+
+
+# Refusals that come after a model loaded (its memory line is on stderr first): the last line is checked.
+LOADED = [
+    ("generate-prompt-too-long", ["generate", "--model", "{tiny}", "--prompt", "word " * 600], None,
+     "--prompt 1: the prompt is "),
+    ("chat-system-refused", ["chat", "--model", "{w}/models/strict_template", "--system", "Be brief."], "Hi\n",
+     "--system: the tokenizer's chat template refuses a system turn (no system turns here)"),
+    ("chat-stdin-not-utf8", ["chat", "--model", "{tiny}", "--max-new-tokens", "2"], "caf\udce9\n",
+     "stdin: not UTF-8 text (byte 0xe9)"),
+]
+
+
+@pytest.mark.parametrize("argv,stdin,culprit", [c[1:] for c in LOADED], ids=[c[0] for c in LOADED])
+def test_refused_after_the_model_loads(world, argv, stdin, culprit):
+    cwd = world["w"] / "cwds"
+    args = [_fill(a, {**world, "out": cwd, "cwd": cwd}) for a in argv]
+    if stdin is not None and "\udce9" in stdin:  # bytes that are not UTF-8, through a file the child reads
+        r = _run_with_stdin_bytes(args, cwd, stdin.encode("utf-8", "surrogateescape"))
+    else:
+        r = run_cli(args, cwd, input=stdin)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert lines[-1].startswith(f"tunekit: error: {culprit}"), lines[-1]
+    assert "prompt is" not in culprit or "with --max-new-tokens 64 that is more than the model's context of 512" in lines[-1]
+    assert not r.stdout.strip()
+
+
+def _run_with_stdin_bytes(args, cwd, data: bytes) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("tunekit")
+    r = subprocess.run([str(exe), *args], input=data, capture_output=True, cwd=cwd, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.CompletedProcess(r.args, r.returncode, r.stdout.decode(errors="replace"),
+                                       r.stderr.decode(errors="replace"))
+
+
+def test_python_tag_in_a_run_config_runs_nothing(results, world):
+    assert results["eval-config-python-tag"]["code"] == 2
+    assert not (world["w"] / "pwned").exists()
+
+
+def test_a_killed_runs_checkpoint_is_that_runs_adapter(world):
+    """RUN/checkpoints/step-N/adapter of a run killed before adapter/ was written: opened as that run
+    (its base, its method, its held-out split), not as a standalone adapter over the default data."""
+    from tunekit.trained import open_source
+
+    ckpt = world["w"] / "killed" / "checkpoints" / "step-000002" / "adapter"
+    src = open_source(ckpt)
+    assert src.kind == "run" and src.adapter_dir == ckpt
+    assert src.run.run_dir == world["w"] / "killed"
+    assert src.run.cfg.data.path == f"{world['w']}/data/alpaca.jsonl"
+
+
+def test_full_disk_during_a_checkpoint_keeps_the_last_good_one(tmp_path):
+    """A disk that fills while a checkpoint is written: one line naming the folder, the scratch folder
+    gone, and the checkpoint before it byte for byte as it was."""
+    import errno
+
+    import torch
+
+    from tunekit import TunekitError
+    from tunekit.checkpoint import save_checkpoint
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([param], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    adapter = lambda d: (d.mkdir(), (d / "a.bin").write_bytes(b"ok"))  # noqa: E731
+    save_checkpoint(tmp_path, 1, adapter, opt, sched, {}, [{}], keep=2)
+    before = snapshot(tmp_path)
+
+    def full(d):
+        raise OSError(errno.ENOSPC, "No space left on device", str(d / "a.bin"))
+
+    with pytest.raises(TunekitError, match=r"^no space left on .*checkpoints: saving step-000002 failed; the last "
+                                           r"good checkpoint, .*step-000001, is intact"):
+        save_checkpoint(tmp_path, 2, full, opt, sched, {}, [{}], keep=2)
+    assert snapshot(tmp_path) == before
+
+
+def test_doctor_again_into_its_own_stopped_output(tmp_path):
+    """A doctor that stopped at a wrong --model left its --out behind: a second doctor may replace
+    it; a user's folder that merely looks like one (logs/*.log) is refused and left as it was."""
+    out = tmp_path / "doc"
+    for _ in range(2):
+        r = run_cli(["doctor", "--model", str(tmp_path / "missing"), "--out", str(out)], tmp_path)
+        assert r.returncode != 0 and "missing" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+        assert "is not a doctor report" not in r.stderr
+    mine = tmp_path / "mine"
+    (mine / "logs").mkdir(parents=True)
+    (mine / "logs" / "notes.log").write_text("keep me")
+    r = run_cli(["doctor", "--out", str(mine)], tmp_path)
+    assert r.returncode != 0 and "is not a doctor report" in r.stderr
+    assert (mine / "logs" / "notes.log").read_text() == "keep me"

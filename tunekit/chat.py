@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Callable, Optional, TextIO
@@ -119,6 +120,21 @@ class Conversation:
         return reply
 
 
+def check_system_turn(tokenizer, system: str) -> None:
+    """Render the system message once before anything loads: some chat templates (Llama-2's) refuse
+    a system turn with raise_exception, which would otherwise surface as a template error at the
+    first message."""
+    from tunekit.generate import encode_messages
+
+    try:
+        encode_messages(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}])
+    except TunekitError:
+        raise
+    except Exception as e:  # jinja2's TemplateError (raise_exception) and the template's own failures
+        raise TunekitError(f"--system: the tokenizer's chat template refuses a system turn "
+                           f"({str(e).splitlines()[0][:160] if str(e) else type(e).__name__})") from None
+
+
 def chat_workload(src):
     """One conversation of up to PLANNED_CONTEXT tokens, or the model's context if shorter (the
     history is cut to fit that): its cache, one prompt forward of that length, one position's
@@ -159,13 +175,20 @@ def main(argv: list[str], stdin: TextIO | None = None, stdout: TextIO | None = N
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     if args.max_new_tokens <= 0:
         raise TunekitError(f"--max-new-tokens: must be > 0, got {args.max_new_tokens}")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise TunekitError("--temperature must be >= 0 and --top-p in (0, 1]")
+    # float() takes "nan" and "inf": NaN passes every comparison's negation, and either one turns the
+    # sampling probabilities into NaN (torch.multinomial then fails mid-reply)
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise TunekitError(f"--temperature: must be >= 0 and finite, got {args.temperature:g}")
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        raise TunekitError(f"--top-p: must be in (0, 1], got {args.top_p:g}")
     facts = command_facts(args.device)
     src = (open_source(args.source, args.model, args.quantize, args.dtype, facts=facts) if args.source
            else base_source(args.model, args.quantize, args.dtype, facts))
     log.info("%s", check_memory(src, chat_workload(src), "tunekit chat"))
-    chat = Conversation(load_trained(src), load_tokenizer_for(src), args.system, args.max_new_tokens,
+    tokenizer = load_tokenizer_for(src)
+    if args.system:
+        check_system_turn(tokenizer, args.system)
+    chat = Conversation(load_trained(src), tokenizer, args.system, args.max_new_tokens,
                         sampler(args.temperature, args.top_p, args.seed), stdout)
     interactive = stdin.isatty()
     print(f"[tunekit] chatting with {src.describe()}; /reset clears the history, /exit ends", file=sys.stderr)
@@ -173,7 +196,18 @@ def main(argv: list[str], stdin: TextIO | None = None, stdout: TextIO | None = N
         if interactive:
             stdout.write("you> ")
             stdout.flush()
-        line = stdin.readline()
+        try:
+            line = stdin.readline()
+            # under a C/POSIX locale Python reads stdin with surrogateescape: undecodable bytes come
+            # through as lone surrogates, which the tokenizer then rejects with a TypeError
+            line.encode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TunekitError(f"stdin: not UTF-8 text (byte 0x{e.object[e.start]:02x}); chat reads UTF-8 "
+                               "messages, one a line") from None
+        except UnicodeEncodeError as e:
+            code = ord(e.object[e.start])
+            byte = f" (byte 0x{code - 0xDC00:02x})" if 0xDC80 <= code <= 0xDCFF else ""
+            raise TunekitError(f"stdin: not UTF-8 text{byte}; chat reads UTF-8 messages, one a line") from None
         if not line:
             break
         text = line.strip()

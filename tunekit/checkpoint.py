@@ -152,10 +152,30 @@ def save_checkpoint(output_dir: Path, step: int, save_adapter: Callable[[Path], 
                  "files": _file_digests(tmp)}
         (tmp / STATE_JSON).write_text(json.dumps(state, indent=1))
 
-    atomic_dir(target, write)
+    try:
+        atomic_dir(target, write)
+    except (OSError, SafetensorError) as e:
+        # The scratch folder is gone with its half-written files and every older checkpoint is as it
+        # was (nothing is pruned before the new one is in place): say so, in one line.
+        last = latest_checkpoint(output_dir)
+        kept = f"the last good checkpoint, {last}, is intact" if last else "no earlier checkpoint was saved"
+        raise TunekitError(f"{_save_error(e, target)}; {kept}") from None
     for old in checkpoint_dirs(output_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def _save_error(e: BaseException, target: Path) -> str:
+    """What stopped a save: a full disk named as such (safetensors reports it as its own error type,
+    with the OS's words inside), anything else with its reason."""
+    import errno
+
+    text = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in text or "os error 28" in text:
+        return f"no space left on {target.parent}: saving {target.name} failed"
+    if getattr(e, "errno", None) == errno.EDQUOT:
+        return f"disk quota exceeded on {target.parent}: saving {target.name} failed"
+    return f"{target}: saving the checkpoint failed ({getattr(e, 'strerror', None) or text})"
 
 
 def read_state(ckpt: Path) -> dict:
@@ -168,6 +188,15 @@ def read_state(ckpt: Path) -> dict:
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
         raise TunekitError(f"{path}: not a checkpoint of this tunekit version (format {state.get('format') if isinstance(state, dict) else '?'}, "
                            f"expected {FORMAT_VERSION}); older checkpoints held pickled state and are not loaded")
+    # What resume reads from it beyond the checksummed files: a hand-edited or foreign state file
+    # would otherwise fail mid-setup with a TypeError or KeyError. The caller (damage) then treats the
+    # checkpoint as damaged: resume falls back to an older intact one, or names this file.
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise TunekitError(f"{path}: 'step' must be a whole number >= 0, got {step!r}")
+    rng = state.get("rng")
+    if not isinstance(rng, list) or not rng or not all(isinstance(r, dict) for r in rng):
+        raise TunekitError(f"{path}: 'rng' (the random state of every rank) is missing or not a list of objects")
     return state
 
 

@@ -144,6 +144,41 @@ def parse_overrides(overrides: list[str], multirun: bool) -> list:
     return parsed
 
 
+def _schema_has(key: str) -> bool:
+    """Whether a dotted key names a field of the TrainConfig schema (at any depth)."""
+    import dataclasses
+
+    from tunekit.config import TrainConfig
+
+    node = TrainConfig
+    for part in key.split("."):
+        fields = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
+        if part not in fields:
+            return False
+        f = fields[part]
+        node = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        node = type(node) if dataclasses.is_dataclass(node) else node
+    return True
+
+
+def check_added_keys(parsed: list) -> None:
+    """`+key=value` and `++key=value` make Hydra add a key the schema lacks instead of refusing it,
+    and OmegaConf.to_object then drops it without a word: a typo such as +trainer.lr_typo=1 would
+    train with the default lr. Only keys of the schema (or a config group: +tracker=wandb) pass."""
+    from importlib.resources import files
+
+    groups = {p.name for p in files(CONFIG_MODULE).iterdir() if p.is_dir() and not p.name.startswith("_")}
+    for override in parsed:
+        if not (override.is_add() or override.is_force_add()):
+            continue
+        key = override.key_or_group
+        if key.split("/")[0] in groups and "." not in key or key.startswith(HYDRA_WORDS[1:]):
+            continue
+        if not _schema_has(key):
+            raise TunekitError(f"{key}: unknown config key (the + prefix adds a key, but tunekit reads only the "
+                               "keys of its schema: tunekit train --help lists them)")
+
+
 def is_multirun(argv: list[str]) -> bool:
     return bool({"-m", "--multirun"} & set(argv))
 
@@ -162,6 +197,7 @@ def compose_configs(overrides: list[str]) -> list:
     mine = split_overrides(overrides)
     register_schema()
     parsed = parse_overrides(mine, multirun=is_multirun(overrides))
+    check_added_keys(parsed)
     try:
         jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):

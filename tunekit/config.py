@@ -384,6 +384,17 @@ def check_output_dir(path: str, key: str = "output_dir") -> None:
     """
     _optional_text(key, path, "a folder for the run")
     p = Path(path).expanduser()
+    # A symlink whose target is missing, or a loop of symlinks: exists() says False, so it would pass
+    # for a new folder, and creating it fails later with a traceback.
+    link = next((q for q in (p, *p.parents) if q.is_symlink() and not _resolves(q)), None)
+    if link is not None:
+        try:
+            dest = os.readlink(link)
+        except OSError:
+            dest = "?"
+        what = "a symlink loop" if _is_loop(link) else f"a dangling symlink (to {dest}, which does not exist)"
+        where = f"{p} is" if link == p else f"{p} lies under {link}, which is"
+        raise TunekitError(f"{key}: {where} {what}; give a real folder")
     try:
         if p.exists() and not p.is_dir():
             raise TunekitError(f"{key}: {p} is a file; give a folder")
@@ -400,6 +411,25 @@ def check_output_dir(path: str, key: str = "output_dir") -> None:
         where = "in" if parent == p else f"{p} in"
         raise TunekitError(f"{key}: cannot create {where} {parent} ({e.strerror or e}); choose a writable "
                            "folder") from None
+
+
+def _resolves(link: Path) -> bool:
+    try:
+        return link.exists()
+    except OSError:  # ELOOP on some platforms
+        return False
+
+
+def _is_loop(link: Path) -> bool:
+    try:
+        link.resolve(strict=True)
+    except RuntimeError:  # pathlib's "Symlink loop"
+        return True
+    except OSError as e:
+        import errno
+
+        return e.errno == errno.ELOOP
+    return False
 
 
 def _check_libraries(cfg: TrainConfig) -> None:
@@ -469,6 +499,15 @@ def _check_models(cfg: TrainConfig) -> None:
     if limit is not None and cfg.data.max_seq_len > limit:
         raise TunekitError(f"data.max_seq_len: {cfg.data.max_seq_len} is more than the {limit} positions the model "
                            f"in {student} was built for; lower it to {limit} or less")
+    if cfg.method.name == "prompt_tuning" and limit is not None \
+            and cfg.method.num_virtual_tokens + cfg.data.max_seq_len > limit:
+        # the soft prompt goes in front of every row: its positions come out of the same budget, and
+        # past the last one a rotary/learned position table would be read out of its range
+        raise TunekitError(f"method.num_virtual_tokens: {cfg.method.num_virtual_tokens} virtual tokens + "
+                           f"data.max_seq_len {cfg.data.max_seq_len} = "
+                           f"{cfg.method.num_virtual_tokens + cfg.data.max_seq_len} positions, more than the "
+                           f"{limit} the model in {student} was built for; lower method.num_virtual_tokens or "
+                           f"data.max_seq_len so that they add up to {limit} or less")
     skeleton = model_skeleton(str(student), student_key)
     check_weights_fit(student, skeleton, student_key)
     check_method_config(cfg.method, skeleton, plain(cfg.model.quantize))

@@ -337,6 +337,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+MARKER = ".tunekit-doctor"  # written first into --out: what lets a later doctor replace the folder
+
+
+def _doctor_output(out: Path) -> bool:
+    """Whether `out` is a doctor's own output: its report, or (a doctor that stopped early, e.g. at
+    a wrong --model) the marker every doctor writes into --out before anything else. A user's
+    folder that merely looks like one (a logs/ of .log files) is not: it is never deleted."""
+    if not out.is_dir() or out.is_symlink():
+        return False
+    return (out / "report.json").is_file() or (out / MARKER).is_file()
+
+
 def main(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
     if args.steps < 2:
@@ -345,10 +357,13 @@ def main(argv: list[str]) -> None:
     if bad:
         raise TunekitError(f"doctor: {bad[0]!r} is not a KEY=VALUE config override")
     out = Path(args.out).expanduser().absolute()
-    if out.exists() and not (out / "report.json").is_file():
+    # A doctor that stopped before its report (a wrong --model, an interrupt) leaves only its logs/
+    # folder: that is still its own output, which a new run may replace.
+    if out.exists() and not _doctor_output(out):
         raise TunekitError(f"--out: {out} exists and is not a doctor report; choose another folder")
     shutil.rmtree(out, ignore_errors=True)
     (out / "logs").mkdir(parents=True)
+    (out / MARKER).write_text(json.dumps({"pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
     env = {**os.environ, "WANDB_MODE": "disabled"}
     from tunekit import device as dev
 

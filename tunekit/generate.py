@@ -295,10 +295,28 @@ def generate_ids(model: nn.Module, rows: Sequence[Sequence[int]], soft_prompts: 
     return greedy(model, prefix, max_new_tokens, stop_ids, pad_id)
 
 
+def check_context(lm: nn.Module, rows: Sequence[Sequence[int]], soft_prompts: Sequence[Optional[torch.Tensor]],
+                  max_new_tokens: int, labels: Optional[Sequence[str]] = None) -> None:
+    """Refuse a row whose prompt (soft prompt included) plus max_new_tokens outgrows the model's
+    positions: past them, rotary positions the model never saw give garbage, not an error."""
+    limit = getattr(getattr(lm, "config", None), "max_position_embeddings", None)
+    if not limit:
+        return
+    for i, (ids, soft) in enumerate(zip(rows, soft_prompts)):
+        n = len(ids) + (0 if soft is None else soft.shape[0])
+        if n + max_new_tokens > limit:
+            label = labels[i] if labels is not None else f"prompt {i + 1}"
+            raise TunekitError(f"{label}: the prompt is {n:,} tokens (chat template and soft prompt included), and with "
+                               f"--max-new-tokens {max_new_tokens:,} that is more than the model's context of "
+                               f"{limit:,} tokens; shorten it or lower --max-new-tokens")
+
+
 def generate(model: nn.Module, tokenizer, prompts: Sequence[str], soft_prompts: Optional[Sequence[Optional[torch.Tensor]]] = None,
-             max_new_tokens: int = 64, chat_template: bool = True, adapter_names: Optional[list[str]] = None) -> list[str]:
+             max_new_tokens: int = 64, chat_template: bool = True, adapter_names: Optional[list[str]] = None,
+             labels: Optional[Sequence[str]] = None) -> list[str]:
     """Greedy completions of `prompts` by any trained model (a prompt-tuning model uses its own
-    soft prompt); row i conditioned on soft_prompts[i] ((N_i, dim) or None) when given."""
+    soft prompt); row i conditioned on soft_prompts[i] ((N_i, dim) or None) when given. labels[i]
+    names row i in errors (default "prompt i+1")."""
     lm, own_prompt = generation_view(model)
     if soft_prompts is not None and own_prompt is not None:
         raise TunekitError("generate: this model carries its own soft prompt; pass its base to give per-row prompts")
@@ -307,10 +325,12 @@ def generate(model: nn.Module, tokenizer, prompts: Sequence[str], soft_prompts: 
         raise TunekitError(f"generate: max_new_tokens must be > 0, got {max_new_tokens}")
     if not prompts:
         return []
+    rows = encode_prompts(tokenizer, prompts, chat_template)
+    check_context(lm, rows, soft_prompts, max_new_tokens, labels)
     was_training = lm.training
     lm.eval()
     try:
-        ids = generate_ids(lm, encode_prompts(tokenizer, prompts, chat_template), soft_prompts, max_new_tokens,
+        ids = generate_ids(lm, rows, soft_prompts, max_new_tokens,
                            stop_token_ids(lm, tokenizer), pad_token_id(tokenizer), adapter_names)
     finally:
         lm.train(was_training)

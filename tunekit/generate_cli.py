@@ -28,12 +28,19 @@ log = logging.getLogger("tunekit")
 MIXABLE = ("prompt_tuning", "lora")
 
 
-def _read_rows(path: str) -> list[tuple[str, Optional[str]]]:
+def _read_rows(path: str) -> tuple[list[tuple[str, Optional[str]]], list[str]]:
+    """(prompt, adapter) per row, and each row's name for errors ("FILE: row N", N its line)."""
     p = Path(path)
     if not p.is_file():
         raise TunekitError(f"--rows: file not found: {path}")
-    rows = []
-    for n, line in enumerate(p.read_text().splitlines(), start=1):
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TunekitError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start:,})") from None
+    except OSError as e:
+        raise TunekitError(f"--rows: cannot read {path} ({e.strerror})") from None
+    rows, labels = [], []
+    for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -46,9 +53,10 @@ def _read_rows(path: str) -> list[tuple[str, Optional[str]]]:
         if adapter is not None and not isinstance(adapter, str):
             raise TunekitError(f"{path}: row {n}: 'adapter' must be a folder path or null")
         rows.append((row["prompt"], adapter))
+        labels.append(f"{path}: row {n}")
     if not rows:
         raise TunekitError(f"{path}: no rows")
-    return rows
+    return rows, labels
 
 
 def _pair(prompts: list[str], adapters: list[str]) -> list[tuple[str, Optional[str]]]:
@@ -158,14 +166,18 @@ def main(argv: list[str]) -> None:
         raise TunekitError("--prompt: give at least one --prompt TEXT (or --rows FILE)")
     if args.max_new_tokens <= 0:
         raise TunekitError(f"--max-new-tokens: must be > 0, got {args.max_new_tokens}")
-    rows = _read_rows(args.rows) if args.rows else _pair(args.prompt, args.adapter)
+    if args.rows:
+        rows, labels = _read_rows(args.rows)
+    else:
+        rows = _pair(args.prompt, args.adapter)
+        labels = [f"--prompt {i + 1}" for i in range(len(rows))]
     from tunekit.device import command_facts
 
     model, tokenizer, softs, names = batch_model([a for _, a in rows], args.model, args.quantize, args.dtype,
                                                  command_facts(args.device),
                                                  generate_workload([p for p, _ in rows], args.max_new_tokens))
     texts = generate(model, tokenizer, [p for p, _ in rows], softs if any(s is not None for s in softs) else None,
-                     args.max_new_tokens, chat_template=not args.no_chat_template, adapter_names=names)
+                     args.max_new_tokens, chat_template=not args.no_chat_template, adapter_names=names, labels=labels)
     for i, ((prompt, adapter), text) in enumerate(zip(rows, texts)):
         if args.json:
             print(json.dumps({"prompt": prompt, "adapter": adapter, "completion": text}))

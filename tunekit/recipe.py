@@ -48,7 +48,8 @@ from tunekit.model import (decoder_and_head, load_base_model, load_tokenizer, pr
                            quantized_bits_per_param, resolve_model_path)
 from tunekit.optim import build_optimizer, warmup_cosine
 from tunekit.plan.choose import resolve_memory_settings
-from tunekit.resume import check_not_foreign, check_output_dir, check_same_run, fingerprint
+from tunekit.resume import (DATA_FINGERPRINT, check_not_foreign, check_output_dir, check_resumable, check_same_run,
+                            fingerprint)
 from tunekit.runlock import RunLock
 from tunekit.tracking import NullTracker, Tracker
 
@@ -179,6 +180,10 @@ class TrainRecipe:
         if self.main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.output_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+            # the data files' checksums, beside the config: `tunekit eval RUN` re-splits data.path to find
+            # the run's held-out rows, which is only the run's split while the file is unchanged
+            atomic_write_text(self.output_dir / DATA_FINGERPRINT, json.dumps(
+                {k: v for k, v in self.fingerprint.items() if k.endswith(":sha256")}, indent=2))
         self.tracker = (Tracker(self.output_dir, t.max_steps, self.start_step, cfg.tracker.name, cfg.tracker.project,
                                 cfg.tracker.run_name, json.loads(json.dumps(asdict(cfg), default=str)))
                         if self.main else NullTracker())
@@ -200,6 +205,8 @@ class TrainRecipe:
                     self._info(f"output_dir: took over the lock of a run that ended without releasing it "
                                f"({self.lock.describe_stale()})")
                 check_output_dir(self.output_dir, cfg.trainer.resume, cfg.trainer.allow_nonempty_output_dir)
+                if cfg.trainer.resume:
+                    check_resumable(self.output_dir, cfg.trainer.max_steps)
                 for line in cleanup_leftovers(self.output_dir):
                     self._info(f"leftover of an interrupted save: {line}")
             except (TunekitError, OSError) as e:
@@ -308,14 +315,12 @@ class TrainRecipe:
         return DistillObjective(teacher, d)
 
     def _find_checkpoint(self) -> tuple[Path | None, dict | None]:
-        """The newest intact checkpoint to resume (checked before any model loads), or (None, None)."""
+        """The newest intact checkpoint to resume (checked before any model loads), or (None, None).
+        check_resumable (in _take_output_dir) has already refused a run with nothing to resume."""
         ckpt, skipped = find_resumable(self.output_dir)
         for note in skipped:
             log.warning("skipping damaged checkpoint %s", note)
         if ckpt is None:
-            if skipped:
-                raise TunekitError(f"trainer.resume: no intact checkpoint in {self.output_dir / 'checkpoints'} "
-                                   f"({skipped[0]}); remove the damaged ones to start over")
             self._info(f"trainer.resume=true but no checkpoint in {self.output_dir}: starting from step 0")
             return None, None
         state = read_state(ckpt)

@@ -10,13 +10,14 @@ change: `MAY_CHANGE` below.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from tunekit import TunekitError
-from tunekit.checkpoint import STATE_JSON, sha256_file
+from tunekit.checkpoint import STATE_JSON, find_resumable, read_state, sha256_file
 from tunekit.config import plain
 from tunekit.owned import is_scratch
 from tunekit.runlock import LOCK_NAME
@@ -36,6 +37,7 @@ MAY_CHANGE = (
     "model.gradient_checkpointing",               # recomputation, not a different result
 )
 # What a folder holds once a run has started writing into it.
+DATA_FINGERPRINT = "data.sha256.json"  # written beside config.yaml at the start of a run (tunekit.recipe)
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "adapter")
 
 
@@ -127,9 +129,47 @@ def _check_checkpoint_names(out: Path) -> None:
     """A folder named as tunekit names a checkpoint, without the trainer_state.json every checkpoint
     has, was not written by tunekit (or was emptied by hand): saving that step would replace it."""
     root = out / "checkpoints"
+    if os.path.lexists(root) and not root.is_dir():
+        # a file (or a dangling link) there: no checkpoint would be found, the run would restart from
+        # step 0 over the run's own files, and its first save would fail
+        raise TunekitError(f"output_dir: {root} is not a folder; tunekit keeps checkpoints in it: move it out "
+                           f"of {out} to resume")
     if not root.is_dir():
         return
     for p in sorted(root.iterdir()):
         if re.fullmatch(r"step-\d{6}", p.name) and not (p / STATE_JSON).is_file():
             raise TunekitError(f"output_dir: {p} is not a tunekit checkpoint (no {STATE_JSON}) but has a "
                                f"checkpoint's name, which a save would replace; move it out of {root}")
+
+
+def check_resumable(output_dir: Path, max_steps: int) -> None:
+    """trainer.resume=true: refuse, before anything loads or is written, a run with nothing to resume.
+
+    A damaged checkpoint (files that fail their checksum, a trainer_state.json without a whole-number
+    step or the ranks' random state) is skipped for an older intact one, as a truncated copy always
+    was; with none intact the first damaged one is named. A finished run (adapter/ and summary.json)
+    resumes only to train longer: otherwise no step would run, and summary.json, config.yaml and
+    metrics.jsonl would be rewritten over the run's own. So would they from a checkpoint already at or
+    past trainer.max_steps. metrics.jsonl is rewritten on resume: it must read back whole first.
+    """
+    from tunekit.tracking import check_metrics
+
+    out = Path(output_dir)
+    finished = all((out / n).exists() for n in ("adapter", "summary.json"))
+    ckpt, skipped = find_resumable(out)
+    if ckpt is None and skipped:
+        raise TunekitError(f"trainer.resume: no intact checkpoint in {out / 'checkpoints'} ({skipped[0]}); "
+                           "remove the damaged ones to start over")
+    if ckpt is None:
+        if finished:
+            raise TunekitError(f"trainer.resume: the run in {out} is finished (adapter/ and summary.json are "
+                               "written) and has no checkpoint to continue from; to train longer, train into a new "
+                               "output_dir with a larger trainer.max_steps")
+        return
+    step = read_state(ckpt)["step"]
+    if step >= max_steps:
+        run = f"the run in {out} is finished; its" if finished else "the"
+        raise TunekitError(f"trainer.max_steps: {run} checkpoint {ckpt} is at step {step}, "
+                           f"{'already at' if step == max_steps else 'past'} trainer.max_steps={max_steps}: "
+                           f"nothing to resume. To train longer, raise trainer.max_steps above {step}")
+    check_metrics(out / "metrics.jsonl")

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from tunekit import TunekitError
+
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,33 @@ def read_metrics(path: Path) -> list[dict]:
         except json.JSONDecodeError:  # a line cut by a crash; the rest is still good
             continue
     return rows
+
+
+def check_metrics(path: Path) -> None:
+    """A resumed run rewrites metrics.jsonl without the rows after its checkpoint: refuse, naming the
+    file and line, one it could not read back whole (not UTF-8 text, a row that is not an object),
+    before anything loads and before it is rewritten. A line cut by a crash stays allowed."""
+    path = Path(path)
+    if not path.exists():
+        return
+    if not path.is_file():
+        raise TunekitError(f"{path}: not a file; move it out of the run folder to resume")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise TunekitError(f"{path}: line {line}: not UTF-8 text (byte 0x{path.read_bytes()[e.start]:02x}); "
+                           "this is not the metrics.jsonl tunekit writes: fix or move it to resume") from None
+    except OSError as e:
+        raise TunekitError(f"{path}: cannot read ({e.strerror or e})") from None
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash: dropped when the file is rewritten
+        if not isinstance(row, dict):
+            raise TunekitError(f"{path}: line {number}: a JSON {type(row).__name__}, not an object; this is not "
+                               "the metrics.jsonl tunekit writes: fix or move it to resume")
 
 
 def smooth(values: list[float], weight: float = 0.9) -> list[float]:

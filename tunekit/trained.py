@@ -54,6 +54,9 @@ class Source:
     base_override: Optional[str] = None  # --base-model: the untuned base of a model folder or GGUF file
     tokenizer_dir: Optional[str] = None  # a GGUF's tokenizer folder (--model, or beside it); None: the GGUF's own
     facts: DeviceFacts = field(default_factory=lambda: dev.probe(torch.device("cpu")))  # where it loads
+    # what the user typed to name base_path, for errors about that folder (a misfit model given as
+    # --model must not be blamed on a config key the user never wrote)
+    base_key: str = "model.path"
 
     @property
     def device(self) -> torch.device:
@@ -79,7 +82,7 @@ class Source:
 def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, and UnicodeDecodeError of binary bytes
         raise TunekitError(f"{path}: not readable JSON ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
     if not isinstance(data, dict):
         raise TunekitError(f"{path}: expected a JSON object")
@@ -87,27 +90,31 @@ def _read_json(path: Path) -> dict:
 
 
 def _enclosing_run(path: Path) -> Optional[Path]:
-    """The run folder an adapter folder lives in (RUN/adapter, RUN/x/adapter, RUN/checkpoints/step-N/adapter)."""
-    for parent in list(path.parents)[:3]:
-        if (parent / "config.yaml").is_file() and (parent / "adapter").exists():
+    """The run folder an adapter folder lives in (RUN/adapter, RUN/x/adapter, RUN/checkpoints/step-N/adapter).
+    A killed run has no adapter/ yet, only checkpoints: its checkpoint adapters are still its own."""
+    for parent in list(path.resolve().parents)[:3]:
+        if (parent / "config.yaml").is_file() and ((parent / "adapter").exists()
+                                                   or (parent / "checkpoints") in path.resolve().parents):
             return parent
     return None
 
 
-def _open_run(run_dir: Path, facts: DeviceFacts):
+def _open_run(run_dir: Path, facts: DeviceFacts, adapter: Optional[Path] = None):
     """tunekit.export.run.open_run, plus full fine-tunes: their adapter/ is a whole model folder
-    (config.json + model.safetensors), which open_run's check for adapter_model.safetensors refuses."""
-    from tunekit.export.run import Run, open_run
+    (config.json + model.safetensors), which open_run's check for adapter_model.safetensors refuses.
+    `adapter`: a folder of the run other than its adapter/ (a checkpoint's)."""
+    from tunekit.export.run import Run, open_run, read_run_config
 
+    folder = adapter or run_dir / "adapter"
     try:
-        return open_run(run_dir, facts)
+        return open_run(run_dir, facts, adapter)
     except TunekitError:
-        if not ((run_dir / "adapter" / "config.json").is_file() and any((run_dir / "adapter").glob("*.safetensors"))):
+        if not ((folder / "config.json").is_file() and any(folder.glob("*.safetensors"))):
             raise
-    from tunekit.config import load_run_config, plain
+    from tunekit.config import plain
     from tunekit.model import resolve_model_path
 
-    cfg = load_run_config(run_dir / "config.yaml")
+    cfg = read_run_config(run_dir / "config.yaml")
     return Run(run_dir, cfg, resolve_model_path(cfg.model.path), plain(cfg.model.quantize),
                dev.compute_dtype(plain(cfg.model.dtype), facts), facts.device)
 
@@ -134,12 +141,12 @@ def open_source(path: str | Path, model: Optional[str] = None, quantize: Optiona
     run_dir = p if (p / "config.yaml").is_file() else (_enclosing_run(p) if (p / "adapter_config.json").is_file()
                                                        or (p / "config.json").is_file() else None)
     if run_dir is not None:
-        run = _open_run(run_dir, facts)
+        run = _open_run(run_dir, facts, None if p.resolve() == run_dir.resolve() else p)
         if model is not None and resolve_model_path(model, key="--model") != run.model_path:
             raise TunekitError(f"--model: {run_dir} trained over {run.model_path}; drop --model for a run")
         if quantize is not None and quantize != run.quantize:
             raise TunekitError(f"--quantize: {run_dir} trained over a {run.quantize} base; drop --quantize for a run")
-        adapter = p if p != run_dir else run.adapter_dir
+        adapter = p if p.resolve() != run_dir.resolve() else run.adapter_dir
         return Source(p, "run", run.cfg.method.name, run.model_path, run.quantize, run.dtype, run=run,
                       adapter_dir=adapter, base_override=base_model, facts=facts)
     dt = dev.compute_dtype(dtype, facts)
@@ -150,15 +157,22 @@ def open_source(path: str | Path, model: Optional[str] = None, quantize: Optiona
             raise TunekitError(f"{what}: {p} holds a {kind} adapter; tunekit loads {', '.join(ADAPTER_KINDS)}")
         if not (p / "adapter_model.safetensors").is_file():
             raise TunekitError(f"{what}: {p} has no adapter_model.safetensors")
+        from tunekit.model.folder import _safetensors_header
+
+        # a truncated or damaged weights file is named here, before any model loads (peft and the
+        # soft-prompt reader would fail mid-load with safetensors' own error)
+        _safetensors_header(p / "adapter_model.safetensors", what)
         named = cfg.get("base_model_name_or_path")
         base = resolve_model_path(model, key="--model") if model is not None else resolve_model_path(
             named, key=f"{p / 'adapter_config.json'}: base_model_name_or_path (pass --model)")
         return Source(p, "adapter", ADAPTER_KINDS[kind], base, quantize or "none", dt, adapter_dir=p, adapter_cfg=cfg,
-                      base_override=base_model, facts=facts)
+                      base_override=base_model, facts=facts,
+                      base_key="--model" if model is not None else f"{p / 'adapter_config.json'}: base_model_name_or_path")
     if (p / "config.json").is_file():
         if model is not None:
             raise TunekitError(f"--model: {p} is a model folder already; use --base-model to name its base")
-        return Source(p, "model", None, str(p), quantize or "none", dt, base_override=base_model, facts=facts)
+        return Source(p, "model", None, str(p), quantize or "none", dt, base_override=base_model, facts=facts,
+                      base_key=what)
     raise TunekitError(f"{what}: {p} is neither a tunekit run (config.yaml), an adapter folder "
                        "(adapter_config.json) nor a model folder (config.json)")
 
@@ -223,10 +237,10 @@ def _not_torch(src: Source):
                         "generate and chat take a run, an adapter folder or a model folder")
 
 
-def _plain_base(path: str, quantize: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def _plain_base(path: str, quantize: str, dtype: torch.dtype, device: torch.device, key: str) -> nn.Module:
     from tunekit.model import load_base_model, prepare_for_training
 
-    model = load_base_model(path, quantize, dtype, device)
+    model = load_base_model(path, quantize, dtype, device, key=key)
     prepare_for_training(model, quantize, gradient_checkpointing=False)  # the trainer's own base preparation
     return model.eval()
 
@@ -236,7 +250,8 @@ def load_base(src: Source) -> nn.Module:
     if src.base_override is not None:
         from tunekit.model import resolve_model_path
 
-        return _plain_base(resolve_model_path(src.base_override, key="--base-model"), src.quantize, src.dtype, src.device)
+        return _plain_base(resolve_model_path(src.base_override, key="--base-model"), src.quantize, src.dtype, src.device,
+                           "--base-model")
     if src.kind == "run":
         from tunekit.export.run import load_base as run_base
 
@@ -246,7 +261,7 @@ def load_base(src: Source) -> nn.Module:
     if src.kind == "gguf":
         raise TunekitError(f"--base: the base of the GGUF file {src.path} is unknown; name its untuned Hugging Face "
                            "model folder with --base-model DIR")
-    return _plain_base(src.base_path, src.quantize, src.dtype, src.device)
+    return _plain_base(src.base_path, src.quantize, src.dtype, src.device, src.base_key)
 
 
 def _method_cfg(src: Source):
@@ -273,7 +288,7 @@ def load_trained(src: Source) -> nn.Module:
     if src.kind == "model":
         from tunekit.model import load_base_model
 
-        return load_base_model(str(src.path), src.quantize, src.dtype, src.device).eval()
+        return load_base_model(str(src.path), src.quantize, src.dtype, src.device, key=src.base_key).eval()
     base = load_base(src)
     if src.method == "lora":  # any peft LoRA folder (tunekit's, TRL's, ...) with peft's own loader
         from peft import PeftModel
@@ -304,12 +319,13 @@ def load_tokenizer_for(src: Source):
     if src.kind == "run":
         from tunekit.export.run import run_tokenizer
 
-        return run_tokenizer(src.run)
+        return run_tokenizer(src.run, src.adapter_dir)
     if src.kind == "gguf":
         return load_tokenizer(src.tokenizer_dir) if src.tokenizer_dir else load_gguf_tokenizer(src.path)
     folder = src.adapter_dir if src.kind == "adapter" else src.path
     has_tok = any((Path(folder) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
-    return load_tokenizer(str(folder) if has_tok else src.base_path)
+    return load_tokenizer(str(folder), key=src.base_key if src.kind == "model" else str(folder)) if has_tok else \
+        load_tokenizer(src.base_path, key=src.base_key)
 
 
 def base_source(model: Optional[str], quantize: Optional[str], dtype: str, facts: Optional[DeviceFacts] = None) -> Source:
@@ -318,7 +334,8 @@ def base_source(model: Optional[str], quantize: Optional[str], dtype: str, facts
 
     path = resolve_model_path(model, key="--model")
     facts = facts or dev.probe(torch.device("cpu"))
-    return Source(Path(path), "model", None, path, quantize or "none", dev.compute_dtype(dtype, facts), facts=facts)
+    return Source(Path(path), "model", None, path, quantize or "none", dev.compute_dtype(dtype, facts), facts=facts,
+                  base_key="--model")
 
 
 def trained_part_bytes(src: Source) -> int:

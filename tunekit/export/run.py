@@ -44,12 +44,29 @@ class Run:
         return get_method(self.cfg.method.name)
 
 
-def open_run(run_dir: str | Path, facts: DeviceFacts | None = None) -> Run:
-    """Read RUN_DIR/config.yaml and check the run finished (adapter/ written); one clear error otherwise.
-    `facts`: the device the run's models will load on (default: the CPU); its compute dtype is
-    the run's model.dtype decided for that device, as training decides it."""
+def read_run_config(cfg_path: Path) -> TrainConfig:
+    """A run's config.yaml, typed; one line naming the file for anything else. OmegaConf parses with
+    a safe YAML loader, so a Python tag (`!!python/object/...`) runs nothing: it is a YAMLError,
+    refused here like any text that is not a tunekit config (binary bytes too)."""
+    import yaml
     from omegaconf.errors import OmegaConfBaseException
 
+    try:
+        # Merge into the schema so enum values and defaults come back typed, as in training.
+        return load_run_config(cfg_path)
+    except (OmegaConfBaseException, ValueError, yaml.YAMLError) as e:  # UnicodeDecodeError is a ValueError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TunekitError(f"{cfg_path}: not a tunekit config ({first[:200]})") from None
+    except OSError as e:
+        raise TunekitError(f"{cfg_path}: cannot read ({e.strerror})") from None
+
+
+def open_run(run_dir: str | Path, facts: DeviceFacts | None = None, adapter: Path | None = None) -> Run:
+    """Read RUN_DIR/config.yaml and check the run finished (adapter/ written); one clear error otherwise.
+    `facts`: the device the run's models will load on (default: the CPU); its compute dtype is
+    the run's model.dtype decided for that device, as training decides it. `adapter`: an adapter
+    folder of the run chosen instead (RUN/checkpoints/step-N/adapter): then the run need not have
+    finished, as a killed run has only its checkpoints."""
     from tunekit.model import resolve_model_path
 
     run_dir = Path(run_dir).expanduser()
@@ -58,17 +75,14 @@ def open_run(run_dir: str | Path, facts: DeviceFacts | None = None) -> Run:
     cfg_path = run_dir / "config.yaml"
     if not cfg_path.is_file():
         raise TunekitError(f"RUN_DIR: {run_dir} is not a tunekit run (no config.yaml; pass the output_dir of `tunekit train`)")
-    adapter = run_dir / "adapter"
-    if not (adapter / "adapter_model.safetensors").is_file():
+    if adapter is not None:
+        if not (adapter / "adapter_model.safetensors").is_file():
+            raise TunekitError(f"RUN_DIR: {adapter} has no adapter_model.safetensors (a checkpoint cut short?)")
+    elif not (run_dir / "adapter" / "adapter_model.safetensors").is_file():
         ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) if (run_dir / "checkpoints").is_dir() else []
         hint = f"; checkpoints there: {', '.join(ckpts)} (resume the run to finish it)" if ckpts else ""
         raise TunekitError(f"RUN_DIR: {run_dir} has no finished adapter (adapter/adapter_model.safetensors){hint}")
-    try:
-        # Merge into the schema so enum values and defaults come back typed, as in training.
-        cfg = load_run_config(cfg_path)
-    except (OmegaConfBaseException, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TunekitError(f"{cfg_path}: not a tunekit config ({first})") from None
+    cfg = read_run_config(cfg_path)
     model_path = resolve_model_path(cfg.model.path)
     facts = facts or probe(torch.device("cpu"))
     return Run(run_dir, cfg, model_path, plain(cfg.model.quantize), compute_dtype(plain(cfg.model.dtype), facts),
@@ -113,12 +127,49 @@ def load_original_base(run: Run) -> nn.Module:
     return load_base_model(run.model_path, "none", torch.float32, run.device).eval()
 
 
-def run_tokenizer(run: Run):
-    """The tokenizer saved with the adapter (it carries the chat template the run trained with)."""
+def run_tokenizer(run: Run, adapter_dir: Path | None = None):
+    """The tokenizer saved with the adapter (it carries the chat template the run trained with);
+    a checkpoint's adapter folder may hold none: then the finished adapter's, else the base's."""
     from tunekit.model import load_tokenizer
 
-    has_tok = any((run.adapter_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
-    return load_tokenizer(str(run.adapter_dir if has_tok else run.model_path))
+    for folder in (adapter_dir, run.adapter_dir):
+        if folder is not None and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            return load_tokenizer(str(folder))
+    return load_tokenizer(str(run.model_path))
+
+
+def check_data_unchanged(run: Run) -> None:
+    """Refuse when a data file the run trained on changed since (checksums recorded at its start,
+    tunekit.resume.DATA_FINGERPRINT): re-splitting it would give another held-out set, possibly rows
+    the run trained on, and the score would silently measure something else. Runs from before
+    the record are not checked."""
+    import json
+
+    from tunekit.checkpoint import sha256_file
+    from tunekit.data.formats import DEFAULT_DATA_DIR
+    from tunekit.resume import DATA_FINGERPRINT
+
+    record = run.run_dir / DATA_FINGERPRINT
+    if not record.is_file():
+        return
+    try:
+        saved = json.loads(record.read_text())
+    except (OSError, ValueError) as e:
+        raise TunekitError(f"{record}: not readable JSON ({type(e).__name__}); it records the data the run trained on") from None
+    d = run.cfg.data
+    files = {"data.path": Path(d.path) if d.path else DEFAULT_DATA_DIR / "train.jsonl",
+             "data.val_path": Path(d.val_path) if d.val_path else (DEFAULT_DATA_DIR / "val.jsonl" if not d.path else None)}
+    for key, path in files.items():
+        want = saved.get(f"{key}:sha256") if isinstance(saved, dict) else None
+        if path is None or not isinstance(want, str):
+            continue
+        if not path.is_file():
+            raise TunekitError(f"{key}: {path}, which the run {run.run_dir} trained on, is gone; restore it, or "
+                               "score a file of your choice with --data FILE")
+        if sha256_file(path) != want:
+            raise TunekitError(f"{key}: {path} changed since the run {run.run_dir} trained on it (its sha256 differs "
+                               "from the one recorded at the start of training): its held-out split would no longer "
+                               "be the run's; restore the file, or score a file of your choice with --data FILE")
 
 
 def heldout_batches(run: Run, tokenizer, n_batches: int) -> list[dict[str, torch.Tensor]]:

@@ -22,8 +22,19 @@ def report_path(fmt: str, out: Path) -> Path:
 
 def check_out(fmt: str, out: Path, run_dir: Path) -> None:
     """Refuse any PATH whose replacement could destroy something that is not a previous export."""
-    if out == run_dir or run_dir in out.parents:
-        raise TunekitError(f"--out: {out} is inside the run folder {run_dir}; export somewhere else")
+    # Compared resolved: a symlink on the way (a link to the run, or to one of its folders) would
+    # otherwise pass the check and the export would be written inside the run folder.
+    real, real_run = out.resolve(), run_dir.resolve()
+    if real == real_run or real_run in real.parents or out == run_dir or run_dir in out.parents:
+        where = "" if real == out else f" (through a link: it is {real})"
+        raise TunekitError(f"--out: {out} is inside the run folder {run_dir}{where}; export somewhere else")
+    # The folder it goes in must be creatable and writable: refused now, not after the export's
+    # minutes of loading and measuring, with an OSError from deep in the writer.
+    parent = next((p for p in real.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise TunekitError(f"--out: {out} lies under {parent}, which is a file")
+    if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
+        raise TunekitError(f"--out: cannot write in {parent} (permission denied or a read-only location)")
     if not out.exists():
         return
     is_dir_format = fmt not in FILE_FORMATS

@@ -102,6 +102,17 @@ def check_targets(targets: list[str], model: nn.Module | None) -> list[str]:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise TunekitError(f"method.target_modules: no module named {missing[0]!r} in {type(model).__name__}; "
                            f"its linear layers are {linear}, or use [all-linear]")
+    # peft matches a name against every module, containers included: a ModuleList (layers), an
+    # attention block (self_attn) or the embeddings would fail deep inside peft with an error that
+    # blames something else (or wrap layers LoRA is not meant for). LoRA here wraps Linear layers.
+    by_name = dict(model.named_modules())
+    for t in targets:
+        hits = [n for n in by_name if n == t or n.endswith("." + t)]
+        if not any(isinstance(by_name[n], nn.Linear) for n in hits):
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in by_name.items() if isinstance(m, nn.Linear)})
+            raise TunekitError(f"method.target_modules: {t!r} names {type(by_name[hits[0]]).__name__} modules "
+                               f"({hits[0]}), not Linear projections; LoRA wraps Linear layers: choose from "
+                               f"{linear}, or use [all-linear]")
     return targets
 
 

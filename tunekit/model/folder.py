@@ -43,7 +43,12 @@ def resolve_model_path(path: Optional[str], key: str = "model.path") -> str:
         raise TunekitError(f"{key}: empty; give a model folder, or null for the default model")
     p = Path(path).expanduser()
     if p.is_dir():
-        check_model_folder(p, key)
+        if not os.access(p, os.R_OK | os.X_OK):
+            raise TunekitError(f"{key}: {path} cannot be read by this user (permission denied)")
+        try:
+            check_model_folder(p, key)
+        except PermissionError as e:
+            raise TunekitError(f"{key}: {e.filename or path} cannot be read by this user (permission denied)") from None
         return str(p)
     if p.exists():
         raise TunekitError(f"{key}: {path} is a file; give a Hugging Face model folder (with config.json)")

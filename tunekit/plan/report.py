@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, replace
 from typing import Optional
@@ -41,8 +42,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.gpus < 1:
         p.error(f"--gpus: must be >= 1, got {args.gpus}")
-    if args.memory is not None and args.memory <= 0:
-        p.error(f"--memory: must be > 0 GiB, got {args.memory:g}")
+    # float() takes "nan" and "inf": a NaN budget compares false with everything (every plan would
+    # "fit"), an infinite one fits anything, so both are refused with the negatives
+    if args.memory is not None and not (math.isfinite(args.memory) and args.memory > 0):
+        p.error(f"--memory: must be > 0 GiB and finite, got {args.memory:g}")
     return args
 
 

@@ -116,6 +116,10 @@ def evaluate(args) -> dict:
     # A GGUF file runs in llama.cpp's CPU build whatever --device says; only a --base model loads there.
     src = open_source(args.source, args.model, args.quantize, args.dtype, args.base_model,
                       facts=None if gguf_file and not args.base else command_facts(args.device))
+    if src.kind == "run" and args.data is None:  # its held-out split is re-made from the run's data files
+        from tunekit.export.run import check_data_unchanged
+
+        check_data_unchanged(src.run)
     if args.base and src.kind in ("model", "gguf") and args.base_model is None:
         raise TunekitError(f"--base: the base of the {'model folder' if src.kind == 'model' else 'GGUF file'} "
                            f"{src.path} is unknown; name it with --base-model DIR")
