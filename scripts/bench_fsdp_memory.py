@@ -1,6 +1,6 @@
 """How much of the model each FSDP rank holds: bytes of parameters and resident memory, per rank.
 
-Run with several processes (two gloo ranks on a CPU, as in TRAPS.md):
+Run with several processes (two gloo ranks on a CPU: `accelerate launch --cpu` alone starts one process):
 
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 --num_machines 1 \\
         --mixed_precision no --dynamo_backend no scripts/bench_fsdp_memory.py [--quantize nf4] [--model DIR]

@@ -142,7 +142,7 @@ def run_cli(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 
 
 
 # ---------------------------------------------------------------- two ranks
-# `accelerate launch` on the CPU (TRAPS.md: `--cpu` alone runs one process; ACCELERATE_USE_CPU with
+# `accelerate launch` on the CPU (`--cpu` alone runs one process; ACCELERATE_USE_CPU with
 # --multi_gpu runs gloo ranks).
 LAUNCH_FLAGS = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
                 "--dynamo_backend", "no"]

@@ -10,7 +10,7 @@ import os
 
 # One intra-op thread for the test process and every `tunekit` it starts: the tiny model's ops are
 # far too small to split, and two processes each spinning 2 OpenMP threads on a 2-core machine
-# slowed a 15 s run to ~5 min (TRAPS.md). Set before torch is imported anywhere.
+# slowed a 15 s run to ~5 min. Set before torch is imported anywhere.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import gc  # noqa: E402

@@ -102,7 +102,7 @@ def test_memory_figures_on_cpu():
 
 @pytest.mark.parametrize("given, expected", [("cuda", 0), ("cuda:1", 1), ("cpu", "cpu")])
 def test_a_4bit_load_gets_a_device_index(given, expected):
-    """Issue 10: load_base_model(dir, 'nf4', bf16, torch.device('cuda')) died on device_map={'': None}."""
+    """A regression: load_base_model(dir, 'nf4', bf16, torch.device('cuda')) died on device_map={'': None}."""
     from tunekit.model.loader import load_kwargs
 
     kwargs = load_kwargs("nf4", torch.bfloat16, torch.device(given))

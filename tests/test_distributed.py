@@ -1,4 +1,4 @@
-"""Two real gloo ranks on the CPU, as `accelerate launch` starts them (TRAPS.md: `--cpu` alone runs one).
+"""Two real gloo ranks on the CPU, as `accelerate launch` starts them (`--cpu` alone runs one).
 
 The first test goes through the real launcher; the others fork the two ranks with the environment
 that launcher gives them (tests/_helpers.py: launch_two_ranks)."""

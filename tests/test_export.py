@@ -128,7 +128,7 @@ def test_adapter_of_a_bf16_run_reloads_exactly(tiny_model_dir, tiny_data, tmp_pa
 
 def test_merged_nf4_weights_are_fresh_dequantized_base_plus_delta(runs, tiny_model_dir, tmp_path):
     """W_merged == dequant(NF4 codes, read afresh) + (alpha/r) B A, i.e. merged into the base the
-    adapter trained against, in fp32, never into a re-quantized or CPU-repacked weight (TRAPS.md)."""
+    adapter trained against, in fp32, never into a re-quantized or CPU-repacked weight."""
     import bitsandbytes.functional as bnbf
 
     from tunekit.model import load_base_model

@@ -122,7 +122,7 @@ def planning_facts(kind: str, memory_bytes: Optional[int] = None, cuda_available
 def rank_device(device: torch.device, local_rank: int = 0, current_index: Optional[int] = None) -> torch.device:
     """The device a process trains on, always with an explicit CUDA index.
 
-    A single-process `Accelerator().device` is `cuda` with no index (TRAPS.md); under
+    A single-process `Accelerator().device` is `cuda` with no index (accelerate 1.x); under
     `accelerate launch` it is `cuda:LOCAL_RANK`. Downstream code (a 4-bit load's device map,
     memory counters) needs the index, so `cuda` becomes `cuda:<current device>` (by default
     the local rank: accelerate sets the current device to it).

@@ -5,7 +5,7 @@ The choice is made once, before the first step, and never changes what is traine
 * `FusedLoRALinear4bit` *is* peft's LoRA `Linear4bit` (a subclass that only replaces forward),
   and a layer is switched by changing its class in place. peft still finds every layer when it
   saves, loads, merges or disables adapters, and state-dict keys are untouched. (Swapping in a
-  module of another type made peft 0.21 save adapters with 0 tensors: TRAPS.md.)
+  module of another type made peft 0.21 save adapters with 0 tensors.)
 * On a CPU, `auto` takes the same layer math in plain torch + bitsandbytes with the LoRA matmuls
   in bf16 (tunekit/lora_compute.py: peft runs them in fp32, at a quarter of the CPU's bf16 speed),
   when the base computes in bf16; it is checked against the twin like the kernel (not timed: a

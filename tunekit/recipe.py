@@ -66,7 +66,7 @@ class TrainRecipe:
     def setup(self) -> None:
         cfg = self.cfg
         self.acc = Accelerator(kwargs_handlers=[self._process_group_kwargs()])
-        # A single process's Accelerator().device is `cuda` without an index (TRAPS.md).
+        # A single process's Accelerator().device is `cuda` without an index (tunekit.device.rank_device).
         self.device = dev.rank_device(self.acc.device, self.acc.local_process_index)
         self.facts = dev.probe(self.device)
         self.main = self.acc.is_main_process

@@ -218,7 +218,7 @@ def test_modes(tiny_model_dir, monkeypatch):
 
 
 def test_fused_layers_save_every_tensor(tiny_model_dir, tmp_path):
-    """The regression of issue 10: with fused layers, peft saved 0 tensors and loading accepted it."""
+    """A regression: with fused layers, peft saved 0 tensors and loading accepted it."""
     model = _qlora_tiny(tiny_model_dir, torch.float32)
     choose_lora_path(model, "on", CPU_FACTS, torch.float32)
     get_method("lora").save(model, tmp_path / "a")  # verifies by reading back, or raises

@@ -101,7 +101,8 @@ def reload_merged(folder: Path, device: torch.device) -> nn.Module:
     from tunekit.model.loader import keep_bnb_layout
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto", device_map=device_map(device))
-    # Same 4-bit math as training measured it: no bitsandbytes CPU repack on eval forwards (TRAPS.md).
+    # Same 4-bit math as training measured it: no bitsandbytes CPU repack on eval forwards
+    # (tunekit.model.loader.keep_bnb_layout says why).
     keep_bnb_layout(model)
     return model.eval()
 

@@ -21,7 +21,7 @@ deployed model sees both), the distributions p (trained) and q (exported) are co
     top1_agreement       fraction of positions where argmax z_p == argmax z_q
 
 The trained model's logits and all three losses come from one load of the base (tunekit's own
-loader, so no bitsandbytes CPU repack: TRAPS.md): the base is measured before the method is
+loader, so no bitsandbytes CPU repack: see tunekit.model.loader.keep_bnb_layout): the base is measured before the method is
 applied, then the adapter is loaded into it. Its logits are kept (only the non-padding positions,
 fp32) so that every export candidate is compared against one reference pass.
 """

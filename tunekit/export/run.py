@@ -4,7 +4,7 @@ RUN_DIR/config.yaml   the resolved TrainConfig -> same base (path, quantize, dty
 RUN_DIR/adapter/      method.save() output + the tokenizer the run used (chat template included)
 
 The base is loaded with tunekit's own loader (keep_bnb_layout: no bitsandbytes CPU repack on
-eval forwards, TRAPS.md), so one load serves a whole export: the base's loss, then the trained
+eval forwards: tunekit.model.loader explains why), so one load serves a whole export: the base's loss, then the trained
 model's logits (apply + load on the same storage), then the merge into the dequantized weights,
 which consumes it. `load_original_base` reads the high-precision weights for the other target.
 """

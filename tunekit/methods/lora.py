@@ -33,7 +33,7 @@ def dequantized_linear(layer: nn.Module) -> nn.Linear:
     """An fp32 nn.Linear equal to a bitsandbytes Linear4bit, read afresh from its packed codes.
 
     The packed weight must be in bitsandbytes' portable layout: the loader turns off the CPU
-    repack (keep_bnb_layout) after which dequantize_4bit silently returns wrong weights (TRAPS.md).
+    repack (keep_bnb_layout) after which dequantize_4bit silently returns wrong weights.
     """
     import bitsandbytes.functional as bnbf
 

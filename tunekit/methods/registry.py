@@ -7,7 +7,7 @@ trained part folds into the base); the `save` and `load` that everything else ca
 once here, around them, so that no method can save an incomplete adapter or load one silently:
 
 * save: write, then read the folder back; every trainable tensor must be there, equal to the
-  model's (peft 0.21 once saved 0 tensors for layers it did not recognise: TRAPS.md).
+  model's (peft 0.21 once saved 0 tensors for layers it did not recognise).
 * load: before touching the model, the folder must hold every tensor the model expects, in the
   expected shapes; the first missing or misfit key is named in one error.
 """

@@ -208,7 +208,7 @@ def keep_bnb_layout(model: nn.Module) -> None:
 
     On CPUs with AVX512-BF16, an eval-mode no-grad forward of Linear4bit repacks the weight in
     place (bitsandbytes 0.50). After that, training forwards give different logits (measured:
-    up to 1.25 apart on SmolLM2) and dequantize/merge return wrong weights (TRAPS.md). Validation
+    up to 1.25 apart on SmolLM2) and dequantize/merge return wrong weights. Validation
     runs exactly such forwards mid-training, so we turn the repack off per instance: eval and
     train then run the same math, and the weights stay in the layout every consumer expects.
     """
