@@ -39,12 +39,14 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # 2026-11-23: export ~208, plan_measured ~80, fsdp ~63, taskeval ~52, bad input ~52, doctor ~44,
 # default_model ~41, bench_train ~40, resume ~38, distributed ~36, methods ~23, recipes ~21; and on
 # the Ice Lake VM of 2026-11-24, test_compile ~48 with inductor's cache empty, as on a CI machine,
-# ~30 warm). Workers take whole modules in this order (pyproject.toml turns off xdist's own
+# ~30 warm; 2026-11-25 on the AMD EPYC VM: kernel_ops/test_fit ~45-57 in one test, gguf_adapter ~25,
+# gguf_eval ~15). Workers take whole modules in this order (pyproject.toml turns off xdist's own
 # reordering, which sorts modules by their number of tests), so the long ones start first and the
 # short ones fill in after them instead of one worker finishing a long module alone at the end.
-LONGEST_FIRST = ("test_export.py", "test_plan_measured.py", "test_compile.py", "test_fsdp.py", "test_taskeval.py",
-                 "test_bad_input.py", "kernel_ops/test_doctor.py", "test_default_model.py", "test_bench_train.py",
-                 "test_resume.py", "test_distributed.py", "test_methods.py", "test_recipes.py")
+LONGEST_FIRST = ("test_export.py", "kernel_ops/test_fit.py", "test_plan_measured.py", "test_compile.py", "test_fsdp.py",
+                 "test_taskeval.py", "test_bad_input.py", "kernel_ops/test_doctor.py", "test_default_model.py",
+                 "test_bench_train.py", "test_resume.py", "test_distributed.py", "test_gguf_adapter.py",
+                 "test_methods.py", "test_recipes.py", "test_gguf_eval.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -542,7 +542,8 @@ def test_default_model_qlora_merged_and_gguf(default_model_dir, tmp_path):
                  "trainer.eval_samples=0"],
                 tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    report = export(run, "merged", tmp_path / "auto", merge_into="dequantized", eval_batches=2)
+    # task_rows=0: the task check is tested on the tiny model; here its greedy answers would double the time
+    report = export(run, "merged", tmp_path / "auto", merge_into="dequantized", eval_batches=2, task_rows=0)
     f = report["fidelity"]
     assert report["accepted"] and report["dtype_tried"][0]["dtype"] == "bf16"
     assert report["gate"]["rule"] == "gain_kept" or f["kl_mean"] <= KL_FALLBACK  # the rule that decided held
@@ -551,7 +552,7 @@ def test_default_model_qlora_merged_and_gguf(default_model_dir, tmp_path):
     assert f["ppl_trained"] < f["ppl_base"]
 
     need_llama_cpp()
-    report = export(run, "gguf", tmp_path / "model.gguf", merge_into="dequantized", eval_batches=2)
+    report = export(run, "gguf", tmp_path / "model.gguf", merge_into="dequantized", eval_batches=2, task_rows=0)
     f = report["fidelity"]
     # f16 where the 2 steps' delta survives an f16 rounding, else f32: the same bf16 noise as the merged
     # export's fp16/fp32 above (on the Intel VM with AMX: merged fp16 kept 62.9% of the gain, GGUF f16 63.2%)
@@ -634,3 +635,21 @@ def test_an_export_that_changes_the_answers_is_refused(runs, tmp_path, monkeypat
     calls.clear()
     report = export(runs["qlora"], "merged", out, dtype="fp32", eval_batches=1, min_task_gain=0.0)
     assert report["accepted"] and report["fidelity"]["task"]["gain_kept"] == 0.0
+
+
+def test_long_free_text_replies_are_left_to_the_loss_check(tiny_model_dir, tmp_path):
+    """Exact match is a metric for short answers: replies longer than MAX_EXACT_MATCH_TOKENS skip the
+    task check with the reason, before any model loads."""
+    from transformers import AutoTokenizer
+
+    from tunekit.export.task import MAX_EXACT_MATCH_TOKENS, task_check
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    data = tmp_path / "long.jsonl"
+    long = " ".join(["word"] * (2 * MAX_EXACT_MATCH_TOKENS))
+    data.write_text("".join(json.dumps({"instruction": f"Say {i}", "input": "", "output": long}) + "\n" for i in range(5)))
+    check, why = task_check(None, tok, str(data), 200)
+    assert check is None and "free text" in why and "--data FILE with short answers" in why
+    data.write_text("".join(json.dumps({"instruction": f"Say {i}", "input": "", "output": str(i)}) + "\n" for i in range(5)))
+    check, _ = task_check(None, tok, str(data), 200)
+    assert check is not None and check.metric == "exact_match" and len(check.rows) == 5

@@ -28,6 +28,9 @@ from tunekit.taskeval.rows import ClassSet, TaskRow
 # Rows scored by default: enough that a few lost rows can read as significant, few enough that
 # scoring a 135M model several times stays a fraction of the export.
 DEFAULT_TASK_ROWS = 200
+# Exact match is a task metric for short answers (a label, a number, a name); replies longer than
+# this are scored by the loss check alone.
+MAX_EXACT_MATCH_TOKENS = 32
 
 
 @dataclass
@@ -69,7 +72,15 @@ def task_check(cfg, tokenizer, data: Optional[str], max_rows: int) -> tuple[Opti
     if not rows:
         return None, f"{where}: no held-out row has a prompt and a reply to score"
     rows = rows[:max_rows]
-    return TaskCheck(rows, closed_set(rows), where), where
+    classes = closed_set(rows)
+    longest = max(len(r.answer) for r in rows)
+    if classes is None and longest > MAX_EXACT_MATCH_TOKENS:
+        # Long free-text replies almost never match exactly, as trained or exported: the metric
+        # would read 0% on both sides and decide nothing, at the price of greedy decoding every
+        # reply three or more times.
+        return None, (f"{where}: the replies are free text (up to {longest} tokens), not answers to match; "
+                      "--data FILE with short answers or a closed set of them enables the task check")
+    return TaskCheck(rows, classes, where), where
 
 
 def _rate(correct: list[bool]) -> float:
