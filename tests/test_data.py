@@ -238,3 +238,52 @@ def test_held_out_micro_batches_keep_each_ranks_rows_and_cut_padding():
             assert [len(b) for b in packed] == [len(b) for b in fixed] and [i for b in packed for i in b] == flat
     # one long row no longer pads the short ones that share its batch in the fixed order
     assert eval_micro_batches([40, 256, 40, 40], 4, 1, 0) == [[1], [0, 2, 3]]
+
+
+MULTI_TURN = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+              {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"},
+              {"role": "assistant", "content": "Goodbye."}]
+
+
+@pytest.mark.parametrize("row, fmt", [
+    ({"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                        {"from": "gpt", "value": "Hello."}, {"from": "human", "value": "Bye"},
+                        {"from": "gpt", "value": "Goodbye."}]}, "sharegpt"),
+    ({"prompt": MULTI_TURN[:2], "completion": MULTI_TURN[2:3]}, "prompt_completion"),
+])
+def test_sharegpt_and_prompt_completion_rows_train_as_their_chat(tok, tmp_path, row, fmt):
+    """Detected from their columns, they become the chat rows they are: token by token the same
+    input and the same trained tokens (every assistant turn, nothing else)."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    assert detect_format(read_rows(path), path) == fmt
+    [ex] = tokenize_rows([row], fmt, "x.jsonl", tok, 512)
+    messages = MULTI_TURN if fmt == "sharegpt" else MULTI_TURN[:3]
+    [ref] = tokenize_rows([{"messages": messages}], "chat", "x.jsonl", tok, 512)
+    assert ex["input_ids"] == ref["input_ids"] and ex["labels"] == ref["labels"]
+
+
+def test_prompt_completion_strings_are_a_user_turn_and_its_reply(tok):
+    [ex] = tokenize_rows([{"prompt": "Name a color.", "completion": "Blue."}], "prompt_completion", "x.jsonl", tok, 512)
+    [ref] = tokenize_rows([{"instruction": "Name a color.", "output": "Blue."}], "alpaca", "x.jsonl", tok, 512)
+    assert ex == ref and trained_text(tok, ex) == "Blue." + tok.eos_token
+
+
+@pytest.mark.parametrize("bad_row, expect", [
+    ({"conversations": [{"from": "human", "value": "hi"}]}, "no assistant ('gpt') turn"),
+    ({"conversations": [{"from": "robot", "value": "hi"}, {"from": "gpt", "value": "a"}]},
+     "conversations[0] needs 'from' in"),
+    ({"conversations": [{"from": "human", "value": ""}, {"from": "gpt", "value": "a"}]},
+     "conversations[0].value must be a non-empty string"),
+    ({"prompt": "q", "completion": [{"role": "assistant", "content": "a"}]}, "must both be strings or both lists"),
+    ({"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "user", "content": "a"}]},
+     "'completion' may hold assistant messages only"),
+])
+def test_malformed_sharegpt_and_prompt_completion_rows_name_file_and_row(tmp_path, tok, bad_row, expect):
+    good = ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+            if "conversations" in bad_row else {"prompt": "q", "completion": "a"})
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [good, good, bad_row]))
+    with pytest.raises(DataError) as err:
+        load_splits(str(path), None, "auto", tok, 512, 0.3, None, 0)
+    assert f"{path}: row 3" in str(err.value) and expect in str(err.value)

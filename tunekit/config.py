@@ -51,9 +51,12 @@ class Strategy(str, Enum):
 
 
 class DataFormat(str, Enum):
-    auto = "auto"  # detected from the columns: messages -> chat, instruction -> alpaca, text -> text
+    auto = "auto"  # detected from the columns: messages -> chat, conversations -> sharegpt,
+    #                prompt + completion -> prompt_completion, instruction -> alpaca, text -> text
     alpaca = "alpaca"
     chat = "chat"
+    sharegpt = "sharegpt"
+    prompt_completion = "prompt_completion"
     text = "text"
 
 

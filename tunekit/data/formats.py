@@ -27,7 +27,11 @@ DEFAULT_DATA_DIR = Path(__file__).parent / "default"
 SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 ROLES = {"system", "user", "assistant"}
 # The key each format cannot do without, in detection order.
-FORMAT_KEYS = {"chat": ("messages",), "alpaca": ("instruction", "output"), "text": ("text",)}
+FORMAT_KEYS = {"chat": ("messages",), "sharegpt": ("conversations",), "prompt_completion": ("prompt", "completion"),
+               "alpaca": ("instruction", "output"), "text": ("text",)}
+# ShareGPT's speaker names (`from`) as chat roles: the community's spellings of the three roles.
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant"}
 
 
 class DataError(TunekitError):
@@ -174,7 +178,8 @@ def detect_format(rows: list[dict], path: str | Path) -> str:
     if fmt is None:
         raise DataError(
             f"{path}: cannot tell the format from the columns {sorted(rows[0])} of its first row; expected "
-            "'messages' (chat), 'instruction'+'output' (alpaca) or 'text'"
+            "'messages' (chat), 'conversations' (sharegpt), 'prompt'+'completion', 'instruction'+'output' "
+            "(alpaca) or 'text'"
         )
     return fmt
 
@@ -199,6 +204,10 @@ def row_to_messages(row: dict, fmt: str, where: str, why: str = "") -> list[dict
     if fmt == "text":
         _need_str(row.get("text"), "'text'", where)
         return None
+    if fmt == "sharegpt":
+        return _sharegpt(row.get("conversations"), where)
+    if fmt == "prompt_completion":
+        return _prompt_completion(row, where)
     if fmt == "alpaca":
         instruction = _need_str(row.get("instruction"), "'instruction'", where)
         extra = row.get("input") or ""
@@ -206,17 +215,53 @@ def row_to_messages(row: dict, fmt: str, where: str, why: str = "") -> list[dict
         output = _need_str(row.get("output"), "'output'", where)
         prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
-    messages = row.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}}, got {messages!r:.80}")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise DataError(f"{where}: messages[{i}] needs a role in {sorted(ROLES)}, got {m!r:.80}")
-        out.append({"role": m["role"], "content": _need_str(m.get("content"), f"messages[{i}].content", where)})
+    out = _messages(row.get("messages"), "messages", where)
     if not any(m["role"] == "assistant" for m in out):
         raise DataError(f"{where}: no assistant message, so nothing to train on")
     return out
+
+
+def _messages(messages: Any, key: str, where: str) -> list[dict]:
+    """A list of {role, content} messages, checked."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: '{key}' must be a non-empty list of {{role, content}}, got {messages!r:.80}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise DataError(f"{where}: {key}[{i}] needs a role in {sorted(ROLES)}, got {m!r:.80}")
+        out.append({"role": m["role"], "content": _need_str(m.get("content"), f"{key}[{i}].content", where)})
+    return out
+
+
+def _sharegpt(turns: Any, where: str) -> list[dict]:
+    """ShareGPT rows: {"conversations": [{"from": "human"|"gpt"|"system", "value": ...}, ...]}."""
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{where}: 'conversations' must be a non-empty list of {{from, value}}, got {turns!r:.80}")
+    out = []
+    for i, t in enumerate(turns):
+        role = SHAREGPT_ROLES.get(str(t.get("from", "")).lower()) if isinstance(t, dict) else None
+        if role is None:
+            raise DataError(f"{where}: conversations[{i}] needs 'from' in {sorted(SHAREGPT_ROLES)}, got {t!r:.80}")
+        out.append({"role": role, "content": _need_str(t.get("value"), f"conversations[{i}].value", where)})
+    if not any(m["role"] == "assistant" for m in out):
+        raise DataError(f"{where}: no assistant ('gpt') turn, so nothing to train on")
+    return out
+
+
+def _prompt_completion(row: dict, where: str) -> list[dict]:
+    """TRL's prompt-completion rows: both strings (the prompt is the user's turn, the completion the
+    reply), or both message lists (the completion's messages are the replies that train)."""
+    prompt, completion = row.get("prompt"), row.get("completion")
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return [{"role": "user", "content": _need_str(prompt, "'prompt'", where)},
+                {"role": "assistant", "content": _need_str(completion, "'completion'", where)}]
+    if isinstance(prompt, list) and isinstance(completion, list):
+        head, tail = _messages(prompt, "prompt", where), _messages(completion, "completion", where)
+        if any(m["role"] != "assistant" for m in tail):
+            raise DataError(f"{where}: 'completion' may hold assistant messages only (the replies that train)")
+        return head + tail
+    raise DataError(f"{where}: 'prompt' and 'completion' must both be strings or both lists of {{role, content}}, "
+                    f"got {type(prompt).__name__} and {type(completion).__name__}")
 
 
 def row_char_limit(max_seq_len: int) -> int:
