@@ -85,15 +85,9 @@ def cpu_name() -> str:
 
 
 def versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
+    from bench_threads import versions as installed
 
-    out = {}
-    for pkg in ("torch", "transformers", "peft", "bitsandbytes", "llama_cpp_python"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out
+    return installed(("torch", "transformers", "peft", "bitsandbytes", "llama_cpp_python"))
 
 
 def pct(x) -> str:

@@ -119,11 +119,12 @@ def machine() -> dict:
             "avx512_bf16": "avx512_bf16" in info, "cores": cores()}
 
 
-def versions() -> dict:
+def versions(packages=("torch", "transformers", "peft", "bitsandbytes", "tunekit")) -> dict:
+    """Installed version of each package (None where it is not installed)."""
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
-    for pkg in ("torch", "transformers", "peft", "bitsandbytes", "tunekit"):
+    for pkg in packages:
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
