@@ -67,7 +67,7 @@ def run_one(run_dir: Path, name: str, args: list[str], out_dir: Path, env: dict)
             shutil.rmtree(p)
         elif p.exists():
             p.unlink()
-    cmd = [sys.executable, "-c", "import sys; from tunekit.cli import main; sys.argv[0] = 'tunekit'; main()",
+    cmd = [sys.executable, "-c", "import sys; from tunekit.commands.main import main; sys.argv[0] = 'tunekit'; main()",
            "export", str(run_dir), *args, "--out", str(out), "--force"]
     started = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -7,7 +7,7 @@ Run with several processes (two gloo ranks on a CPU: `accelerate launch --cpu` a
 
 Each rank loads the base the way `tunekit train trainer.strategy=fsdp` does (host memory; 4-bit
 codes stored as floats), applies LoRA r=16 to every projection, and shards it with
-tunekit.fsdp.Sharded. Reported per rank: the bytes of parameters, buffers and 4-bit state it holds
+tunekit.train.fsdp.Sharded. Reported per rank: the bytes of parameters, buffers and 4-bit state it holds
 (whole model vs its shards), and its memory (RSS on a CPU, allocated on a GPU) before loading,
 with the whole model loaded and read once (what every DDP rank keeps), and after sharding. On a
 CPU each reading follows glibc's malloc_trim, so that freed memory the allocator keeps is not
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 def settled_memory_mb(device: torch.device):
     """Memory held now, after garbage collection and (CPU, glibc) handing freed heap back."""
-    from tunekit import device as dev
+    from tunekit.speed import device as dev
 
     gc.collect()
     if device.type == "cpu":
@@ -51,9 +51,9 @@ def main() -> None:
 
     from accelerate import Accelerator
 
-    from tunekit import device as dev
+    from tunekit.speed import device as dev
     from tunekit.config import MethodConfig
-    from tunekit.fsdp import Sharded, held_bytes, quant_storage
+    from tunekit.train.fsdp import Sharded, held_bytes, quant_storage
     from tunekit.methods import get_method
     from tunekit.model import load_base_model, prepare_for_training, resolve_model_path
 

@@ -152,12 +152,12 @@ def measure(overrides: list[str], work: Path, steps: int) -> dict:
     """One configuration, in this (fresh, forked) process."""
     import torch
 
-    from tunekit.cli import compose_configs
-    from tunekit.device import probe
+    from tunekit.commands.compose import compose_configs
+    from tunekit.speed.device import probe
     from tunekit.plan import dynamic_bytes, predict
     from tunekit.plan.inputs import planner_inputs
-    from tunekit.plan.report import resolve_auto
-    from tunekit.recipe import TrainRecipe
+    from tunekit.commands.plan import resolve_auto
+    from tunekit.train.loop import TrainRecipe
 
     out = Path(tempfile.mkdtemp(dir=work))
     (cfg,) = compose_configs(overrides + [f"output_dir={out}/run", "trainer.eval_every=1000000",
@@ -230,7 +230,7 @@ def warm_parent(model_dir: str) -> None:
     import bitsandbytes  # noqa: F401
     import torch
 
-    import tunekit.recipe  # noqa: F401
+    import tunekit.train.loop  # noqa: F401
     from tunekit.model import load_tokenizer
 
     load_tokenizer(model_dir)

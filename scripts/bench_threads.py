@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """How torch's OpenMP threads wait, on a quiet and on a busy CPU: libgomp's default against tunekit's.
 
-Each run is the real command, `python -m tunekit.cli train recipe=qlora ...` on the embedded
+Each run is the real command, `python -m tunekit.commands.main train recipe=qlora ...` on the embedded
 default model (or --model), with GOMP_SPINCOUNT set explicitly: 300000 (libgomp's own default, what
-a process gets without tunekit) or tunekit's value (tunekit/threads.py). Three scenarios:
+a process gets without tunekit) or tunekit's value (tunekit/speed/threads.py). Three scenarios:
 
   alone  one run on an otherwise idle machine: what the setting costs where nothing competes
   pair   two runs started together (two jobs, or `tunekit eval` beside training)
@@ -34,7 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tunekit.threads import SPINCOUNT, cores  # noqa: E402  (no torch: the parent stays light)
+from tunekit.speed.threads import SPINCOUNT, cores  # noqa: E402  (no torch: the parent stays light)
 
 SETTINGS = {"libgomp default": "300000", "tunekit": SPINCOUNT}
 SCENARIOS = ("alone", "pair", "busy")
@@ -58,7 +58,7 @@ def parse_args(argv=None):
 
 
 def start_run(args, spin: str, out: Path) -> tuple[subprocess.Popen, float]:
-    cmd = [sys.executable, "-m", "tunekit.cli", "train", "recipe=qlora", f"output_dir={out}",
+    cmd = [sys.executable, "-m", "tunekit.commands.main", "train", "recipe=qlora", f"output_dir={out}",
            f"trainer.max_steps={args.steps}", "trainer.eval_every=100000", "trainer.eval_samples=0",
            "data.max_val_examples=8", "trainer.save_every=100000", *args.set]
     if args.model:

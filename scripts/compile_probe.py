@@ -3,7 +3,7 @@
 
 Builds the same setup as `scripts/bench_train.py --config cpu` (default model, qlora, seq 256,
 micro-batch 8 x 2, padded) with tunekit's TrainRecipe, `compile` with kernels.compile=true
-(tunekit/compiled.py: the check, then every decoder layer's training forward compiled; until
+(tunekit/speed/torch_compile.py: the check, then every decoder layer's training forward compiled; until
 2026-11-24 this probe compiled the layers itself, with `nn.Module.compile(dynamic=True)`), then
 times optimizer steps 2-4 after two warm-up steps (the first pays the compilation). Prints each
 step's loss so eager and compiled can be compared.
@@ -15,7 +15,7 @@ step's loss so eager and compiled can be compared.
 
 `check` runs setup only (kernels.compile=true: the check on the last layer, then compiling) and
 prints, for every compared tensor, the compiled-vs-eager difference and, in half precision, both
-sides' distance from the layer run in fp32 (tunekit/compiled.py's `judge` sees the same figures).
+sides' distance from the layer run in fp32 (tunekit/speed/torch_compile.py's `judge` sees the same figures).
 
 Before 2026-11-24 the compiled layers computed every LoRA term at scaling 1 instead of alpha/r
 (torch 2.13's inductor drops `alpha` from `add_(a @ b, alpha=s)`, which lora_compute used), so this
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
 def _setup(recipe: str, steps: int, overrides: list[str]):
     """TrainRecipe set up as `bench_train.py --config cpu` builds it (default model, seq 256, 8 x 2, padded)."""
     from bench_train import build_cfg
-    from tunekit.recipe import TrainRecipe
+    from tunekit.train.loop import TrainRecipe
 
     spec = {"recipe": recipe, "steps": steps, "micro_batch_size": 8, "grad_accum": 2, "seq_len": 256,
             "packing": "false", "model": None, "data": None, "set": overrides}
@@ -89,7 +89,7 @@ def _setup(recipe: str, steps: int, overrides: list[str]):
 
 
 def check(recipe: str, dtype: str) -> int:
-    from tunekit import compiled
+    from tunekit.speed import torch_compile as compiled
 
     seen = []  # judge's arguments, once per check batch
     judge = compiled.judge

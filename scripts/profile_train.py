@@ -72,7 +72,7 @@ def main(argv=None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from bench_train import build_cfg
-    from tunekit.recipe import TrainRecipe
+    from tunekit.train.loop import TrainRecipe
 
     spec = {"recipe": args.recipe, "steps": args.warmup + args.steps, "micro_batch_size": args.micro_batch_size,
             "grad_accum": args.grad_accum, "seq_len": args.seq_len, "packing": args.packing, "model": None,

@@ -15,7 +15,7 @@ A --serve case with "ranks": [env, env, ...] is one distributed run: a child per
 its own whole environment (what a launcher gives a rank: RANK, WORLD_SIZE, MASTER_PORT, ...),
 writing to the same stdout and stderr, as `accelerate launch` ranks do (tests/_helpers.py).
 
-Each child is the real CLI path: `tunekit.cli.main(argv)` in a fresh process image with its own
+Each child is the real CLI path: `tunekit.commands.main.main(argv)` in a fresh process image with its own
 stdout/stderr (file descriptors 1 and 2), cwd and environment; its exit status is what the shell
 would see (SystemExit codes as Python's interpreter maps them; an uncaught exception prints its
 traceback and exits 1, as `python -m` would). What the fork saves is the import of torch,
@@ -35,22 +35,24 @@ import tempfile
 import time
 import traceback
 
-from tunekit.children import exit_status
+from tunekit.commands.forkserver import exit_status
 
 
 def preload(warmup: list[str] | None) -> None:
     """Import everything a command imports; validate one good command line to fill the caches
     (the tiny model's skeleton, the good data file) that the children then inherit."""
-    import tunekit.cli
+    import tunekit.commands.compose
+    import tunekit.commands.main  # noqa: F401
+    import tunekit.commands.train  # noqa: F401
     import tunekit.config  # noqa: F401
     import tunekit.data  # noqa: F401
-    import tunekit.export  # noqa: F401
-    import tunekit.generate  # noqa: F401
+    import tunekit.commands.export  # noqa: F401
+    import tunekit.infer.decode  # noqa: F401
     import tunekit.methods  # noqa: F401
     import tunekit.model.folder  # noqa: F401
-    import tunekit.recipe  # noqa: F401
+    import tunekit.train.loop  # noqa: F401
 
-    # the loss curve every run draws (tunekit.tracking): ~0.6 s of imports and font set-up per child
+    # the loss curve every run draws (tunekit.train.tracking): ~0.6 s of imports and font set-up per child
     import matplotlib
 
     matplotlib.use("Agg")
@@ -74,7 +76,7 @@ def preload(warmup: list[str] | None) -> None:
     except (ImportError, AttributeError):
         pass
     if warmup:
-        tunekit.cli.check_overrides(warmup)
+        tunekit.commands.compose.check_overrides(warmup)
     logging.root.handlers.clear()
     _no_torch_library_teardown_at_exit()
 
@@ -129,7 +131,7 @@ def _child(case: dict, out_fd: int, err_fd: int) -> None:
             os.setgroups([])
             os.setgid(user.pw_gid)
             os.setuid(user.pw_uid)
-        from tunekit.cli import main
+        from tunekit.commands.main import main
 
         sys.argv = ["tunekit", *case["argv"]]
         try:

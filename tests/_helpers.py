@@ -40,7 +40,7 @@ class _ForkServer:
     """tests/_cli_forker.py --serve: tunekit imported once; each command a forked child.
 
     Saves the ~5 s import of torch, transformers, peft and hydra that every `tunekit` process pays
-    (most of a tiny-model CLI test). The child runs `tunekit.cli.main(argv)` in its own process
+    (most of a tiny-model CLI test). The child runs `tunekit.commands.main.main(argv)` in its own process
     with its own cwd, environment and stdio, and exits as the console script does;
     test_bad_input.py::test_forker_matches_the_console_script compares the two.
     """
@@ -93,7 +93,7 @@ def fork_server() -> _ForkServer | None:
     if os.environ.get("TUNEKIT_TEST_FRESH_CLI") == "1":
         return None
     # A new server where this process's own environment moved since the server started (an
-    # in-process `tunekit.cli.main` sets HF_HUB_DISABLE_PROGRESS_BARS, for one): otherwise every
+    # in-process `tunekit.commands.main.main` sets HF_HUB_DISABLE_PROGRESS_BARS, for one): otherwise every
     # later command would miss the server and pay a fresh import.
     if _server is None or not _server.serves(dict(os.environ)):
         if _server is not None:
@@ -187,11 +187,11 @@ def _free_port() -> int:
 
 def launch_two_ranks(args: list[str], cwd: Path, port: int, timeout: int = 300,
                      real: bool = False) -> subprocess.CompletedProcess:
-    """`accelerate launch LAUNCH_FLAGS -m tunekit.cli train ARGS`: two gloo ranks on the CPU.
+    """`accelerate launch LAUNCH_FLAGS -m tunekit.commands.main train ARGS`: two gloo ranks on the CPU.
 
     By default each rank is a fork of the fork server (as run_cli's commands are) with the
     environment the real launcher gives that rank (launcher_rank_env), both writing to one stdout
-    and stderr: the same two `tunekit.cli.main` processes without two ~8 s imports of torch,
+    and stderr: the same two `tunekit.commands.main.main` processes without two ~8 s imports of torch,
     transformers, peft and bitsandbytes. One difference, on purpose: no launcher process, so rank 0
     hosts the rendezvous store itself (TORCHELASTIC_USE_AGENT_STORE dropped), as in any launch
     without torchrun's agent. real=True (one test does), or TUNEKIT_TEST_FRESH_CLI=1, runs the
@@ -199,7 +199,7 @@ def launch_two_ranks(args: list[str], cwd: Path, port: int, timeout: int = 300,
     """
     env = {**os.environ, **LAUNCH_ENV}
     cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", *LAUNCH_FLAGS,
-           "--main_process_port", str(port), "-m", "tunekit.cli", "train", *args]
+           "--main_process_port", str(port), "-m", "tunekit.commands.main", "train", *args]
     # PYTHONFAULTHANDLER is read at interpreter start: the forked child turns it on itself
     server = None if real else fork_server()
     if server is not None and server.serves({k: v for k, v in env.items() if k != "PYTHONFAULTHANDLER"}):
@@ -244,7 +244,7 @@ def scaled_tiny_model(tiny_model_dir: Path, out: Path, seed: int) -> Path:
 def need_llama_cpp() -> None:
     """llama.cpp is the GGUF check: CI must run these tests (setup.sh builds llama-cpp-python),
     so there a missing binding fails; elsewhere (a quick local setup) it skips."""
-    from tunekit.export.llamacpp import unavailable
+    from tunekit.infer.llamacpp import unavailable
 
     why = unavailable()
     if why and os.environ.get("CI"):
@@ -307,7 +307,7 @@ def die_mid_save(target: Path, at: str = "write") -> int:
 
 def die_holding_lock(output_dir: Path) -> int:
     """A stale lock: a child takes tunekit's lock on output_dir and dies holding it (its lock file stays)."""
-    from tunekit.runlock import RunLock
+    from tunekit.train.runlock import RunLock
 
     return _in_a_child_that_dies(lambda: RunLock.acquire(output_dir))
 

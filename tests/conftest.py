@@ -23,7 +23,7 @@ import torch  # noqa: E402
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# What `tunekit.cli.main` sets for itself: set here, so that a test calling main in-process leaves
+# What `tunekit.commands.main.main` sets for itself: set here, so that a test calling main in-process leaves
 # os.environ as it found it, and the fork server (tests/_helpers.py) keeps serving instead of being
 # restarted (~8-10 s of imports) for an environment that moved.
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -6,7 +6,7 @@ and nothing written: not the run's output_dir, not the working directory.
 
 Speed: one `tunekit` process start costs 5-10 s of imports on 2 cores, so the catalogue runs in
 one interpreter that imports tunekit once and forks a child per row (tests/_cli_forker.py): the
-child runs `tunekit.cli.main(argv)` with its own stdout/stderr, cwd and exit status, which is the
+child runs `tunekit.commands.main.main(argv)` with its own stdout/stderr, cwd and exit status, which is the
 real CLI path. `test_forker_matches_the_console_script` checks a few rows through the installed
 `tunekit` script too.
 
@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 
 from _helpers import fork_server, run_cli, snapshot
-from tunekit.checkpoint import sha256_file
-from tunekit.runlock import RunLock
+from tunekit.train.checkpoint import sha256_file
+from tunekit.train.runlock import RunLock
 
 HERE = Path(__file__).resolve().parent
 
@@ -800,7 +800,7 @@ def test_python_tag_in_a_run_config_runs_nothing(results, world):
 def test_a_killed_runs_checkpoint_is_that_runs_adapter(world):
     """RUN/checkpoints/step-N/adapter of a run killed before adapter/ was written: opened as that run
     (its base, its method, its held-out split), not as a standalone adapter over the default data."""
-    from tunekit.trained import open_source
+    from tunekit.runs.open import open_source
 
     ckpt = world["w"] / "killed" / "checkpoints" / "step-000002" / "adapter"
     src = open_source(ckpt)
@@ -817,7 +817,7 @@ def test_full_disk_during_a_checkpoint_keeps_the_last_good_one(tmp_path):
     import torch
 
     from tunekit import TunekitError
-    from tunekit.checkpoint import save_checkpoint
+    from tunekit.train.checkpoint import save_checkpoint
 
     param = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([param], lr=0.1)

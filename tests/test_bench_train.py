@@ -34,7 +34,7 @@ def test_both_systems_run_and_agree(tiny_model_dir, tiny_data, tmp_path):
     assert result["device"] and result["settings"]["steps"] == 2
     # the CPU's own matmul peak, measured before and after the runs (bf16 only where it is native):
     # MFU's denominator is the figure of the dtype the base computed in
-    from tunekit.device import cpu_has_bf16
+    from tunekit.speed.device import cpu_has_bf16
 
     peaks = result["matmul_peak_gflops"]
     dtypes = {"bfloat16", "float32"} if cpu_has_bf16() else {"float32"}

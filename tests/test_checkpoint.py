@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from tunekit import TunekitError
-from tunekit import device as dev
+from tunekit.speed import device as dev
 from _helpers import die_holding_lock, die_mid_save, lost_or_changed, plant_lookalikes, snapshot
-from tunekit.checkpoint import (atomic_dir, atomic_write_text, cleanup_leftovers, damage, decode_tree, encode_tree,
+from tunekit.train.checkpoint import (atomic_dir, atomic_write_text, cleanup_leftovers, damage, decode_tree, encode_tree,
                                 find_resumable, load_checkpoint, save_checkpoint)
 from tunekit.owned import is_scratch
-from tunekit.optim import build_optimizer, warmup_cosine
-from tunekit.resume import check_output_dir, check_same_run
+from tunekit.train.optim import build_optimizer, warmup_cosine
+from tunekit.train.resume import check_output_dir, check_same_run
 
 CPU = torch.device("cpu")
 

@@ -1,8 +1,8 @@
-"""tunekit.children: a command run as a fork of a fork server must end as the same command run in a
+"""tunekit.commands.forkserver: a command run as a fork of a fork server must end as the same command run in a
 fresh interpreter (exit status, output, environment, working directory), and die when killed.
 
 The doctor (tests/kernel_ops/test_doctor.py) runs its checks through the fork server on the CPU;
-on a GPU they start fresh. Both ways run here, on `_child_probe`, a stand-in for tunekit.cli that
+on a GPU they start fresh. Both ways run here, on `_child_probe`, a stand-in for tunekit.commands.main that
 imports nothing heavy, so the fresh interpreters cost ~0.1 s each.
 """
 
@@ -15,7 +15,7 @@ import time
 import pytest
 
 from _helpers import REPO
-from tunekit.children import Launcher, start_method
+from tunekit.commands.forkserver import Launcher, start_method
 
 # What both ways give their children: the probe's folder on the path, and one variable to find.
 ENV = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "PROBE_MINE": "yes"}

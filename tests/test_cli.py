@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from _helpers import run_cli
-from tunekit.cli import main
+from tunekit.commands.main import main
 
 
 def run_main(args, capsys) -> tuple[int, str]:
@@ -62,7 +62,7 @@ def test_missing_model_folder_fails_before_training(tmp_path):
 def test_a_sweep_keeps_hydras_record_in_its_output_dir():
     from types import SimpleNamespace as Cfg
 
-    from tunekit.cli import sweep_dir_override
+    from tunekit.commands.compose import sweep_dir_override
 
     one = [Cfg(output_dir="runs/s"), Cfg(output_dir="runs/s")]
     assert sweep_dir_override(["-m", "recipe=qlora,lora", "output_dir=runs/s"], one) == ["hydra.sweep.dir=runs/s"]
@@ -78,10 +78,10 @@ def test_a_single_run_trains_the_config_it_checked_and_sweeps_go_through_hydra(t
                                                                                 tmp_path, monkeypatch):
     import hydra
 
-    import tunekit.cli as cli
+    import tunekit.commands.train as train_command
 
     trained, hydra_runs = [], []
-    monkeypatch.setattr(cli, "_train", lambda cfg, out: trained.append((cfg, out)))
+    monkeypatch.setattr(train_command, "_train", lambda cfg, out: trained.append((cfg, out)))
     monkeypatch.setattr(hydra, "main", lambda **kw: lambda job: lambda: hydra_runs.append(kw))
     base = ["recipe=lora", f"model.path={tiny_model_dir}", f"data.path={tiny_data}", "trainer.max_steps=7"]
     main(["train", *base, f"output_dir={tmp_path / 'one'}"])

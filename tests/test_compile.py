@@ -8,10 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tunekit import TunekitError, compiled
+from tunekit import TunekitError
+from tunekit.speed import torch_compile as compiled
 from tunekit.config import DataConfig, KernelsConfig, MethodConfig, ModelConfig, TrainConfig, TrainerConfig
 from tunekit.methods.adapter import decoder_layers
-from tunekit.recipe import TrainRecipe
+from tunekit.train.loop import TrainRecipe
 
 
 def _recipe(tiny_model_dir, tiny_data, out, compile_: bool, dtype: str = "fp32", quantize: str = "nf4") -> TrainRecipe:
@@ -159,10 +160,10 @@ def test_a_compile_error_becomes_one_message(eager_recipe, monkeypatch):
 def test_the_real_compiler_passes_the_check_with_a_margin(eager_recipe):
     """inductor on this machine: the layer copy's output and gradients within the fp32 tolerance, and
     the check's random lora_B really reached the gradients compared (all of A's and B's). This also
-    pins tunekit/lora_compute.py under inductor (it replaced a LoRA-layer-only test): torch 2.13's
+    pins tunekit/speed/lora_math.py under inductor (it replaced a LoRA-layer-only test): torch 2.13's
     inductor drops `alpha` from `y.add_(a @ b, alpha=s)`, and with that form put back this check
     reads 9.97e-01 at alpha/r = 3."""
-    assert eager_recipe.lora_path.path == "torch"  # the LoRA math of tunekit/lora_compute.py
+    assert eager_recipe.lora_path.path == "torch"  # the LoRA math of tunekit/speed/lora_math.py
     # The two-row batch only: the one-row graph doubles inductor's work here (70.5 s against ~44 s
     # with its cache empty, as on CI); the test below checks that every check covers both batches.
     r = eager_recipe

@@ -9,7 +9,7 @@ from tunekit.config import MethodConfig
 from tunekit.data import collate, load_splits
 from tunekit.methods import get_method
 from tunekit.model import compute_dtype, decoder_and_head, load_base_model, load_tokenizer, quantized_bits_per_param
-from tunekit.objective import SFTObjective
+from tunekit.train.objective import SFTObjective
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""tunekit.device: every device decision, fed with the facts of devices this machine lacks."""
+"""tunekit.speed.device: every device decision, fed with the facts of devices this machine lacks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tunekit import device as dev
+from tunekit.speed import device as dev
 
 CPU = dev.DeviceFacts("cpu", cpu_bf16=False)
 CPU_BF16 = dev.DeviceFacts("cpu", cpu_bf16=True)
@@ -132,7 +132,7 @@ def test_the_recipe_hands_accelerate_its_timeout(tiny_model_dir, tiny_data, tmp_
     """What accelerate receives (it would give NCCL its 10-minute default otherwise)."""
     from datetime import timedelta
 
-    import tunekit.recipe
+    import tunekit.train.loop
     from tunekit.config import DataConfig, ModelConfig, TrainConfig, TrainerConfig
 
     seen = {}
@@ -144,12 +144,12 @@ def test_the_recipe_hands_accelerate_its_timeout(tiny_model_dir, tiny_data, tmp_
         seen.update(kwargs)
         raise Stop
 
-    monkeypatch.setattr(tunekit.recipe, "Accelerator", fake_accelerator)
+    monkeypatch.setattr(tunekit.train.loop, "Accelerator", fake_accelerator)
     for setting, expected in (("auto", None), (7200, 7200)):
         cfg = TrainConfig(output_dir=str(tmp_path), model=ModelConfig(path=str(tiny_model_dir)),
                           data=DataConfig(path=str(tiny_data)), trainer=TrainerConfig(dist_timeout_s=setting))
         with pytest.raises(Stop):
-            tunekit.recipe.TrainRecipe(cfg, tmp_path).setup()
+            tunekit.train.loop.TrainRecipe(cfg, tmp_path).setup()
         (handler,) = seen["kwargs_handlers"]
         got = handler.timeout.total_seconds()
         assert got == (expected or got) and got >= dev.DIST_TIMEOUT_BASE_S
@@ -166,7 +166,7 @@ def test_peak_memory_kind_names_what_is_measured():
     ("cuda:1", 2, "cuda:1"), (" CUDA:0 ", 1, "cuda:0"),
 ])
 def test_a_command_runs_on_the_device_asked_for(requested, gpus, expected):
-    from tunekit.device import command_device
+    from tunekit.speed.device import command_device
 
     assert command_device(requested, gpus) == torch.device(expected)
 
@@ -179,7 +179,7 @@ def test_a_command_runs_on_the_device_asked_for(requested, gpus, expected):
 ])
 def test_a_device_that_is_not_there_is_one_error(requested, gpus, message):
     from tunekit import TunekitError
-    from tunekit.device import command_device
+    from tunekit.speed.device import command_device
 
     with pytest.raises(TunekitError, match=message):
         command_device(requested, gpus)
@@ -187,7 +187,7 @@ def test_a_device_that_is_not_there_is_one_error(requested, gpus, message):
 
 def test_the_inference_check_adds_the_cuda_allocator_margin_only_on_a_gpu():
     from tunekit import TunekitError
-    from tunekit.device import DeviceFacts
+    from tunekit.speed.device import DeviceFacts
     from tunekit.plan import CUDA_ALLOCATOR_MARGIN
     from tunekit.plan.inference import check_fits
 

@@ -56,7 +56,7 @@ def test_teacher_with_another_vocabulary_is_one_clear_error(tiny_model_dir, tiny
                                                ("distill.divergence=l2", "distill.divergence: Invalid value 'l2'"),
                                                ("distill.teacher=/no/teacher", "distill.teacher: no model folder at /no/teacher")])
 def test_bad_distill_config(override, culprit, capsys):
-    from tunekit.cli import main
+    from tunekit.commands.main import main
 
     with pytest.raises(SystemExit) as e:
         main(["train", "recipe=distill", override])

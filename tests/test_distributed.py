@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from _helpers import launch_two_ranks, read_jsonl, run_cli, snapshot, tiny_args
-from tunekit.runlock import LOCK_NAME, RunLock
+from tunekit.train.runlock import LOCK_NAME, RunLock
 
 
 def test_two_ranks_match_one_process(tiny_model_dir, tiny_data, tmp_path):

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from _helpers import need_llama_cpp, run_cli, tiny_args
 from tunekit import TunekitError
-from tunekit.export import export
+from tunekit.commands.export import export
 from tunekit.export.gate import KL_FALLBACK, MIN_GAIN_KEPT, MIN_GAIN_KEPT_LOSSY, decide
 
 
@@ -95,7 +95,7 @@ def test_merged_export_via_cli_loads_without_tunekit(runs, tmp_path):
     assert "quantization_config" not in config and config["dtype"] == "bfloat16"
     assert not leftovers(tmp_path)
     # where this CPU emulates bf16, the check computed the export's linears in fp32 and says so
-    from tunekit.device import cpu_emulated_dtypes
+    from tunekit.speed.device import cpu_emulated_dtypes
 
     note = json.loads((out / "fidelity.json").read_text())["fidelity"].get("half_linears")
     if torch.bfloat16 in cpu_emulated_dtypes():
@@ -108,7 +108,7 @@ def test_merged_export_via_cli_loads_without_tunekit(runs, tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     got = torch.load(tmp_path / "logits.pt")
-    from tunekit.export.run import open_run, trained_model
+    from tunekit.runs.run import open_run, trained_model
 
     with torch.no_grad():
         want = trained_model(open_run(runs["qlora"]))(input_ids=got["ids"]).logits.float()
@@ -136,7 +136,7 @@ def test_merged_nf4_weights_are_fresh_dequantized_base_plus_delta(runs, tiny_mod
     out = tmp_path / "merged"
     export(runs["qlora"], "merged", out, dtype="fp32", merge_into="dequantized", eval_batches=1)
     merged = load_file(str(out / "model.safetensors"))
-    from tunekit.export.run import open_run
+    from tunekit.runs.run import open_run
 
     # the export measures and merges in fp32 whatever the run computed in: dequantize_4bit's fp32 values
     assert open_run(runs["qlora"]).dtype in (torch.bfloat16, torch.float32)
@@ -205,7 +205,7 @@ def test_auto_dtype_widens_when_the_narrow_one_loses_the_gain(runs, tmp_path, mo
     """Without --dtype, bf16 is tried first; when the gate refuses it, fp16, then fp32. The report
     and the printed line say which dtype was kept and why. (The bf16 refusal is simulated: on the
     tiny model bf16 keeps the gain; the real rounding loss is in test_default_model_qlora_merged.)"""
-    import tunekit.export as ex
+    import tunekit.commands.export as ex
 
     written, real_compare = [], ex.compare
     monkeypatch.setattr(ex.artifacts, "write_merged", lambda m, t, d, dtype, w=ex.artifacts.write_merged:
@@ -318,13 +318,13 @@ def test_gguf_quantized_by_llama_cpp(wide_run, qtype, ggml_type, bits, tmp_path)
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".f16")] and not leftovers(tmp_path)
     # on a CPU with AMX the check loaded the file with llama.cpp's weight repacking off (its AMX
     # matmul segfaulted on these files there), and the report says so
-    from tunekit.device import cpuinfo_text
+    from tunekit.speed.device import cpuinfo_text
 
     assert ("repacking off" in report["checked_by"]) == ("amx_int8" in cpuinfo_text().split())
     # the load takes the setting asked for, whatever the CPU, and leaves the binding's defaults as they were
     import llama_cpp.llama_cpp as C
 
-    from tunekit.export.llamacpp import LlamaCppModel
+    from tunekit.infer.llamacpp import LlamaCppModel
 
     model = LlamaCppModel(out, 16, 1, repack=False)
     try:
@@ -341,7 +341,7 @@ def test_gguf_without_llama_cpp_falls_back_to_transformers(runs, tmp_path, monke
     a quantized type (which needs llama.cpp's quantizer) is one clear error, nothing written."""
     import gguf
 
-    import tunekit.export.llamacpp as lc
+    import tunekit.infer.llamacpp as lc
 
     monkeypatch.setattr(lc, "unavailable", lambda: "llama-cpp-python is not usable here (ImportError: test)")
     parses, real = [], gguf.GGUFReader
@@ -442,7 +442,7 @@ def test_refusal_writes_nothing_unless_forced(runs, fmt, tmp_path):
 @pytest.mark.parametrize("fmt", ["adapter", "gguf"])
 @pytest.mark.parametrize("existing", [False, True])
 def test_interrupted_export_leaves_path_absent_or_unchanged(runs, fmt, existing, tmp_path, monkeypatch):
-    import tunekit.export as ex
+    import tunekit.commands.export as ex
 
     out = tmp_path / ("x.gguf" if fmt == "gguf" else "x")
     if existing:
@@ -602,7 +602,7 @@ def test_the_task_gate_refuses_changed_answers_and_not_a_flipped_row():
 def test_export_scores_the_task_as_tunekit_eval_does(runs, tmp_path):
     """The task section of the report: the run's held-out rows (alpaca answers: exact match),
     scored for base, trained and exported as `tunekit eval` scores them."""
-    from tunekit.taskeval.cli import build_parser, evaluate
+    from tunekit.commands.eval import build_parser, evaluate
 
     report = export(runs["lora"], "merged", tmp_path / "m", dtype="fp32", eval_batches=1)
     task = report["fidelity"]["task"]

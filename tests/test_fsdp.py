@@ -1,4 +1,4 @@
-"""trainer.strategy=fsdp (tunekit.fsdp): two real gloo ranks on the CPU against one process, resume,
+"""trainer.strategy=fsdp (tunekit.train.fsdp): two real gloo ranks on the CPU against one process, resume,
 per-rank memory; and the checks that stop a corrupted sharded 4-bit base, without launching."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from _helpers import launch_two_ranks, read_jsonl, run_cli, tiny_args
 from tunekit import TunekitError
-from tunekit.fsdp import Sharded, check_config, decoder_layers, outer_units, packed_checksum
+from tunekit.train.fsdp import Sharded, check_config, decoder_layers, outer_units, packed_checksum
 
 
 @pytest.fixture(scope="session")
@@ -187,7 +187,7 @@ def test_first_step_symptoms_stop_with_one_line():
 
 def test_config_refusals_and_the_fingerprint():
     from tunekit.config import TrainConfig, check_values
-    from tunekit.resume import fingerprint
+    from tunekit.train.resume import fingerprint
 
     with pytest.raises(TunekitError, match="kernels.fused_lora: on is not supported with trainer.strategy=fsdp"):
         check_config("on", "sft")
@@ -216,7 +216,7 @@ def test_units_follow_the_model(tiny_model_dir, untied_model_dir):
 
 def test_the_start_up_memory_check_plans_with_the_fsdp_figures(tiny_model_dir):
     from tunekit.config import TrainConfig
-    from tunekit.device import DeviceFacts
+    from tunekit.speed.device import DeviceFacts
     from tunekit.plan.choose import plan_for
 
     cfg = TrainConfig()

@@ -11,8 +11,8 @@ from transformers import AutoTokenizer
 from _helpers import scaled_tiny_model, run_cli
 from tunekit import TunekitError
 from tunekit.config import MethodConfig
-from tunekit.generate import encode_prompts, generate, generate_ids
-from tunekit.generate_cli import main
+from tunekit.infer.decode import encode_prompts, generate, generate_ids
+from tunekit.commands.generate import main
 from tunekit.methods import get_method
 from tunekit.model import load_base_model
 

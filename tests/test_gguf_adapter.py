@@ -22,7 +22,7 @@ import torch
 
 from _helpers import need_llama_cpp, run_cli
 from tunekit import TunekitError
-from tunekit.export import export
+from tunekit.commands.export import export
 
 # Tolerance on max |logit diff| between llama.cpp (f32 base GGUF + f32 adapter) and the trained model
 # (torch, fp32), from where llama.cpp rounds:
@@ -144,9 +144,9 @@ def test_peft_scaling_comes_out_the_same_in_llama_cpp(tiny_model_dir, tmp_path, 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from tunekit.device import cpuinfo_text
+    from tunekit.speed.device import cpuinfo_text
     from tunekit.export import gguf_adapter as ga
-    from tunekit.export.llamacpp import LlamaCppModel, weight_repacking
+    from tunekit.infer.llamacpp import LlamaCppModel, weight_repacking
 
     r, alpha = 4, (6.0 if rslora else 12.0)
     scaling = alpha / (r ** 0.5 if rslora else r)  # peft's: 3 either way (lora_alpha / r would be 1.5 under rsLoRA)
@@ -228,7 +228,7 @@ def test_lora_targets_llama_cpp_cannot_map_are_one_line(tiny_model_dir, tiny_dat
 
 
 def test_without_llama_cpp_and_with_a_wrong_dtype_it_is_refused(runs, tmp_path, monkeypatch):
-    from tunekit.export import llamacpp
+    from tunekit.infer import llamacpp
 
     with pytest.raises(TunekitError, match=r"--dtype: 'bf16' is not a dtype of --format gguf-adapter; choose one of "
                                            r"auto \(f32\), f32, f16"):

@@ -1,5 +1,5 @@
 """`tunekit eval` on a GGUF file: llama.cpp scores the rows with the torch scorer's figures
-(tunekit.taskeval.gguf), checked row by row against tunekit.taskeval.score on the trained model
+(tunekit.infer.gguf), checked row by row against tunekit.infer.score on the trained model
 that the GGUF was exported from (f32, so both sides compute the same function in f32)."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def gguf_file(lora_run, tmp_path_factory) -> Path:
     writer in f32, as `tunekit export --format gguf --dtype f32` writes it (without the export's
     own checks, which test_export.py covers)."""
     from tunekit.export.gguf import write_gguf
-    from tunekit.export.run import open_run, run_tokenizer, trained_model
+    from tunekit.runs.run import open_run, run_tokenizer, trained_model
     from tunekit.methods import get_method
 
     run = open_run(lora_run)
@@ -76,7 +76,7 @@ def gguf_file(lora_run, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(lora_run):
-    from tunekit.export.run import open_run, run_tokenizer, trained_model
+    from tunekit.runs.run import open_run, run_tokenizer, trained_model
 
     run = open_run(lora_run)
     return trained_model(run), run_tokenizer(run)
@@ -84,7 +84,7 @@ def trained(lora_run):
 
 def task(tok):
     from tunekit.data import tokenize_rows
-    from tunekit.taskeval.rows import closed_set, task_rows
+    from tunekit.infer.rows import closed_set, task_rows
 
     rows, _ = task_rows(tokenize_rows(colour_rows(), "chat", "x", tok, 64), tok)
     return rows, closed_set(rows)
@@ -102,9 +102,9 @@ class EosAs:
 
 # ---------------------------------------------------------------- scoring
 def test_gguf_scores_agree_with_the_torch_scorer_row_by_row(trained, gguf_file):
-    from tunekit.taskeval.gguf import load_gguf, score_rows_gguf
-    from tunekit.taskeval.rows import TaskRow
-    from tunekit.taskeval.score import score_rows
+    from tunekit.infer.gguf import load_gguf, score_rows_gguf
+    from tunekit.infer.rows import TaskRow
+    from tunekit.infer.score import score_rows
 
     model, tok = trained
     rows, classes = task(tok)
@@ -154,9 +154,9 @@ def test_gguf_greedy_stops_and_budget_as_the_torch_scorer(trained, gguf_file):
     """Stop tokens and the greedy budget: the scaled model never emits its EOS, so an end token it
     does emit (the 3rd token of row 0's answer) stands in for it on both sides."""
     from test_taskeval import oracle_greedy
-    from tunekit.generate import stop_token_ids
-    from tunekit.taskeval.gguf import score_rows_gguf
-    from tunekit.taskeval.score import score_rows
+    from tunekit.infer.decode import stop_token_ids
+    from tunekit.infer.gguf import score_rows_gguf
+    from tunekit.infer.score import score_rows
 
     model, tok = trained
     rows, _ = task(tok)
@@ -176,7 +176,7 @@ def test_gguf_greedy_stops_and_budget_as_the_torch_scorer(trained, gguf_file):
 def test_eval_cli_scores_a_gguf_file_as_its_run(lora_run, gguf_file, task_data, trained, tmp_path, capsys):
     """`tunekit eval X.gguf`: the table and X.gguf.eval.json, the same shape and figures as the run's
     own evaluation on the same rows (the GGUF's own tokenizer makes the same rows)."""
-    from tunekit.taskeval.cli import main
+    from tunekit.commands.eval import main
 
     main([str(gguf_file), "--data", str(task_data), "--max-rows", "15", "--batch-size", "4", "--device", "cpu"])
     printed = capsys.readouterr().out
@@ -199,10 +199,10 @@ def test_eval_cli_scores_a_gguf_file_as_its_run(lora_run, gguf_file, task_data, 
 
 
 def test_bad_gguf_sources_are_one_clear_error(gguf_file, tmp_path, monkeypatch):
-    import tunekit.export.llamacpp as lc
+    import tunekit.infer.llamacpp as lc
     from tunekit import TunekitError
-    from tunekit.generate_cli import main as generate_main
-    from tunekit.taskeval.cli import main
+    from tunekit.commands.generate import main as generate_main
+    from tunekit.commands.eval import main
 
     data = gguf_file.read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 3])

@@ -1,4 +1,4 @@
-"""tunekit/export/llamacpp.py's own parts: the weight-repacking decision and the scoped model
+"""tunekit/infer/llamacpp.py's own parts: the weight-repacking decision and the scoped model
 parameters (the GGUF export through llama.cpp itself is tested in test_export.py)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tunekit import TunekitError
     ("", True),  # no /proc/cpuinfo: llama.cpp's default
 ])
 def test_weight_repacking_is_off_where_the_cpu_has_amx(flags, repack):
-    from tunekit.export.llamacpp import weight_repacking
+    from tunekit.infer.llamacpp import weight_repacking
 
     ok, why = weight_repacking(f"processor\t: 0\nflags\t\t: {flags}\n")
     assert ok is repack and ("repacking off" in why) is (not repack)
@@ -25,7 +25,7 @@ def test_a_binding_without_the_model_parameter_is_one_clear_error():
     need_llama_cpp()
     import llama_cpp.llama_cpp as C
 
-    from tunekit.export.llamacpp import _model_params
+    from tunekit.infer.llamacpp import _model_params
 
     real = C.llama_model_default_params
     with pytest.raises(TunekitError, match=r"model parameters have no no_such_field .*llama_cpp_wheel.sh"):

@@ -18,10 +18,10 @@ import torch
 
 from tunekit.config import MethodConfig
 from tunekit.data import collate, collate_packed
-from tunekit.device import DeviceFacts
+from tunekit.speed.device import DeviceFacts
 from tunekit.methods import get_method
 from tunekit.model import decoder_and_head, load_base_model, prepare_for_training
-from tunekit.objective import SFTObjective, model_inputs
+from tunekit.train.objective import SFTObjective, model_inputs
 from tunekit.plan import GiB, predict
 from tunekit.plan.compute import step_flops
 from tunekit.plan.memory import (TrainSetup, activation_bytes, base_weight_bytes, head_dtype_bytes,
@@ -36,8 +36,8 @@ def build(model_dir, st: TrainSetup, method_cfg: MethodConfig):
     model = load_base_model(str(model_dir), st.quantize, dtype, torch.device("cpu"))
     prepare_for_training(model, st.quantize, st.gradient_checkpointing)
     model = get_method(method_cfg.name).apply(model, method_cfg)
-    if st.lora_compute:  # the trainer's compute-dtype LoRA path (tunekit.lora_compute)
-        from tunekit.fused import lora_4bit_layers, set_path
+    if st.lora_compute:  # the trainer's compute-dtype LoRA path (tunekit.speed.lora_math)
+        from tunekit.speed.lora_path import lora_4bit_layers, set_path
 
         set_path([m for _, m in lora_4bit_layers(model)], "torch")
     return model.train()
@@ -170,7 +170,7 @@ def test_weights_and_trainable_tensors_match_the_loaded_model(tiny_model_dir, qu
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw_8bit", "paged_adamw_32bit"])
 def test_optimizer_state_matches_the_optimizer(tiny_model_dir, optimizer):
-    from tunekit.optim import build_optimizer
+    from tunekit.train.optim import build_optimizer
 
     st = TrainSetup(optimizer=optimizer)
     shape = model_shape(str(tiny_model_dir), None)
@@ -244,7 +244,7 @@ def test_a_bigger_batch_or_sequence_never_needs_less():
 def test_the_inference_check_counts_the_cache_prefill_keeps(tiny_model_dir, dtype):
     """The KV-cache term of the eval/generate/chat memory check is the cache transformers holds
     after a padded prompt pass: every position of the padded width, keys and values, every layer."""
-    from tunekit.generate import prefill
+    from tunekit.infer.decode import prefill
     from tunekit.model import load_base_model
     from tunekit.plan.inference import Workload, activation_terms
 

@@ -9,8 +9,9 @@ import yaml
 
 from _helpers import tiny_args
 from tunekit import TunekitError
-from tunekit.cli import compose_configs, main
-from tunekit.device import DeviceFacts
+from tunekit.commands.compose import compose_configs
+from tunekit.commands.main import main
+from tunekit.speed.device import DeviceFacts
 from tunekit.plan import GiB
 from tunekit.plan.choose import choose
 from tunekit.plan.shape import PROJECTIONS
@@ -143,7 +144,7 @@ def test_a_run_that_cannot_fit_is_refused_with_the_breakdown():
 
 
 def _recipe(tiny_model_dir, tiny_data, out, *overrides):
-    from tunekit.recipe import TrainRecipe
+    from tunekit.train.loop import TrainRecipe
 
     (cfg,) = compose_configs(["recipe=lora", *tiny_args(tiny_model_dir, tiny_data, out), *overrides])
     return TrainRecipe(cfg, out)
@@ -165,12 +166,12 @@ def test_train_resolves_auto_before_loading_and_logs_one_line(tiny_model_dir, ti
 
 
 def test_train_refuses_what_cannot_fit_before_loading(tiny_model_dir, tiny_data, tmp_path, monkeypatch):
-    import tunekit.recipe
+    import tunekit.train.loop
 
     def never(*a, **k):
         raise AssertionError("the model was loaded before the memory check")
 
-    monkeypatch.setattr(tunekit.recipe, "load_base_model", never)  # the tokenizer and data may load: cheap
+    monkeypatch.setattr(tunekit.train.loop, "load_base_model", never)  # the tokenizer and data may load: cheap
     out = tmp_path / "run"
     r = _recipe(tiny_model_dir, tiny_data, out, "data.max_seq_len=512", "trainer.micro_batch_size=1048576")
     with pytest.raises(TunekitError) as e:
@@ -199,7 +200,7 @@ def test_ranks_choose_from_the_least_free_memory_and_a_resumed_run_keeps_its_cho
 
 
 def test_the_plan_counts_the_dense_copy_the_trainer_keeps():
-    """tunekit.fused keeps a CPU run's 4-bit base dequantized in its compute dtype where that copy is
+    """tunekit.speed.lora_path keeps a CPU run's 4-bit base dequantized in its compute dtype where that copy is
     at most an eighth of memory (bf16 on a CPU with native bf16, fp32 elsewhere): the planner counts
     the same bytes under "base weights", and nothing where the trainer keeps none."""
     from tunekit.plan.inputs import planner_inputs

@@ -1,4 +1,4 @@
-"""tunekit.precision: the mixed-precision policy, decided from device facts this machine may lack, and
+"""tunekit.speed.precision: the mixed-precision policy, decided from device facts this machine may lack, and
 what each op of a real training step receives under it (a dtype spy, not a config key)."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tunekit import device as dev
-from tunekit import precision
+from tunekit.speed import device as dev
+from tunekit.speed import precision
 from tunekit.config import DataConfig, MethodConfig, ModelConfig, TrainConfig, TrainerConfig
-from tunekit.recipe import TrainRecipe
+from tunekit.train.loop import TrainRecipe
 
 CPU = dev.DeviceFacts("cpu", cpu_bf16=False)
 CPU_BF16 = dev.DeviceFacts("cpu", cpu_bf16=True)
@@ -157,7 +157,7 @@ def _gpu_summary(q="bf16", head="bf16", trained=("fp32",), kernel="EFFICIENT_ATT
 
 
 def test_the_doctor_reports_what_a_gpu_run_had_against_the_plan():
-    from tunekit.doctor import precision_figures
+    from tunekit.commands.doctor import precision_figures
 
     ok, figures = precision_figures(_gpu_summary())
     assert ok and figures["attention"] == "bf16 q/k/v, masked, EFFICIENT_ATTENTION"
@@ -185,7 +185,7 @@ def test_offloaded_checkpoint_inputs_give_the_same_gradients(tiny_model_dir):
     from tunekit.config import MethodConfig as MC
     from tunekit.methods import get_method
     from tunekit.model import decoder_and_head, load_base_model, prepare_for_training
-    from tunekit.objective import SFTObjective
+    from tunekit.train.objective import SFTObjective
 
     ids = torch.randint(3, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
@@ -242,7 +242,7 @@ def test_the_plan_counts_no_dequantized_weight_for_the_fused_kernel():
 
 
 def test_planner_inputs_follow_the_lora_path_rules():
-    from tunekit.cli import compose_configs
+    from tunekit.commands.compose import compose_configs
     from tunekit.plan.inputs import planner_inputs
 
     (cfg,) = compose_configs(["recipe=qlora", "model.preset=llama-3-8b"])

@@ -48,7 +48,7 @@ def test_qlora_writes_every_output(qlora_run):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["last_val_loss"] < summary["first_val_loss"]  # lr 1e-3 on a tiny model: visible drop
     # the precision policy of this CPU, logged once, and what the run's tensors and attention had
-    from tunekit.device import cpu_has_bf16
+    from tunekit.speed.device import cpu_has_bf16
 
     want = "bf16" if cpu_has_bf16() else "fp32"
     prec = summary["precision"]

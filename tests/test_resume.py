@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from _helpers import (die_holding_lock, die_mid_save, lost_or_changed, plant_lookalikes, read_jsonl, run_cli, snapshot,
                       tiny_args)
 from tunekit.owned import PREFIX
-from tunekit.runlock import LOCK_NAME
+from tunekit.train.runlock import LOCK_NAME
 
 # LoRA dropout on, so the resumed run must also restore the random stream exactly.
 COMMON = ("recipe=lora", "method.dropout=0.1", "trainer.max_steps=4")

@@ -1,4 +1,4 @@
-"""One run per output_dir at a time (tunekit.runlock): the lock, its holder's record, stale locks,
+"""One run per output_dir at a time (tunekit.train.runlock): the lock, its holder's record, stale locks,
 and a second run refused through the real CLI."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from _helpers import die_holding_lock, fork_server, read_jsonl, run_cli, snapshot, tiny_args
 from tunekit import TunekitError
-from tunekit.runlock import LOCK_NAME, RunLock
+from tunekit.train.runlock import LOCK_NAME, RunLock
 
 
 def test_a_second_lock_is_refused_naming_the_holder(tmp_path):

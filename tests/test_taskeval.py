@@ -55,7 +55,7 @@ def train_run(recipe: str, model_dir: Path, data: Path, out: Path, *extra: str) 
     from omegaconf import OmegaConf
 
     from tunekit.config import register_schema, validate
-    from tunekit.recipe import TrainRecipe
+    from tunekit.train.loop import TrainRecipe
 
     register_schema()
     over = [f"recipe={recipe}", f"model.path={model_dir}", f"data.path={data}", f"output_dir={out}",
@@ -105,7 +105,7 @@ def oracle_logp(model, prompt: list[int], answer: list[int]) -> float:
 
 # ------------------------------------------------------------------ units
 def test_normalize_ignores_case_surrounding_space_and_punctuation():
-    from tunekit.taskeval.rows import normalize
+    from tunekit.infer.rows import normalize
 
     assert normalize("  Positive. ") == normalize("positive") == "positive"
     assert normalize("«Hello, world!»") == "hello, world"
@@ -115,7 +115,7 @@ def test_normalize_ignores_case_surrounding_space_and_punctuation():
 
 
 def test_sample_display_drops_the_shared_instruction():
-    from tunekit.tracking import distinct_parts
+    from tunekit.train.tracking import distinct_parts
 
     shared = "Classify the sentiment of this tweet. Tweet: "
     assert distinct_parts([shared + "I love it", shared + "meh"]) == ["…I love it", "…meh"]
@@ -125,7 +125,7 @@ def test_sample_display_drops_the_shared_instruction():
 
 def test_task_rows_and_closed_set(tiny_model_dir):
     from tunekit.data import tokenize_rows
-    from tunekit.taskeval.rows import closed_set, task_rows, user_text
+    from tunekit.infer.rows import closed_set, task_rows, user_text
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     examples = tokenize_rows(colour_rows(12), "chat", "x", tok, 64)
@@ -153,7 +153,7 @@ def test_task_rows_and_closed_set(tiny_model_dir):
 def test_smooth_and_two_panel_plot(tmp_path):
     from PIL import Image
 
-    from tunekit.tracking import plot_losses, smooth
+    from tunekit.train.tracking import plot_losses, smooth
 
     assert smooth([2.0] * 5) == pytest.approx([2.0] * 5)
     assert smooth([4.0, 0.0])[0] == 4.0 and 0 < smooth([4.0, 0.0])[1] < 4.0
@@ -167,7 +167,7 @@ def test_smooth_and_two_panel_plot(tmp_path):
 def test_loss_curve_is_redrawn_when_old_and_always_at_the_end(tmp_path, monkeypatch):
     """An evaluation redraws loss_curve.png only once the last drawing is REDRAW_AFTER_S old; close()
     always draws, and abort() draws what was logged since the last drawing."""
-    import tunekit.tracking as tracking
+    import tunekit.train.tracking as tracking
 
     clock = [1000.0]
     monkeypatch.setattr(tracking.time, "monotonic", lambda: clock[0])
@@ -214,7 +214,7 @@ def test_loss_curve_is_redrawn_when_old_and_always_at_the_end(tmp_path, monkeypa
 
 def test_best_keeper_keeps_the_best_and_survives_resume(tmp_path):
     from tunekit import TunekitError
-    from tunekit.taskeval.training import BestKeeper, resolve_best_metric
+    from tunekit.train.task_eval import BestKeeper, resolve_best_metric
 
     def saver(tag):
         return lambda d: (d / "w.txt").write_text(tag)
@@ -239,7 +239,7 @@ def test_best_keeper_keeps_the_best_and_survives_resume(tmp_path):
 # ------------------------------------------------------------------ scoring vs oracles
 @pytest.fixture(scope="module")
 def lora_model(runs):
-    from tunekit.export.run import open_run, run_tokenizer, trained_model
+    from tunekit.runs.run import open_run, run_tokenizer, trained_model
 
     run = open_run(runs["lora"])
     return trained_model(run), run_tokenizer(run)
@@ -247,9 +247,9 @@ def lora_model(runs):
 
 def test_scores_match_row_by_row_oracles(lora_model, task_data):
     from tunekit.data import tokenize_rows
-    from tunekit.generate import stop_token_ids
-    from tunekit.taskeval.rows import TaskRow, closed_set, normalize, task_rows
-    from tunekit.taskeval.score import score_rows
+    from tunekit.infer.decode import stop_token_ids
+    from tunekit.infer.rows import TaskRow, closed_set, normalize, task_rows
+    from tunekit.infer.score import score_rows
 
     model, tok = lora_model
     rows, _ = task_rows(tokenize_rows(colour_rows(), "chat", "x", tok, 64), tok)
@@ -283,7 +283,7 @@ def test_scores_match_row_by_row_oracles(lora_model, task_data):
 def test_eval_cli_loss_equals_training_val_loss(runs, capsys):
     """The response loss of `tunekit eval` is the trainer's held-out loss on the same rows (two-turn
     rows included): base == step 0, trained == the last evaluation."""
-    from tunekit.taskeval.cli import main
+    from tunekit.commands.eval import main
 
     run = runs["lora"]
     main([str(run), "--base", "--batch-size", "3"])
@@ -306,10 +306,10 @@ def test_eval_cli_loss_equals_training_val_loss(runs, capsys):
 def test_every_recipe_evaluates_and_generates(recipe, runs, capsys):
     """eval and generate work on the output of every recipe, and generate's answer is the model's
     own greedy answer (a no-cache loop over the trained model as export rebuilds it)."""
-    from tunekit.generate import encode_prompts, stop_token_ids
-    from tunekit.generate_cli import main as generate_main
-    from tunekit.trained import load_tokenizer_for, load_trained, open_source
-    from tunekit.taskeval.cli import main as eval_main
+    from tunekit.infer.decode import encode_prompts, stop_token_ids
+    from tunekit.commands.generate import main as generate_main
+    from tunekit.runs.open import load_tokenizer_for, load_trained, open_source
+    from tunekit.commands.eval import main as eval_main
 
     run = runs[recipe]
     eval_main([str(run), "--base", "--json", "--out", str(run / "e.json")])
@@ -330,9 +330,9 @@ def test_every_recipe_evaluates_and_generates(recipe, runs, capsys):
 
 def test_merged_folder_evaluates_with_its_base(runs, scaled_model_dir, tmp_path, capsys):
     from tunekit import TunekitError
-    from tunekit.export.run import open_run, run_tokenizer, trained_model
+    from tunekit.runs.run import open_run, run_tokenizer, trained_model
     from tunekit.methods import get_method
-    from tunekit.taskeval.cli import main
+    from tunekit.commands.eval import main
 
     r = open_run(runs["lora"])
     merged = get_method("lora").merge(trained_model(r))
@@ -377,9 +377,9 @@ def lora_b(scaled_model_dir, task_data, tmp_path_factory) -> Path:
 def test_mixed_lora_batch_equals_each_row_alone(runs, lora_b, capsys):
     """Rows of one batch use LoRA adapter A, adapter B, or none, over one base (peft adapter_names):
     each row's answer is the one that model gives alone."""
-    from tunekit.generate import encode_prompts, stop_token_ids
-    from tunekit.generate_cli import main
-    from tunekit.trained import load_base, load_tokenizer_for, load_trained, open_source
+    from tunekit.infer.decode import encode_prompts, stop_token_ids
+    from tunekit.commands.generate import main
+    from tunekit.runs.open import load_base, load_tokenizer_for, load_trained, open_source
 
     a, b = runs["lora"], lora_b
     prompts = ["Item 4 is green. Which colour is item 4?"] * 2 + ["Hi"]
@@ -404,7 +404,7 @@ def test_mixed_lora_batch_equals_each_row_alone(runs, lora_b, capsys):
 ])
 def test_unmixable_batches_are_refused_in_one_line(mix, message, runs):
     from tunekit import TunekitError
-    from tunekit.generate_cli import main
+    from tunekit.commands.generate import main
 
     args = []
     for recipe in mix:
@@ -417,8 +417,8 @@ def test_unmixable_batches_are_refused_in_one_line(mix, message, runs):
 def test_chat_through_the_cli_streams_with_history(runs, tmp_path):
     """`tunekit chat RUN` with piped input: each reply is the model's greedy answer to the whole
     conversation so far (prompt tuning: the soft prompt first); /reset starts over."""
-    from tunekit.generate import encode_messages, stop_token_ids
-    from tunekit.trained import load_tokenizer_for, load_trained, open_source
+    from tunekit.infer.decode import encode_messages, stop_token_ids
+    from tunekit.runs.open import load_tokenizer_for, load_trained, open_source
 
     run = runs["prompt_tuning"]
     r = run_cli(["chat", str(run), "--max-new-tokens", "5"], tmp_path, input="Hi\nWhat colour?\n/reset\nHi\n")
@@ -497,9 +497,9 @@ def test_adapter_folder_outside_its_run(recipe, runs, scaled_model_dir, tmp_path
     loader for LoRA, the method's for the others): the same logits as the run's model, not the base's."""
     import shutil
 
-    from tunekit.generate import encode_prompts
-    from tunekit.generate_cli import main
-    from tunekit.trained import load_base, load_tokenizer_for, load_trained, open_source
+    from tunekit.infer.decode import encode_prompts
+    from tunekit.commands.generate import main
+    from tunekit.runs.open import load_base, load_tokenizer_for, load_trained, open_source
 
     folder = shutil.copytree(runs[recipe] / "adapter", tmp_path / "moved")
     moved, in_run = open_source(folder, model=str(scaled_model_dir), dtype="fp32"), open_source(runs[recipe])
@@ -522,7 +522,7 @@ def test_adapter_folder_outside_its_run(recipe, runs, scaled_model_dir, tmp_path
 def test_shared_prefix_pass_equals_the_plain_batch(lora_model):
     """Rows that share a templated start run it once (batch 1, cache repeated): same logits, same
     hidden states at every token, same greedy answers as the plain left-padded batch (fp32)."""
-    from tunekit.generate import encode_prompts, greedy, pad_token_id, prefill, shared_prefix_len, stop_token_ids
+    from tunekit.infer.decode import encode_prompts, greedy, pad_token_id, prefill, shared_prefix_len, stop_token_ids
 
     model, tok = lora_model
     rows = encode_prompts(tok, ["Item 3 is red. Which colour?", "Hi", "Item 12 is blue. Which colour is item 12?"])
@@ -550,7 +550,7 @@ def test_shared_prefix_pass_equals_the_plain_batch(lora_model):
 ])
 def test_eval_bad_input_is_one_clear_error(args, message, runs, tmp_path):
     from tunekit import TunekitError
-    from tunekit.taskeval.cli import main
+    from tunekit.commands.eval import main
 
     (tmp_path / "empty").mkdir()
     (tmp_path / "text.jsonl").write_text(json.dumps({"text": "plain text only"}) + "\n")
@@ -571,9 +571,9 @@ def fake_gpu(monkeypatch):
     """One GPU with the given facts and free memory, as far as tunekit's device decisions can tell
     (this machine has none). Models still load on the CPU: a spy on the loader records the device
     and dtype tunekit asked for, then loads there instead."""
-    import tunekit.device as dev
+    import tunekit.speed.device as dev
     import tunekit.model as model_pkg
-    from tunekit.device import DeviceFacts
+    from tunekit.speed.device import DeviceFacts
 
     loads = []
 
@@ -611,9 +611,9 @@ def auto_dtype_run(run: Path, tmp_path: Path) -> Path:
 def test_eval_generate_and_chat_run_on_the_gpu_in_its_dtype(gpu, runs, fake_gpu, tmp_path, capsys):
     import io
 
-    from tunekit.chat import main as chat_main
-    from tunekit.generate_cli import main as generate_main
-    from tunekit.taskeval.cli import main as eval_main
+    from tunekit.commands.chat import main as chat_main
+    from tunekit.commands.generate import main as generate_main
+    from tunekit.commands.eval import main as eval_main
 
     capability, name, dtype = FAKE_GPUS[gpu]
     loads = fake_gpu(capability, name, free=40 * GIB)
@@ -627,16 +627,16 @@ def test_eval_generate_and_chat_run_on_the_gpu_in_its_dtype(gpu, runs, fake_gpu,
     assert loads == [("cuda:0", dtype)] * 4
     loads.clear()
     eval_main([str(run), "--device", "cpu", "--max-rows", "2", "--no-generate", "--out", str(tmp_path / "e.json")])
-    from tunekit import device as dev
+    from tunekit.speed import device as dev
 
     assert loads == [("cpu", dev.compute_dtype("auto", dev.probe(CPU)))]
 
 
 def test_commands_refuse_a_gpu_too_small_before_loading(runs, fake_gpu, tmp_path):
     from tunekit import TunekitError
-    from tunekit.export import export
-    from tunekit.generate_cli import main as generate_main
-    from tunekit.taskeval.cli import main as eval_main
+    from tunekit.commands.export import export
+    from tunekit.commands.generate import main as generate_main
+    from tunekit.commands.eval import main as eval_main
 
     loads = fake_gpu((8, 0), "NVIDIA A10G", free=2 * 2**20)  # 2 MiB free: less than the tiny model's weights
     run = runs["lora"]
@@ -651,7 +651,7 @@ def test_commands_refuse_a_gpu_too_small_before_loading(runs, fake_gpu, tmp_path
 
 def test_a_device_this_machine_lacks_is_one_error(runs):
     from tunekit import TunekitError
-    from tunekit.taskeval.cli import main as eval_main
+    from tunekit.commands.eval import main as eval_main
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tunekit import threads
+from tunekit.speed import threads
 
 from _helpers import REPO
 
@@ -56,14 +56,14 @@ def _bundled_libgomp() -> bool:
 @pytest.mark.skipif(not _bundled_libgomp(), reason="this torch build does not run on GNU OpenMP (libgomp)")
 @pytest.mark.parametrize("user_choice", [None, "123456"])
 def test_libgomp_reads_the_value_the_command_set(user_choice):
-    """In a fresh process, as the console script starts: `tunekit.cli.main` (here with --version,
+    """In a fresh process, as the console script starts: `tunekit.commands.main.main` (here with --version,
     which returns before any command imports anything), then torch. OMP_DISPLAY_ENV=VERBOSE makes libgomp
     print the settings it read at that import: tunekit's cap, or the user's own value untouched."""
     env = {k: v for k, v in os.environ.items() if k not in threads.USER_CHOICES}
     env["OMP_DISPLAY_ENV"] = "VERBOSE"  # VERBOSE: the GOMP_ variables too
     if user_choice:
         env["GOMP_SPINCOUNT"] = user_choice
-    code = ("from tunekit.cli import main\n"
+    code = ("from tunekit.commands.main import main\n"
             "try:\n    main(['--version'])\nexcept SystemExit:\n    pass\n"
             "import torch\ntorch.ones(64).sum()\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from tunekit.config import DataConfig, MethodConfig, ModelConfig, TrainConfig, TrainerConfig
 from tunekit.losses import sft_loss
-from tunekit.optim import build_optimizer, warmup_cosine
-from tunekit.recipe import TrainRecipe
+from tunekit.train.optim import build_optimizer, warmup_cosine
+from tunekit.train.loop import TrainRecipe
 
 
 def test_sft_loss_is_shifted_masked_sum():
@@ -64,7 +64,7 @@ def test_held_out_loss_does_not_depend_on_how_rows_are_grouped(tiny_model_dir, t
     (at most 160 * 2^-24 ~ 1e-5 relative, ~sqrt(160) * 2^-24 ~ 8e-7 typically; 2e-5 bounds both). The
     partition itself (every row once, no padding counted) is test_data's; a dropped row moved this
     loss by 2.6e-5 on the random tiny model, whose tokens all cost about ln(vocab)."""
-    import tunekit.recipe as recipe_module
+    import tunekit.train.loop as recipe_module
     from tunekit.data import eval_batches, eval_micro_batches
 
     r = _recipe(tiny_model_dir, tiny_data, tmp_path, 4, 1)

@@ -130,7 +130,7 @@ class TrainerConfig:
     allow_nonempty_output_dir: bool = False
     # refuse, before loading, a run whose planned peak exceeds the device's free memory
     memory_check: bool = True
-    # At every evaluation (rank 0; tunekit.taskeval.training): eval_samples held-out prompts answered
+    # At every evaluation (rank 0; tunekit.train.task_eval): eval_samples held-out prompts answered
     # greedily beside their reference, printed and logged (metrics.jsonl, W&B table); 0: off.
     eval_samples: int = 3
     # Also measure the task metric on the first eval_task_rows held-out rows: exact match of greedy
@@ -146,12 +146,12 @@ class TrainerConfig:
     best_metric: str = "auto"
     # How several processes share the work (accelerate launch --num_processes N). ddp: every rank
     # holds the whole model (default). fsdp: FSDP2 shards the frozen base, the trained part, its
-    # gradients and optimizer state over the ranks, per decoder layer (tunekit.fsdp): for bases
+    # gradients and optimizer state over the ranks, per decoder layer (tunekit.train.fsdp): for bases
     # larger than one device. With one process fsdp trains as a plain single process.
     strategy: Strategy = Strategy.ddp
     # Seconds a rank waits in a collective before the run fails (several processes only). auto:
     # 30 minutes plus what rank 0 may spend alone writing and reading back the largest checkpoint
-    # the plan predicts (tunekit.device.dist_timeout_s); NCCL's own default is 10 minutes.
+    # the plan predicts (tunekit.speed.device.dist_timeout_s); NCCL's own default is 10 minutes.
     dist_timeout_s: Any = "auto"
 
 
@@ -185,7 +185,7 @@ class KernelsConfig:
     # tunekit's Triton LoRA-over-NF4 kernel instead of peft + bitsandbytes (same math, same adapter files)
     fused_lora: FusedMode = FusedMode.auto
     # the decoder layers' training forward through torch.compile (inductor), checked against eager
-    # on a copy of one layer before the first step (tunekit/compiled.py): 1.0-1.4x per step on the
+    # on a copy of one layer before the first step (tunekit/speed/torch_compile.py): 1.0-1.4x per step on the
     # development CPUs after 22-25 s of checking and compiling (56 s with inductor's cache empty):
     # the default 60-step run gains from a machine's second compiled run on
     compile: bool = False
@@ -277,7 +277,7 @@ def _auto_bool(value, key: str):
 
 def validate(cfg: TrainConfig) -> None:
     """Every check that needs no model weights, cheapest first; each raises TunekitError naming the
-    key (or the file and row). Runs before anything loads (cli.check_overrides) and again in the job.
+    key (or the file and row). Runs before anything loads (tunekit.commands.compose.check_overrides) and again in the job.
 
     1. values and ranges of every key          (no imports beyond this module)
     2. output_dir can be created and written   (a probe folder, removed at once)
@@ -365,7 +365,7 @@ def check_values(cfg: TrainConfig) -> None:
         raise TunekitError("kernels.compile: not with trainer.strategy=fsdp (FSDP2 wraps every decoder layer's "
                            "forward itself); set kernels.compile=false, or trainer.strategy=ddp")
     if plain(t.strategy) == "fsdp":
-        from tunekit.fsdp import check_config
+        from tunekit.train.fsdp import check_config
 
         check_config(plain(cfg.kernels.fused_lora), cfg.objective)
     one_of("tracker.name", cfg.tracker.name, TRACKERS)

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tunekit import TunekitError
-from tunekit import device as dev
+from tunekit.speed import device as dev
 from tunekit.config import MethodConfig
-from tunekit.fused import (
+from tunekit.speed.lora_path import (
     FusedDecision,
     FusedLoRALinear4bit,
     KernelCheck,
@@ -54,13 +54,13 @@ def fake_h100(monkeypatch):
 def test_correct_but_slower_falls_back_under_auto_and_is_kept_under_on(tiny_model_dir, fake_h100, monkeypatch,
                                                                         caplog):
     model = _qlora_tiny(tiny_model_dir)
-    monkeypatch.setattr("tunekit.fused.time_layer", lambda layer, dtype, **kw: (3.0, 2.0))
+    monkeypatch.setattr("tunekit.speed.lora_path.time_layer", lambda layer, dtype, **kw: (3.0, 2.0))
     auto = choose_lora_path(model, "auto", H100, torch.float32)
     assert auto.path == "peft" and "correct but slower than peft + bitsandbytes" in auto.reason
     assert "12.00 ms vs 8.00 ms" in auto.reason  # 4 weight shapes x (3.0 vs 2.0)
     assert not any(isinstance(m, FusedLoRALinear4bit) for m in model.modules())
 
-    with caplog.at_level(logging.WARNING, logger="tunekit.fused"):
+    with caplog.at_level(logging.WARNING, logger="tunekit.speed.lora_path"):
         on = choose_lora_path(model, "on", H100, torch.float32)  # no TunekitError: the user asked for it
     assert on.path == "fused" and on.layers == 14 and "correct but slower" in on.reason
     assert _paths(model) == {"FusedLoRALinear4bit"}
@@ -73,7 +73,7 @@ def test_a_wrong_kernel_still_fails_under_on_even_when_fast(tiny_model_dir, fake
     from tunekit_kernels.reference import lora_linear_reference
 
     model = _qlora_tiny(tiny_model_dir)
-    monkeypatch.setattr("tunekit.fused.time_layer", lambda layer, dtype, **kw: (1.0, 2.0))
+    monkeypatch.setattr("tunekit.speed.lora_path.time_layer", lambda layer, dtype, **kw: (1.0, 2.0))
     monkeypatch.setattr(tunekit_kernels, "fused_lora_linear",
                         lambda x, quant, A, B, scaling, **kw: lora_linear_reference(x, quant, A, B, scaling * 1.01))
     with pytest.raises(TunekitError, match="differs from its reference"):
@@ -81,7 +81,7 @@ def test_a_wrong_kernel_still_fails_under_on_even_when_fast(tiny_model_dir, fake
 
 
 def _doctor(tmp_path, tiny_model_dir):
-    from tunekit.doctor import Doctor
+    from tunekit.commands.doctor import Doctor
 
     d = Doctor(None, None, 2, tmp_path, {}, start="fresh")
     d.fused_ok, d.model_path, d.dtype, d.device, d.facts = True, str(tiny_model_dir), torch.float32, \
@@ -94,7 +94,7 @@ def test_in_bf16_a_gpu_that_does_not_take_the_kernel_computes_lora_in_bf16(tiny_
     """Not peft's fp32 branch (an fp32 copy of every LoRA input, which the planner does not plan for
     under the bf16 policy) but the torch path, checked against the twin like the kernel."""
     model = _qlora_tiny(tiny_model_dir, torch.bfloat16)
-    monkeypatch.setattr("tunekit.fused.time_layer", lambda layer, dtype, **kw: (3.0, 2.0))
+    monkeypatch.setattr("tunekit.speed.lora_path.time_layer", lambda layer, dtype, **kw: (3.0, 2.0))
     slower = choose_lora_path(model, "auto", H100, torch.bfloat16)
     assert slower.path == "torch" and "correct but slower" in slower.reason and "LoRA matmuls in bf16" in slower.reason
     assert _paths(model) == {"TorchLoRALinear4bit"} and slower.dense_dtype is None  # no dense copy on a GPU
@@ -105,7 +105,7 @@ def test_in_bf16_a_gpu_that_does_not_take_the_kernel_computes_lora_in_bf16(tiny_
 
 
 def test_doctor_passes_a_correct_kernel_that_is_slower(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr("tunekit.fused.time_layer", lambda layer, dtype, **kw: (3.0, 2.0))
+    monkeypatch.setattr("tunekit.speed.lora_path.time_layer", lambda layer, dtype, **kw: (3.0, 2.0))
     d = _doctor(tmp_path, tiny_model_dir)
     d.kernels()
     c = d.report["checks"]["kernels"]
@@ -114,7 +114,7 @@ def test_doctor_passes_a_correct_kernel_that_is_slower(tiny_model_dir, tmp_path,
     assert c["note"] == "slower than peft (12.00 ms vs 8.00 ms): training keeps peft under auto"
     assert "correct but slower" in c["detail"] and len(c["shapes"]) == 4
 
-    monkeypatch.setattr("tunekit.fused.time_layer", lambda layer, dtype, **kw: (1.0, 2.0))
+    monkeypatch.setattr("tunekit.speed.lora_path.time_layer", lambda layer, dtype, **kw: (1.0, 2.0))
     d.kernels()  # faster: ok, no note
     c = d.report["checks"]["kernels"]
     assert c["ok"] is True and c["note"] is None and "2.00x peft's speed" in c["detail"]
@@ -131,12 +131,12 @@ def test_doctor_fails_a_wrong_kernel_and_a_changed_adapter(tiny_model_dir, tmp_p
             next(iter(layer.lora_A.values())).weight.add_(1.0)
         return 1.0, 2.0
 
-    monkeypatch.setattr("tunekit.fused.time_layer", meddling)
+    monkeypatch.setattr("tunekit.speed.lora_path.time_layer", meddling)
     d.kernels()
     c = d.report["checks"]["kernels"]
     assert c["ok"] is False and "the proof lost or changed the adapter" in c["error"]
 
-    monkeypatch.setattr("tunekit.fused.time_layer", lambda layer, dtype, **kw: (1.0, 2.0))
+    monkeypatch.setattr("tunekit.speed.lora_path.time_layer", lambda layer, dtype, **kw: (1.0, 2.0))
     monkeypatch.setattr(tunekit_kernels, "fused_lora_linear",
                         lambda x, quant, A, B, scaling, **kw: lora_linear_reference(x, quant, A, B, scaling * 1.01))
     d.kernels()
@@ -188,7 +188,7 @@ def test_a_rank_whose_kernel_check_failed_refuses_rank_0s_fused(tiny_model_dir):
 
 
 def test_the_torch_path_with_its_dense_copy_moves_to_other_ranks(tiny_model_dir):
-    from tunekit.lora_compute import CACHE_ATTR
+    from tunekit.speed.lora_math import CACHE_ATTR
 
     model = _qlora_tiny(tiny_model_dir, torch.bfloat16)
     rank0 = FusedDecision("auto", "torch", "LoRA matmuls in bf16", layers=14, dense_dtype="bf16")

@@ -8,8 +8,8 @@ import torch
 from tunekit import TunekitError
 from tunekit.config import MethodConfig
 from tunekit.methods import get_method
-from tunekit import device as dev
-from tunekit.fused import PATHS, FusedLoRALinear4bit, choose_lora_path
+from tunekit.speed import device as dev
+from tunekit.speed.lora_path import PATHS, FusedLoRALinear4bit, choose_lora_path
 from tunekit.model import load_base_model
 
 CPU = torch.device("cpu")
@@ -102,7 +102,7 @@ def assert_as_accurate_as_peft(tiny_model_dir, model, x, peft_out, path_out):
 def test_torch_path_on_cpu(tiny_model_dir):
     """auto on a CPU with a bf16 base: the compute-dtype LoRA path; at init (B = 0) bit-identical to
     peft, and as accurate as peft afterwards."""
-    from tunekit.fused import TorchLoRALinear4bit
+    from tunekit.speed.lora_path import TorchLoRALinear4bit
 
     torch.manual_seed(2)
     model = _bf16_qlora_tiny(tiny_model_dir)
@@ -132,14 +132,14 @@ def test_torch_path_on_cpu(tiny_model_dir):
 def test_torch_path_keeps_a_dense_copy_where_memory_allows(tiny_model_dir, tmp_path):
     """With memory to spare the dequantized base is kept: same logits as bitsandbytes bit for bit,
     nothing of it in the saved adapter; on a machine 8x too small for it, no copy."""
-    from tunekit.lora_compute import CACHE_ATTR
+    from tunekit.speed.lora_math import CACHE_ATTR
 
     torch.manual_seed(3)
     model = _bf16_qlora_tiny(tiny_model_dir)
     x = torch.randint(0, 2000, (2, 9))
     with torch.no_grad():
         at_init = model(input_ids=x).logits
-    from tunekit.fused import lora_4bit_layers
+    from tunekit.speed.lora_path import lora_4bit_layers
 
     dense = sum(m.base_layer.in_features * m.base_layer.out_features * 2 for _, m in lora_4bit_layers(model))
     small = dev.DeviceFacts("cpu", cpu_bf16=True, total_memory=8 * dense - 1)
@@ -163,8 +163,8 @@ def test_fp32_base_keeps_a_dense_copy_where_memory_allows(tiny_model_dir):
     per micro-batch. So: with room for the fp32 copy, the torch path with that copy, the base's
     output equal to bitsandbytes' bit for bit (the same fp32 dequantization, then the same linear:
     checked with B = 0), and logits and gradients within fp32 rounding of peft's; without room, peft."""
-    from tunekit.fused import lora_4bit_layers
-    from tunekit.lora_compute import CACHE_ATTR
+    from tunekit.speed.lora_path import lora_4bit_layers
+    from tunekit.speed.lora_math import CACHE_ATTR
 
     torch.manual_seed(4)
     model = _qlora_tiny(tiny_model_dir, torch.float32)  # non-zero B: the LoRA branch counts
@@ -250,7 +250,7 @@ def test_auto_proves_the_kernel_and_falls_back(tiny_model_dir, monkeypatch, kind
     h100 = dev.DeviceFacts("cuda", 0, (9, 0), "H100")
     model = _qlora_tiny(tiny_model_dir, torch.float32)
     monkeypatch.setattr(dev, "fused_kernel_support", lambda *a, **k: (True, "fake sm_90"))
-    monkeypatch.setattr("tunekit.fused.time_layer", lambda layer, dtype, **kw: (1.0, 2.0))
+    monkeypatch.setattr("tunekit.speed.lora_path.time_layer", lambda layer, dtype, **kw: (1.0, 2.0))
     ok = choose_lora_path(model, "auto", h100, torch.float32)
     assert ok.path == "fused" and ok.layers == 14 and len(ok.checks) == 4  # 4 distinct weight shapes
     assert "0.50" not in ok.reason and "2.00x peft's speed" in ok.reason
@@ -268,7 +268,7 @@ def test_auto_refuses_a_slower_kernel(tiny_model_dir, monkeypatch):
     h100 = dev.DeviceFacts("cuda", 0, (9, 0), "H100")
     model = _qlora_tiny(tiny_model_dir, torch.float32)
     monkeypatch.setattr(dev, "fused_kernel_support", lambda *a, **k: (True, "fake sm_90"))
-    monkeypatch.setattr("tunekit.fused.time_layer", lambda layer, dtype, **kw: (3.0, 2.0))
+    monkeypatch.setattr("tunekit.speed.lora_path.time_layer", lambda layer, dtype, **kw: (3.0, 2.0))
     slow = choose_lora_path(model, "auto", h100, torch.float32)
     assert slow.path == "peft" and "slower than peft" in slow.reason
     assert slow.as_dict()["checks"][0]["fused_ms"] == 3.0  # the figures go to summary.json

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from tunekit import TunekitError
-from tunekit.export.run import Run, load_base
+from tunekit.runs.run import Run, load_base
 
 log = logging.getLogger("tunekit")
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -40,7 +40,7 @@ def write_adapter(run: Run, trained: nn.Module, tokenizer, out_dir: Path) -> Non
 def reload_adapter(run: Run, folder: Path) -> nn.Module:
     """A peft-format folder (adapter_config.json has peft_type) through peft.PeftModel on a freshly
     loaded base; a tunekit-only format (bottleneck adapters, BitFit) through tunekit's method.load."""
-    from tunekit.export.run import trained_model
+    from tunekit.runs.run import trained_model
 
     config = json.loads((folder / "adapter_config.json").read_text())
     if "peft_type" not in config:
@@ -93,7 +93,7 @@ def reload_merged(folder: Path, device: torch.device) -> nn.Module:
     config asks for it."""
     from transformers import AutoModelForCausalLM
 
-    from tunekit.device import device_map
+    from tunekit.speed.device import device_map
 
     cfg = json.loads((folder / "config.json").read_text())
     if "quantization_config" not in cfg:
@@ -120,7 +120,7 @@ def write_requantized_nf4(run: Run, merged: nn.Module, tokenizer, out_dir: Path,
     write_merged(merged, tokenizer, scratch, dtype)
     qcfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=compute_dtype, llm_int8_skip_modules=["lm_head"])
-    from tunekit.device import device_map
+    from tunekit.speed.device import device_map
 
     model = AutoModelForCausalLM.from_pretrained(scratch, quantization_config=qcfg, dtype=TORCH_DTYPES[dtype],
                                                  device_map=device_map(run.device))
@@ -134,7 +134,7 @@ def write_requantized_nf4(run: Run, merged: nn.Module, tokenizer, out_dir: Path,
 def write_gguf_file(run: Run, merged: nn.Module, tokenizer, path: Path, dtype: str) -> None:
     """bf16/fp16/fp32: written by tunekit; a llama.cpp quantized type: tunekit writes f16 beside
     `path`, llama.cpp's quantizer turns it into `path`, the f16 file is removed."""
-    from tunekit.export import llamacpp
+    from tunekit.infer import llamacpp
     from tunekit.export.gguf import write_gguf
 
     name = f"{Path(run.model_path).name}-{run.cfg.method.name}"

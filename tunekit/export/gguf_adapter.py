@@ -234,7 +234,7 @@ def write_and_load(prepared: Prepared, tokenizer, tmp: Path, out_name: str, dtyp
     """tmp/out_name: the adapter; beside it the f32 base GGUF, deleted as soon as llama.cpp has loaded
     it (llama-cpp-python reads a model it applies a LoRA to whole, without mapping the file), so only
     the adapter is left to ship. Returns the llama.cpp model: base + adapter at scale 1."""
-    from tunekit.export.llamacpp import LlamaCppModel
+    from tunekit.infer.llamacpp import LlamaCppModel
 
     adapter = tmp / out_name
     base = tmp / f".base-f32-{out_name}"

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from tunekit.taskeval.rows import ClassSet, TaskRow
+from tunekit.infer.rows import ClassSet, TaskRow
 
 # Rows scored by default: enough that a few lost rows can read as significant, few enough that
 # scoring a 135M model several times stays a fraction of the export.
@@ -50,7 +50,7 @@ class TaskCheck:
     def score(self, model, tokenizer) -> list[bool]:
         """Per row: `model` answers it right, scored as `tunekit eval` scores (batches of 16).
         model: a torch model, or a callable (rows, classes) -> TaskResult (llama.cpp's scorer)."""
-        from tunekit.taskeval.score import score_rows
+        from tunekit.infer.score import score_rows
 
         closed = self.classes is not None
         if callable(model) and not hasattr(model, "parameters"):
@@ -62,8 +62,8 @@ class TaskCheck:
 
 def task_check(cfg, tokenizer, data: Optional[str], max_rows: int) -> tuple[Optional[TaskCheck], str]:
     """The rows of the task check, or (None, why not)."""
-    from tunekit.taskeval.cli import heldout_examples
-    from tunekit.taskeval.rows import closed_set, task_rows
+    from tunekit.commands.eval import heldout_examples
+    from tunekit.infer.rows import closed_set, task_rows
 
     if max_rows <= 0:
         return None, "--task-rows 0"

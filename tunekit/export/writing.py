@@ -1,6 +1,6 @@
 """Where an export may be written, and writing a single file (GGUF) atomically with its report.
 
-Folders (adapter, merged) go through tunekit.checkpoint.atomic_dir; a GGUF (a model, or a LoRA
+Folders (adapter, merged) go through tunekit.train.checkpoint.atomic_dir; a GGUF (a model, or a LoRA
 adapter for llama.cpp) is one file plus PATH.fidelity.json beside it.
 """
 

@@ -94,7 +94,7 @@ class SoftPromptLM(nn.Module):
         return self.decode, self.base.get_output_embeddings()
 
     def tunekit_generation_view(self):
-        """Used by tunekit.generate: (the plain base, the soft prompt (N, dim)). Generation prepends
+        """Used by tunekit.infer.decode: (the plain base, the soft prompt (N, dim)). Generation prepends
         the prompt per row itself (left padding, per-row positions), so one base serves many prompts."""
         return self.base, self.prompt_embeddings.detach()
 

@@ -17,8 +17,8 @@ log = logging.getLogger(__name__)
 
 
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    """model.dtype for a real device (see tunekit.device.compute_dtype for the rule)."""
-    from tunekit import device as dev
+    """model.dtype for a real device (see tunekit.speed.device.compute_dtype for the rule)."""
+    from tunekit.speed import device as dev
 
     return dev.compute_dtype(name, dev.probe(device))
 
@@ -67,11 +67,11 @@ def load_kwargs(quantize: str, dtype: torch.dtype, device: torch.device,
     load places the weights itself, so it needs a device map with an explicit device index.
     quant_storage: the dtype the packed codes are stored as (bitsandbytes' default uint8). FSDP
     shards only floating-point parameters, so a sharded 4-bit base stores its codes as a float
-    dtype: the same bytes, viewed differently (tunekit.fsdp).
+    dtype: the same bytes, viewed differently (tunekit.train.fsdp).
     """
     from transformers import BitsAndBytesConfig
 
-    from tunekit.device import device_map
+    from tunekit.speed.device import device_map
 
     kwargs = {"dtype": dtype}
     if quantize == "nf4":
@@ -259,7 +259,7 @@ def prepare_for_training(model: nn.Module, quantize: str, gradient_checkpointing
     """Put a frozen base in the state the trainer trains over (and evaluation and export rebuild).
 
     Every frozen weight stays in the dtype it was loaded in, the precision policy's compute dtype
-    (tunekit.precision): over a 4-bit base that keeps the embeddings, the norms and the output head
+    (tunekit.speed.precision): over a 4-bit base that keeps the embeddings, the norms and the output head
     in bf16 where peft's prepare_model_for_kbit_training would widen them to fp32, doubling their
     memory and running the residual stream, attention and the head in fp32. A method widens only
     what it trains. Gradient checkpointing uses the non-reentrant variant, which works with frozen

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from tunekit.device import DeviceFacts
+from tunekit.speed.device import DeviceFacts
 from tunekit.plan.compute import step_flops
 from tunekit.plan.memory import STATIC_TERMS, Memory, TrainSetup, step_memory
 from tunekit.plan.shape import ModelShape

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from tunekit import TunekitError
-from tunekit.device import DeviceFacts, available_memory_bytes, probe, rank_device
+from tunekit.speed.device import DeviceFacts, available_memory_bytes, probe, rank_device
 from tunekit.plan import AUTO_HEADROOM, GiB, Plan, predict
 from tunekit.plan.inputs import planner_inputs
 
@@ -71,7 +71,7 @@ def plan_for(cfg, facts: DeviceFacts, ranks: int, micro_batch: int, checkpointin
     from dataclasses import replace
 
     shape, setup = planner_inputs(cfg, facts)
-    from tunekit.device import offload_activations
+    from tunekit.speed.device import offload_activations
 
     sharded = getattr(cfg.trainer.strategy, "value", cfg.trainer.strategy) == "fsdp" and ranks > 1
     setup = replace(setup, micro_batch_size=micro_batch, gradient_checkpointing=checkpointing,

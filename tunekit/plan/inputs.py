@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from tunekit import TunekitError
-from tunekit.device import DeviceFacts, compute_dtype, dense_cache_fits, offload_activations
+from tunekit.speed.device import DeviceFacts, compute_dtype, dense_cache_fits, offload_activations
 from tunekit.plan.memory import TrainSetup
 from tunekit.plan.shape import PROJECTIONS, ModelShape, model_shape, student_shape
 
@@ -63,12 +63,12 @@ def planner_inputs(cfg, facts: DeviceFacts, teacher_shape: Optional[ModelShape] 
     )
     if (setup.quantize == "nf4" and setup.method == "lora" and dtype == torch.bfloat16
             and _value(cfg.kernels.fused_lora) != "off"):
-        # tunekit.fused's rule: the LoRA matmuls in bf16 (the CPU's torch path, the GPU's fused kernel
+        # tunekit.speed.lora_path's rule: the LoRA matmuls in bf16 (the CPU's torch path, the GPU's fused kernel
         # or, where that is not trusted, the same torch path), never peft's fp32 branch
         setup = replace(setup, lora_compute=True, fused_kernel=facts.type == "cuda")
     if (facts.type == "cpu" and setup.quantize == "nf4" and setup.method == "lora"
             and dtype in (torch.bfloat16, torch.float32) and _value(cfg.kernels.fused_lora) == "auto"):
-        # tunekit.fused._torch_path's rule: the base kept dequantized in its compute dtype
+        # tunekit.speed.lora_path._torch_path's rule: the base kept dequantized in its compute dtype
         weights = sum(i * o for p in setup.lora_targets for i, o in [student.projection(p)])
         dense = setup.compute_bytes * student.num_layers * weights
         if dense_cache_fits(dense, facts):

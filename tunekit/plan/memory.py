@@ -6,7 +6,7 @@ tunekit's trainer actually allocates, not a generic transformer:
 * weights: bf16/fp32 base, or NF4 + double quantization (bitsandbytes: 4-bit codes, one 8-bit
   absmax per 64 weights, one fp32 absmax per 256 of those, small per-layer code tables); every
   weight that is not quantized (embeddings, head, norms) stays in the compute dtype (the precision
-  policy, tunekit.precision), and the head is never quantized.
+  policy, tunekit.speed.precision), and the head is never quantized.
 * trainable parameters, their gradients (fp32, kept across gradient accumulation) and the
   optimizer state: AdamW 2 x fp32; bitsandbytes 8-bit: 2 x uint8 plus an fp32 absmax per 256
   elements for tensors of >= 4096 elements, 32-bit state below that (paged variants allocate the
@@ -72,16 +72,16 @@ class TrainSetup:
     distill_chunk: int = 1024
     dropout_mask_bytes: int = 4  # torch's dropout keeps a bool mask on CUDA, fp32 noise on a CPU
     # CPU with kernels.fused_lora=auto over a 4-bit base: a bf16 copy of the LoRA-wrapped weights
-    # (tunekit.lora_compute.cache_dense), where tunekit.device.dense_cache_fits allows it
+    # (tunekit.speed.lora_math.cache_dense), where tunekit.speed.device.dense_cache_fits allows it
     dense_cache_bytes: int = 0
-    # LoRA over a 4-bit base computed in the compute dtype (tunekit.lora_compute or the fused kernel,
-    # tunekit.fused) rather than peft's fp32 branch, which keeps an fp32 copy of every input
+    # LoRA over a 4-bit base computed in the compute dtype (tunekit.speed.lora_math or the fused kernel,
+    # tunekit.speed.lora_path) rather than peft's fp32 branch, which keeps an fp32 copy of every input
     lora_compute: bool = False
     # ... through the fused Triton kernel (CUDA): it dequantizes the base weight tile by tile in
     # registers, forward and backward, so no dequantized weight exists
     fused_kernel: bool = False
     # with gradient checkpointing on a GPU: the blocks' saved inputs live in pinned host memory
-    # (tunekit.device.offload_activations), not on the device
+    # (tunekit.speed.device.offload_activations), not on the device
     offload_activations: bool = False
 
 
@@ -176,7 +176,7 @@ def _lora_saves(st: TrainSetup, names: tuple, in_dim: int, in_bytes: int, input_
 
 
 def _compute_lora_saves(st: TrainSetup, branches: int, in_dim: int, e: int, input_already_saved: bool) -> int:
-    """The same for LoRA computed in the compute dtype (tunekit.lora_compute on any device, or the
+    """The same for LoRA computed in the compute dtype (tunekit.speed.lora_math on any device, or the
     fused Triton kernel on CUDA): each branch keeps its input as it came (the projections that share
     an input share that tensor) and A's (r,) output in the compute dtype; with dropout, each branch's
     keep-mask and dropped copy instead of the input (the CPU path's, in the compute dtype; the kernel
@@ -292,7 +292,7 @@ def activation_bytes(shape: ModelShape, st: TrainSetup) -> dict:
         if st.quantize == "nf4" and not st.fused_kernel else 0
     layer_backward = T * (3 * m * e + 2 * d * 4) + dequant  # the norms compute their gradients in fp32
     if st.lora_compute and not st.fused_kernel:
-        # The torch path (tunekit.lora_compute) through a recomputed block: measured on the CPU
+        # The torch path (tunekit.speed.lora_math) through a recomputed block: measured on the CPU
         # (tests/test_plan_measured.py, qlora with checkpointing) its step peaks ~3 (T, m) buffers
         # above the rest of this walk, which tensors exactly is not pinned down; counted so that the
         # plan does not fall short (it read -18% without them).
@@ -369,7 +369,7 @@ def teacher_forward_bytes(st: TrainSetup) -> int:
 
 # ------------------------------------------------------------------ the peak
 def fsdp_gathered_bytes(shape: ModelShape, st: TrainSetup) -> int:
-    """Whole weights an FSDP rank holds beside its shards (tunekit.fsdp): the decoder block that
+    """Whole weights an FSDP rank holds beside its shards (tunekit.train.fsdp): the decoder block that
     computes and the one prefetched; an untied embedding or head is a unit of its own, gathered
     while it computes (with one block prefetched beside it); a head tied to the embeddings stays
     in the root unit, gathered for the whole micro-batch with the final norm."""

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from tunekit import TunekitError
-from tunekit.cliparse import Parser, add_device_argument
+from tunekit.commands.parse import Parser, add_device_argument
 
 log = logging.getLogger("tunekit")
 
@@ -86,7 +86,7 @@ def batch_model(adapters: list[Optional[str]], model: Optional[str], quantize: O
     """(model to run, tokenizer, per-row soft prompts, per-row peft adapter names or None) for rows
     that use the given adapters (None: the bare base), on the device of `facts` (default the CPU).
     Checks every source, and with `work` the memory it needs there, before loading."""
-    from tunekit.trained import base_source, check_memory, load_base, load_tokenizer_for, load_trained, open_source
+    from tunekit.runs.open import base_source, check_memory, load_base, load_tokenizer_for, load_trained, open_source
 
     names = list(dict.fromkeys(a for a in adapters if a is not None))
     sources = {a: open_source(a, model, quantize, dtype, what="--adapter", facts=facts) for a in names}
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> None:
-    from tunekit.generate import generate
+    from tunekit.infer.decode import generate
 
     args = build_parser().parse_args(argv)
     if args.rows and (args.prompt or args.adapter):
@@ -171,7 +171,7 @@ def main(argv: list[str]) -> None:
     else:
         rows = _pair(args.prompt, args.adapter)
         labels = [f"--prompt {i + 1}" for i in range(len(rows))]
-    from tunekit.device import command_facts
+    from tunekit.speed.device import command_facts
 
     model, tokenizer, softs, names = batch_model([a for _, a in rows], args.model, args.quantize, args.dtype,
                                                  command_facts(args.device),

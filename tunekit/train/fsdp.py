@@ -57,7 +57,7 @@ import torch
 import torch.nn as nn
 
 from tunekit import TunekitError
-from tunekit.optim import load_state
+from tunekit.train.optim import load_state
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ class Sharded:
         self.rank_bytes = held_bytes(model)
         import gc
 
-        from tunekit.device import current_memory_mb
+        from tunekit.speed.device import current_memory_mb
 
         gc.collect()  # the whole tensors the shards were cut from
         self.memory_after_shard_mb = current_memory_mb(self.device)

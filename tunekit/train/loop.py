@@ -9,7 +9,7 @@ are summed. The result is the gradient of the mean token loss over the global ba
 of per-micro-batch means is not. Only the adapter's parameters are reduced: a few MB.
 
 With trainer.strategy=fsdp (and several ranks) `self.fsdp` shards the model instead
-(tunekit.fsdp): the same loss normalisation and summed gradients, reduced by FSDP in backward;
+(tunekit.train.fsdp): the same loss normalisation and summed gradients, reduced by FSDP in backward;
 the points where the loop differs call `self.fsdp` and say so.
 """
 
@@ -33,25 +33,25 @@ from omegaconf import OmegaConf
 from transformers import AutoConfig
 
 from tunekit import TunekitError
-from tunekit import device as dev
-from tunekit import compiled, precision, threads
-from tunekit.checkpoint import (atomic_dir, atomic_write_text, cleanup_leftovers, find_resumable, latest_checkpoint,
+from tunekit.speed import device as dev
+from tunekit.speed import torch_compile as compiled, precision, threads
+from tunekit.train.checkpoint import (atomic_dir, atomic_write_text, cleanup_leftovers, find_resumable, latest_checkpoint,
                                 load_checkpoint, read_state, save_checkpoint)
 from tunekit.config import TrainConfig, plain
 from tunekit.data import BatchSchedule, IGNORE, collate, collate_packed, count_tokens, eval_micro_batches, load_splits
-from tunekit.fsdp import quant_storage
-from tunekit.fused import FusedDecision, agree_on_path, broadcast_from_rank0, choose_lora_path
-from tunekit.objective import DistillObjective, SFTObjective, check_same_vocabulary, model_inputs
+from tunekit.train.fsdp import quant_storage
+from tunekit.speed.lora_path import FusedDecision, agree_on_path, broadcast_from_rank0, choose_lora_path
+from tunekit.train.objective import DistillObjective, SFTObjective, check_same_vocabulary, model_inputs
 from tunekit.methods import get_method, trainable_parameters
 from tunekit.model.student import make_student
 from tunekit.model import (decoder_and_head, load_base_model, load_tokenizer, prepare_for_training,
                            quantized_bits_per_param, resolve_model_path)
-from tunekit.optim import build_optimizer, warmup_cosine
+from tunekit.train.optim import build_optimizer, warmup_cosine
 from tunekit.plan.choose import resolve_memory_settings
-from tunekit.resume import (DATA_FINGERPRINT, check_not_foreign, check_output_dir, check_resumable, check_same_run,
+from tunekit.train.resume import (DATA_FINGERPRINT, check_not_foreign, check_output_dir, check_resumable, check_same_run,
                             fingerprint)
-from tunekit.runlock import RunLock
-from tunekit.tracking import NullTracker, Tracker
+from tunekit.train.runlock import RunLock
+from tunekit.train.tracking import NullTracker, Tracker
 
 log = logging.getLogger("tunekit")
 
@@ -66,7 +66,7 @@ class TrainRecipe:
     def setup(self) -> None:
         cfg = self.cfg
         self.acc = Accelerator(kwargs_handlers=[self._process_group_kwargs()])
-        # A single process's Accelerator().device is `cuda` without an index (tunekit.device.rank_device).
+        # A single process's Accelerator().device is `cuda` without an index (tunekit.speed.device.rank_device).
         self.device = dev.rank_device(self.acc.device, self.acc.local_process_index)
         self.facts = dev.probe(self.device)
         self.main = self.acc.is_main_process
@@ -190,7 +190,7 @@ class TrainRecipe:
         self._setup_task_eval()
 
     def _take_output_dir(self) -> None:
-        """Rank 0 locks output_dir (tunekit.runlock), then checks what it holds and removes leftovers of
+        """Rank 0 locks output_dir (tunekit.train.runlock), then checks what it holds and removes leftovers of
         interrupted saves; every rank gets its verdict. The other ranks never touch the lock: they are
         the same run, and a lock per rank would make rank 1 refuse rank 0's run."""
         cfg, problem = self.cfg, None
@@ -218,7 +218,7 @@ class TrainRecipe:
             raise TunekitError(problem)
 
     def release(self) -> None:
-        """Let go of output_dir (rank 0's lock); every way out of a run calls it (tunekit.cli._train),
+        """Let go of output_dir (rank 0's lock); every way out of a run calls it (tunekit.commands.train._train),
         and the kernel drops the lock anyway if the process dies first."""
         lock, self.lock = self.lock, None
         if lock is not None:
@@ -226,7 +226,7 @@ class TrainRecipe:
 
     def _process_group_kwargs(self):
         """The collectives' timeout, set explicitly (accelerate's NCCL default is 10 minutes, shorter
-        than rank 0 may spend alone saving a large checkpoint): tunekit.device.dist_timeout_s of the
+        than rank 0 may spend alone saving a large checkpoint): tunekit.speed.device.dist_timeout_s of the
         checkpoint the plan predicts (the trained tensors and their optimizer state)."""
         from datetime import timedelta
 
@@ -286,10 +286,10 @@ class TrainRecipe:
         return [{k: v.to(self.device) for k, v in model_inputs(batch).items()} for batch in batches]
 
     def _setup_task_eval(self) -> None:
-        """Rank 0: sample answers / task metric at every evaluation, and keep_best (tunekit.taskeval.training).
+        """Rank 0: sample answers / task metric at every evaluation, and keep_best (tunekit.train.task_eval).
         Under FSDP every rank runs the probe (each forward gathers weights from all ranks): the same
         rows through the same gathered weights give every rank the same answers; rank 0 reports them."""
-        from tunekit.taskeval.training import BestKeeper, TrainingProbe, resolve_best_metric
+        from tunekit.train.task_eval import BestKeeper, TrainingProbe, resolve_best_metric
 
         t = self.cfg.trainer
         self.probe = self.best = None
@@ -342,7 +342,7 @@ class TrainRecipe:
         if self.main:
             log.info(msg)
 
-    # ------------------------------------------------------------------ FSDP (tunekit.fsdp)
+    # ------------------------------------------------------------------ FSDP (tunekit.train.fsdp)
     def _fsdp(self):
         """The FSDP state when trainer.strategy=fsdp runs on several ranks, else None (DDP, or one process)."""
         if plain(self.cfg.trainer.strategy) != "fsdp":
@@ -350,7 +350,7 @@ class TrainRecipe:
         if self.acc.num_processes == 1:
             self._info("trainer.strategy=fsdp with one process: nothing to shard, training as a single process")
             return None
-        from tunekit.fsdp import Sharded
+        from tunekit.train.fsdp import Sharded
 
         return Sharded(self.device, self.acc.num_processes, self.acc.process_index)
 

@@ -16,8 +16,8 @@ from dataclasses import asdict, replace
 from typing import Optional
 
 from tunekit import TunekitError
-from tunekit.cliparse import Parser
-from tunekit.device import available_memory_bytes, default_device, planning_facts
+from tunekit.commands.parse import Parser
+from tunekit.speed.device import available_memory_bytes, default_device, planning_facts
 from tunekit.plan import GiB, Plan, predict
 from tunekit.plan.inputs import planner_inputs
 from tunekit.plan.shape import preset_names, preset_source
@@ -151,7 +151,7 @@ def render(plan: Plan, memory_gib: Optional[float], cfg, source: str) -> str:
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
-    from tunekit.cli import compose_configs
+    from tunekit.commands.compose import compose_configs
 
     configs = compose_configs(args.overrides)
     facts = planning_facts(args.device or default_device().type,

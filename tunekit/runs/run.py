@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from tunekit import TunekitError
 from tunekit.config import TrainConfig, load_run_config, plain
-from tunekit.device import DeviceFacts, compute_dtype, probe
+from tunekit.speed.device import DeviceFacts, compute_dtype, probe
 
 
 @dataclass
@@ -140,14 +140,14 @@ def run_tokenizer(run: Run, adapter_dir: Path | None = None):
 
 def check_data_unchanged(run: Run) -> None:
     """Refuse when a data file the run trained on changed since (checksums recorded at its start,
-    tunekit.resume.DATA_FINGERPRINT): re-splitting it would give another held-out set, possibly rows
+    tunekit.train.resume.DATA_FINGERPRINT): re-splitting it would give another held-out set, possibly rows
     the run trained on, and the score would silently measure something else. Runs from before
     the record are not checked."""
     import json
 
-    from tunekit.checkpoint import sha256_file
+    from tunekit.train.checkpoint import sha256_file
     from tunekit.data.formats import DEFAULT_DATA_DIR
-    from tunekit.resume import DATA_FINGERPRINT
+    from tunekit.train.resume import DATA_FINGERPRINT
 
     record = run.run_dir / DATA_FINGERPRINT
     if not record.is_file():

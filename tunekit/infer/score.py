@@ -1,6 +1,6 @@
 """Score one model on task rows, in batches, with one prompt pass per row.
 
-Per batch of rows (sorted by prompt length, so little padding), `tunekit.generate.prefill` runs
+Per batch of rows (sorted by prompt length, so little padding), `tunekit.infer.decode.prefill` runs
 the prompts once; from that pass:
 
   response loss   -log p(reference answer | prompt), summed over its tokens (end-of-turn included),
@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tunekit.taskeval.rows import ClassSet, TaskRow, normalize
+from tunekit.infer.rows import ClassSet, TaskRow, normalize
 
 IGNORE = -100
 
@@ -91,11 +91,11 @@ def _prompt_loss(prefix, head: nn.Module, batch: list[TaskRow]) -> list[tuple[fl
 @torch.no_grad()
 def score_rows(model: nn.Module, tokenizer, rows: list[TaskRow], classes: Optional[ClassSet] = None,
                batch_size: int = 16, max_new_tokens: Optional[int] = None, generate: bool = True) -> TaskResult:
-    """Score `model` (any trained model: see tunekit.generate.generation_view) on `rows`.
+    """Score `model` (any trained model: see tunekit.infer.decode.generation_view) on `rows`.
 
     max_new_tokens: greedy budget; default the longest reference plus 4 tokens (an answer longer
     than that cannot match after normalisation in any realistic case)."""
-    from tunekit.generate import generation_view, greedy, pad_token_id, prefill, score_continuations, stop_token_ids
+    from tunekit.infer.decode import generation_view, greedy, pad_token_id, prefill, score_continuations, stop_token_ids
     from tunekit.model import decoder_and_head
 
     lm, soft = generation_view(model)

@@ -1,9 +1,9 @@
-"""Score task rows with a GGUF file in llama.cpp: the figures of tunekit.taskeval.score, computed
+"""Score task rows with a GGUF file in llama.cpp: the figures of tunekit.infer.score, computed
 by llama.cpp instead of torch.
 
 The rows stay as the run's (or the folder's) tokenizer made them: llama.cpp is fed those token
 ids, never text, so it scores exactly the sequences the torch scorer scores. Per row the figures
-are the same sums over the same positions (tunekit.taskeval.score):
+are the same sums over the same positions (tunekit.infer.score):
 
   response loss   -log p of the reference answer's tokens given the prompt, plus the trained tokens
                   of earlier replies inside the prompt (their logits come from the prompt pass)
@@ -30,7 +30,7 @@ weights, not a rounding of the activations. On the test suite's scaled tiny mode
 cache by 6e-5. Attention is llama.cpp's plain (non-flash) path, as in the export's logit check.
 
 `score_rows_gguf(model, tokenizer, rows, classes)` takes a GGUF path or an already loaded
-tunekit.export.llamacpp.LlamaCppModel and returns the TaskResult `score_rows` returns.
+tunekit.infer.llamacpp.LlamaCppModel and returns the TaskResult `score_rows` returns.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ import torch
 import torch.nn.functional as F
 
 from tunekit import TunekitError
-from tunekit.taskeval.rows import ClassSet, TaskRow, normalize
-from tunekit.taskeval.score import RowResult, TaskResult
+from tunekit.infer.rows import ClassSet, TaskRow, normalize
+from tunekit.infer.score import RowResult, TaskResult
 
 IGNORE = -100
 GGML_TYPE_F32 = 0
@@ -61,10 +61,10 @@ N_UBATCH = 512  # tokens per forward inside llama.cpp (its compute buffer grows 
 
 # ------------------------------------------------------------------ loading
 def load_gguf(path: str | Path, threads: Optional[int] = None):
-    """A GGUF file loaded by llama.cpp (tunekit.export.llamacpp.LlamaCppModel), or one TunekitError
+    """A GGUF file loaded by llama.cpp (tunekit.infer.llamacpp.LlamaCppModel), or one TunekitError
     line: llama.cpp missing, or a file it cannot load (truncated, not GGUF, an architecture it lacks)."""
-    from tunekit.device import cpuinfo_text
-    from tunekit.export import llamacpp
+    from tunekit.speed.device import cpuinfo_text
+    from tunekit.infer import llamacpp
 
     why = llamacpp.unavailable()
     if why:
@@ -116,7 +116,7 @@ class _Context:
         to its own context (an adapter is set per context in llama.cpp, not per model)."""
         import llama_cpp
 
-        from tunekit.export.llamacpp import _quiet_stderr
+        from tunekit.infer.llamacpp import _quiet_stderr
 
         self.C = llama_cpp
         params = llama_cpp.llama_context_default_params()
@@ -291,9 +291,9 @@ def _check_ids(rows: list[TaskRow], classes: Optional[ClassSet], n_vocab: int) -
 def score_rows_gguf(model, tokenizer, rows: list[TaskRow], classes: Optional[ClassSet] = None, batch_size: int = 16,
                     max_new_tokens: Optional[int] = None, generate: bool = True,
                     threads: Optional[int] = None) -> TaskResult:
-    """Score a GGUF model on `rows` as tunekit.taskeval.score.score_rows scores a torch model.
+    """Score a GGUF model on `rows` as tunekit.infer.score.score_rows scores a torch model.
 
-    model: a GGUF path or a loaded tunekit.export.llamacpp.LlamaCppModel (left loaded).
+    model: a GGUF path or a loaded tunekit.infer.llamacpp.LlamaCppModel (left loaded).
     tokenizer: the tokenizer that made the rows (decodes the greedy answers; its EOS ends them);
     None decodes with llama.cpp's own vocabulary (special tokens dropped) and stops at the GGUF's
     declared end tokens only. threads: llama.cpp's CPU threads (default: a loaded model's own,

@@ -7,7 +7,7 @@ The choice is made once, before the first step, and never changes what is traine
   saves, loads, merges or disables adapters, and state-dict keys are untouched. (Swapping in a
   module of another type made peft 0.21 save adapters with 0 tensors.)
 * On a CPU, `auto` takes the same layer math in plain torch + bitsandbytes with the LoRA matmuls
-  in bf16 (tunekit/lora_compute.py: peft runs them in fp32, at a quarter of the CPU's bf16 speed),
+  in bf16 (tunekit/speed/lora_math.py: peft runs them in fp32, at a quarter of the CPU's bf16 speed),
   when the base computes in bf16; it is checked against the twin like the kernel (not timed: a
   rule, so that a resumed run takes the same path and stays bit-identical).
 * `kernels.fused_lora=auto` proves the kernel on this device before trusting it: for every
@@ -21,7 +21,7 @@ The choice is made once, before the first step, and never changes what is traine
   from rank to rank: `agree_on_path` hands every rank rank 0's decision, so all of them compute
   alike.
 
-Device questions (is this CUDA, which capability, is triton there) go through tunekit.device.
+Device questions (is this CUDA, which capability, is triton there) go through tunekit.speed.device.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch.nn as nn
 from peft.tuners.lora.bnb import Linear4bit as PeftLoRALinear4bit
 
 from tunekit import TunekitError
-from tunekit import device as dev
+from tunekit.speed import device as dev
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class TorchLoRALinear4bit(PeftLoRALinear4bit):
         active = [a for a in self.active_adapters if a in self.lora_A]
         if self.disable_adapters or self.merged or len(active) != 1 or args or kwargs:
             return super().forward(x, *args, **kwargs)
-        from tunekit.lora_compute import lora4bit_compute
+        from tunekit.speed.lora_math import lora4bit_compute
 
         name = active[0]
         dropout = self.lora_dropout[name]
@@ -205,7 +205,7 @@ def check_layer(layer: nn.Module, dtype: torch.dtype, tokens: int = CHECK_TOKENS
     if path == "fused":
         fused = run(lambda a, b, c: tk.fused_lora_linear(a, quant, b, c, scaling), dtype)
     else:
-        from tunekit.lora_compute import lora4bit_compute
+        from tunekit.speed.lora_math import lora4bit_compute
 
         # bitsandbytes computes the base in its compute dtype whatever x's dtype; x comes in as in training
         fused = run(lambda a, b, c: lora4bit_compute(a, layer.base_layer, b.float(), c.float(), scaling), dtype)
@@ -335,7 +335,7 @@ def choose_lora_path(model: nn.Module, mode: str, facts: dev.DeviceFacts, dtype:
     """
     layers = lora_4bit_layers(model)
     set_path([m for _, m in layers], "peft")  # peft's forward unless tunekit's earns its place below
-    from tunekit.lora_compute import drop_dense
+    from tunekit.speed.lora_math import drop_dense
 
     for _, m in layers:
         drop_dense(m.base_layer)
@@ -384,11 +384,11 @@ def _gpu_fallback(model, layers, mode: str, facts: dev.DeviceFacts, dtype: torch
 
 
 def _torch_path(model, layers, mode: str, facts: dev.DeviceFacts, dtype: torch.dtype, why: str) -> FusedDecision:
-    """The LoRA matmuls in the compute dtype in plain torch (tunekit.lora_compute), checked against
+    """The LoRA matmuls in the compute dtype in plain torch (tunekit.speed.lora_math), checked against
     the twin: auto off CUDA, where the Triton kernel is out (only an interpreter runs it there), and
     on CUDA in bf16 where the kernel is not taken. Two things pay
     on a CPU: the LoRA matmuls in bf16 where the base computes in bf16, and, in bf16 or fp32, the
-    frozen base kept dequantized where memory allows (tunekit.device.dense_cache_fits) instead of
+    frozen base kept dequantized where memory allows (tunekit.speed.device.dense_cache_fits) instead of
     dequantized twice per layer per micro-batch. An fp32 base without room for that copy gains
     nothing over peft's own fp32 math, so peft stays."""
     if dtype not in (torch.bfloat16, torch.float32):
@@ -402,7 +402,7 @@ def _torch_path(model, layers, mode: str, facts: dev.DeviceFacts, dtype: torch.d
     if not proof.correct:
         return FusedDecision(mode, "peft", proof.reason + "; using peft + bitsandbytes", checks=proof.checks)
     set_path([m for _, m in layers], "torch")
-    from tunekit.lora_compute import cache_dense
+    from tunekit.speed.lora_math import cache_dense
 
     cached = ""
     if fits:
@@ -457,7 +457,7 @@ def agree_on_path(decision: FusedDecision, broadcast_object: Callable[[Any], Any
 
 def apply_path(model: nn.Module, decision: FusedDecision) -> None:
     """Put `model`'s LoRA layers on `decision`'s path (a decision made elsewhere, e.g. on rank 0)."""
-    from tunekit.lora_compute import cache_dense, drop_dense
+    from tunekit.speed.lora_math import cache_dense, drop_dense
 
     layers = [m for _, m in lora_4bit_layers(model)]
     for m in layers:

@@ -8,7 +8,7 @@ The lock is flock(2) on the open lock file, which holds the holder's pid, host a
 for the message a second run prints. The kernel drops a flock when its process ends, however it
 ends (an exception, SIGINT/SIGTERM, SIGKILL, a crash), so a lock file left by a dead run is just
 a file: the next run locks it and takes it over. A run that ends normally removes the file too.
-Under `accelerate launch` only rank 0 takes it (tunekit.recipe): one run, however many ranks.
+Under `accelerate launch` only rank 0 takes it (tunekit.train.loop): one run, however many ranks.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`tunekit eval RUN [--data FILE] [--base]`: score what a run learned on held-out rows.
 
-RUN is a run folder, an adapter folder, a model folder or a GGUF file (tunekit.trained; a GGUF is
-scored by llama.cpp on the CPU with the same figures, tunekit.taskeval.gguf). The rows are the
+RUN is a run folder, an adapter folder, a model folder or a GGUF file (tunekit.runs.open; a GGUF is
+scored by llama.cpp on the CPU with the same figures, tunekit.infer.gguf). The rows are the
 run's own held-out split unless --data names a file (any format `tunekit train` reads; chat and
 alpaca rows are scored on their final reply). Figures: response loss and perplexity, exact match
 of greedy answers (normalised: case, surrounding whitespace and punctuation), and, when the
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from tunekit import TunekitError
-from tunekit.cliparse import Parser, add_device_argument
+from tunekit.commands.parse import Parser, add_device_argument
 
 log = logging.getLogger("tunekit")
 DEFAULT_MAX_LEN = 2048
@@ -86,7 +86,7 @@ def heldout_examples(cfg, tokenizer, data: str | None) -> tuple[list[dict], str]
 
 
 def eval_workload(rows, classes, batch_size: int, max_new_tokens: int | None):
-    """What one batch of score_rows holds at once (tunekit.taskeval.score): the prompts' cache,
+    """What one batch of score_rows holds at once (tunekit.infer.score): the prompts' cache,
     its copy repeated for the reference and every class answer, the greedy answers' tokens."""
     from tunekit.plan.inference import Workload
 
@@ -103,21 +103,21 @@ def eval_workload(rows, classes, batch_size: int, max_new_tokens: int | None):
 
 
 def evaluate(args) -> dict:
-    from tunekit.trained import is_gguf_file, open_source
+    from tunekit.runs.open import is_gguf_file, open_source
 
     for key in ("batch_size", "max_rows", "max_new_tokens"):
         value = getattr(args, key)
         if value is not None and value <= 0:
             raise TunekitError(f"--{key.replace('_', '-')}: must be > 0, got {value}")
     start = time.perf_counter()
-    from tunekit.device import command_facts
+    from tunekit.speed.device import command_facts
 
     gguf_file = is_gguf_file(args.source)
     # A GGUF file runs in llama.cpp's CPU build whatever --device says; only a --base model loads there.
     src = open_source(args.source, args.model, args.quantize, args.dtype, args.base_model,
                       facts=None if gguf_file and not args.base else command_facts(args.device))
     if src.kind == "run" and args.data is None:  # its held-out split is re-made from the run's data files
-        from tunekit.export.run import check_data_unchanged
+        from tunekit.runs.run import check_data_unchanged
 
         check_data_unchanged(src.run)
     if args.base and src.kind in ("model", "gguf") and args.base_model is None:
@@ -128,7 +128,7 @@ def evaluate(args) -> dict:
                  "applies to the --base model" if args.base else "is not used")
     gguf = None
     if src.kind == "gguf":
-        from tunekit.taskeval.gguf import load_gguf
+        from tunekit.infer.gguf import load_gguf
 
         t0 = time.perf_counter()
         # before the tokenizer is read from the file: a damaged file is llama.cpp's one line, at once
@@ -142,10 +142,10 @@ def evaluate(args) -> dict:
 
 
 def _evaluate(args, src, gguf, gguf_load_s: float, start: float) -> dict:
-    from tunekit.taskeval.report import answers_json, difference, sample_lines, table
-    from tunekit.taskeval.rows import closed_set, task_rows
-    from tunekit.taskeval.score import score_rows
-    from tunekit.trained import check_memory, load_base, load_tokenizer_for, load_trained
+    from tunekit.infer.report import answers_json, difference, sample_lines, table
+    from tunekit.infer.rows import closed_set, task_rows
+    from tunekit.infer.score import score_rows
+    from tunekit.runs.open import check_memory, load_base, load_tokenizer_for, load_trained
 
     tokenizer = load_tokenizer_for(src)
     examples, where = heldout_examples(src.run.cfg if src.kind == "run" else None, tokenizer, args.data)
@@ -162,7 +162,7 @@ def _evaluate(args, src, gguf, gguf_load_s: float, start: float) -> dict:
 
     timings = {}
     if gguf is not None:
-        from tunekit.taskeval.gguf import score_rows_gguf
+        from tunekit.infer.gguf import score_rows_gguf
 
         timings["load_s"] = gguf_load_s
         t0 = time.perf_counter()

@@ -7,6 +7,7 @@ lines where one naming the argument says more.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from tunekit import TunekitError
 
@@ -20,7 +21,13 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
-    """--device, the same for every command that runs a model (tunekit.device.command_device)."""
+    """--device, the same for every command that runs a model (tunekit.speed.device.command_device)."""
     parser.add_argument("--device", metavar="D", default="auto",
                         help="where the model runs: auto (default: the first GPU, else the CPU), cpu, cuda or "
                              "cuda:N; the compute dtype follows the device (bf16 where native, else fp32)")
+
+
+def fail(msg: str, code: int = 2) -> None:
+    """End the command with one `tunekit: error:` line on stderr."""
+    print(f"tunekit: error: {msg}", file=sys.stderr)
+    sys.exit(code)

@@ -25,7 +25,7 @@ How:
   forward of the model), for a batch of two rows and for one row alone (CHECK_LENGTHS: the graphs
   the steps will run); the outputs and every gradient must agree within the tolerance below.
   Found that way: torch 2.13's inductor dropped `alpha` from `y.add_(a @ b, alpha=s)`, which
-  halved every LoRA term at alpha/r = 2 (tunekit/lora_compute.py no longer writes it so).
+  halved every LoRA term at alpha/r = 2 (tunekit/speed/lora_math.py no longer writes it so).
   A compile error or a difference stops the run with a message naming kernels.compile.
 * Not with trainer.strategy=fsdp (refused with the config, before anything loads): FSDP2 hooks
   every layer's forward itself.
@@ -40,7 +40,7 @@ roundings on the way to q_proj's LoRA A); a LoRA A gradient is also a sum over t
 cancel, which multiplies each term's rounding error relative to the result by Σ|term| / |Σ term|,
 a factor no bound on the roundings fixes. Measured on the default model in bf16 (emulated on an Ice
 Lake CPU): the largest difference was 1.0e-2 with a 4-bit base (qlora) and 2.8e-2 with a bf16 base
-(lora), against the 3e-2 the fused kernel's check uses (tunekit/fused.py). So in half precision a
+(lora), against the 3e-2 the fused kernel's check uses (tunekit/speed/lora_path.py). So in half precision a
 tensor that differs from eager by more than that tolerance is judged against the layer run in fp32
 (the same weights and inputs, every op in fp32): the compiled result passes if it is within the
 tolerance of that, or no further from it than twice eager's own distance, i.e. the compiler skipped
@@ -63,12 +63,12 @@ import torch
 import torch.nn as nn
 
 from tunekit import TunekitError
-from tunekit.fused import CHECK_TOL, rel_err
+from tunekit.speed.lora_path import CHECK_TOL, rel_err
 from tunekit.methods.adapter import decoder_layers
 
 log = logging.getLogger(__name__)
 
-# The analysis in the module docstring gives the fused kernel's bounds (tunekit/fused.py): one table.
+# The analysis in the module docstring gives the fused kernel's bounds (tunekit/speed/lora_path.py): one table.
 TOL = CHECK_TOL
 # The check's batches: real rows cut to these lengths, the two together and the first alone. Lengths
 # that are prime, because dynamo specialises a dimension equal to a static width of the model (a
@@ -251,7 +251,7 @@ def _fp32(obj):
 def _fp32_copy(layer: nn.Module) -> nn.Module:
     """The layer with every floating parameter and buffer in fp32 and its 4-bit projections computing
     in fp32 (their codes stay; a kept dequantized weight is widened, so the same weight values)."""
-    from tunekit.lora_compute import CACHE_ATTR
+    from tunekit.speed.lora_math import CACHE_ATTR
 
     ref = copy.deepcopy(layer).float()
     for m in ref.modules():

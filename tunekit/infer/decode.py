@@ -19,7 +19,7 @@ of given continuations (`score_continuations`: a reference answer, the classes o
 task) and, with keep_hidden, the loss on trained tokens inside the prompt (tunekit.taskeval).
 
 Python: `generate(model, tokenizer, prompts, soft_prompts, max_new_tokens)`; the command line is
-tunekit.generate_cli (`tunekit generate`) and tunekit.chat (`tunekit chat`).
+tunekit.commands.generate (`tunekit generate`) and tunekit.commands.chat (`tunekit chat`).
 """
 
 from __future__ import annotations

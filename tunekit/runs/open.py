@@ -4,14 +4,14 @@
 A source is one of:
 
     RUN/ (config.yaml + adapter/)      the run's exact setup: its base (path, 4-bit or not, compute dtype,
-                                       QLoRA preparation), its method, its adapter (tunekit.export.run)
+                                       QLoRA preparation), its method, its adapter (tunekit.runs.run)
     RUN/adapter, RUN/best/adapter,     that run's setup with this adapter folder
     RUN/checkpoints/step-N/adapter
     an adapter folder elsewhere        peft LoRA or prompt tuning (adapter_config.json "peft_type"), tunekit
                                        bottleneck adapters or BitFit ("method"), over --model, else the base its
                                        config names, else the default model; --quantize nf4 for a 4-bit base
     a model folder (config.json)       a merged export, a full fine-tune, any causal LM, loaded as it is
-    a .gguf file                       scored by llama.cpp on the CPU (tunekit.taskeval.gguf; `tunekit eval`
+    a .gguf file                       scored by llama.cpp on the CPU (tunekit.infer.gguf; `tunekit eval`
                                        only); its tokenizer is the one inside the file, unless --model names
                                        a folder with the model's tokenizer or one sits beside the file
 
@@ -33,8 +33,8 @@ import torch
 import torch.nn as nn
 
 from tunekit import TunekitError
-from tunekit import device as dev
-from tunekit.device import DeviceFacts
+from tunekit.speed import device as dev
+from tunekit.speed.device import DeviceFacts
 # adapter_config.json "peft_type" (peft) or "method" (tunekit) -> tunekit method name
 ADAPTER_KINDS = {"LORA": "lora", "PROMPT_TUNING": "prompt_tuning", "TUNEKIT_BOTTLENECK_ADAPTER": "adapter",
                  "TUNEKIT_BITFIT": "bitfit"}
@@ -48,7 +48,7 @@ class Source:
     base_path: str  # the base model folder (a model folder is its own base)
     quantize: str  # none | nf4
     dtype: torch.dtype
-    run: object = None  # tunekit.export.run.Run for kind "run"
+    run: object = None  # tunekit.runs.run.Run for kind "run"
     adapter_dir: Optional[Path] = None
     adapter_cfg: dict = field(default_factory=dict)
     base_override: Optional[str] = None  # --base-model: the untuned base of a model folder or GGUF file
@@ -100,10 +100,10 @@ def _enclosing_run(path: Path) -> Optional[Path]:
 
 
 def _open_run(run_dir: Path, facts: DeviceFacts, adapter: Optional[Path] = None):
-    """tunekit.export.run.open_run, plus full fine-tunes: their adapter/ is a whole model folder
+    """tunekit.runs.run.open_run, plus full fine-tunes: their adapter/ is a whole model folder
     (config.json + model.safetensors), which open_run's check for adapter_model.safetensors refuses.
     `adapter`: a folder of the run other than its adapter/ (a checkpoint's)."""
-    from tunekit.export.run import Run, open_run, read_run_config
+    from tunekit.runs.run import Run, open_run, read_run_config
 
     folder = adapter or run_dir / "adapter"
     try:
@@ -123,7 +123,7 @@ def open_source(path: str | Path, model: Optional[str] = None, quantize: Optiona
                 base_model: Optional[str] = None, what: str = "RUN", facts: Optional[DeviceFacts] = None) -> Source:
     """Recognise `path` (see the module docstring). model/quantize/dtype choose the base of a
     standalone adapter folder; base_model names the untuned base of a model folder (for --base);
-    facts: the device it will load on (tunekit.device.command_facts; default the CPU)."""
+    facts: the device it will load on (tunekit.speed.device.command_facts; default the CPU)."""
     from tunekit.model import resolve_model_path
 
     facts = facts or dev.probe(torch.device("cpu"))
@@ -190,7 +190,7 @@ def _open_gguf(p: Path, model: Optional[str], quantize: Optional[str], dtype: st
                what: str, facts: DeviceFacts) -> Source:
     """A GGUF file: the magic checked here (the model is loaded by llama.cpp when scored); the
     tokenizer folder chosen: --model, else a tokenizer saved beside the file, else the file's own."""
-    from tunekit.export.llamacpp import unavailable
+    from tunekit.infer.llamacpp import unavailable
     from tunekit.model import resolve_model_path
 
     try:
@@ -253,7 +253,7 @@ def load_base(src: Source) -> nn.Module:
         return _plain_base(resolve_model_path(src.base_override, key="--base-model"), src.quantize, src.dtype, src.device,
                            "--base-model")
     if src.kind == "run":
-        from tunekit.export.run import load_base as run_base
+        from tunekit.runs.run import load_base as run_base
 
         return run_base(src.run)
     if src.kind == "model":
@@ -282,7 +282,7 @@ def load_trained(src: Source) -> nn.Module:
     if src.kind == "gguf":
         raise _not_torch(src)
     if src.kind == "run":
-        from tunekit.export.run import trained_model
+        from tunekit.runs.run import trained_model
 
         return trained_model(src.run, src.adapter_dir)
     if src.kind == "model":
@@ -317,7 +317,7 @@ def load_tokenizer_for(src: Source):
     from tunekit.model import load_tokenizer
 
     if src.kind == "run":
-        from tunekit.export.run import run_tokenizer
+        from tunekit.runs.run import run_tokenizer
 
         return run_tokenizer(src.run, src.adapter_dir)
     if src.kind == "gguf":

@@ -1,6 +1,6 @@
 """`tunekit chat [RUN]`: talk to what you trained, through its chat template, with history, streamed.
 
-RUN is a run folder, an adapter folder or a model folder (tunekit.trained); none: the base
+RUN is a run folder, an adapter folder or a model folder (tunekit.runs.open); none: the base
 (--model or the default model). Every turn renders the whole conversation with the chat template
 the run trained with (a prompt-tuning run's soft prompt goes first, as in training), decodes
 greedily (or samples with --temperature) and prints the reply token by token. The oldest
@@ -24,7 +24,7 @@ from typing import Callable, Optional, TextIO
 import torch
 
 from tunekit import TunekitError
-from tunekit.cliparse import Parser, add_device_argument
+from tunekit.commands.parse import Parser, add_device_argument
 
 log = logging.getLogger("tunekit")
 DEFAULT_CONTEXT = 2048  # a model whose config.json names no max_position_embeddings
@@ -80,7 +80,7 @@ def sampler(temperature: float, top_p: float, seed: int) -> Callable[[torch.Tens
 
 class Conversation:
     def __init__(self, model, tokenizer, system: Optional[str], max_new_tokens: int, pick, out: TextIO):
-        from tunekit.generate import generation_view, pad_token_id, stop_token_ids
+        from tunekit.infer.decode import generation_view, pad_token_id, stop_token_ids
 
         self.lm, self.soft = generation_view(model)
         self.lm.eval()
@@ -94,7 +94,7 @@ class Conversation:
         self.history = []
 
     def _prompt(self) -> list[int]:
-        from tunekit.generate import encode_messages
+        from tunekit.infer.decode import encode_messages
 
         n_soft = 0 if self.soft is None else self.soft.shape[0]
         while True:
@@ -108,7 +108,7 @@ class Conversation:
             self.history = self.history[2:]  # drop the oldest exchange
 
     def say(self, text: str) -> str:
-        from tunekit.generate import greedy, prefill
+        from tunekit.infer.decode import greedy, prefill
 
         self.history.append({"role": "user", "content": text})
         ids = self._prompt()
@@ -124,7 +124,7 @@ def check_system_turn(tokenizer, system: str) -> None:
     """Render the system message once before anything loads: some chat templates (Llama-2's) refuse
     a system turn with raise_exception, which would otherwise surface as a template error at the
     first message."""
-    from tunekit.generate import encode_messages
+    from tunekit.infer.decode import encode_messages
 
     try:
         encode_messages(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}])
@@ -168,8 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str], stdin: TextIO | None = None, stdout: TextIO | None = None) -> None:
-    from tunekit.device import command_facts
-    from tunekit.trained import base_source, check_memory, load_tokenizer_for, load_trained, open_source
+    from tunekit.speed.device import command_facts
+    from tunekit.runs.open import base_source, check_memory, load_tokenizer_for, load_trained, open_source
 
     args = build_parser().parse_args(argv)
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout

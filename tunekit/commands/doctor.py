@@ -19,7 +19,7 @@ On a GPU it is what CI cannot do (no CI machine has one):
 On a CPU the same flow runs under Triton's interpreter (TRITON_INTERPRET=1): a functional check of
 every step (the test suite runs it on a tiny model), with no meaning for speed.
 
-Each command of a check runs in a child process of its own (tunekit.children): a fresh interpreter
+Each command of a check runs in a child process of its own (tunekit.commands.forkserver): a fresh interpreter
 where a GPU is visible; on a CPU-only machine a fork of one process that imported the stack once.
 
     tunekit doctor                          # default model and data, 20 steps
@@ -41,8 +41,8 @@ import time
 from pathlib import Path
 
 from tunekit import TunekitError, __version__
-from tunekit.children import Launcher, start_method
-from tunekit.cliparse import Parser
+from tunekit.commands.forkserver import Launcher, start_method
+from tunekit.commands.parse import Parser
 
 # Two runs of the same data differ only by the LoRA layers' arithmetic (fused tiles vs cuBLAS /
 # MKL); Adam turns tiny gradient differences into tiny weight differences. Relative loss
@@ -107,13 +107,13 @@ class Doctor:
 
     @staticmethod
     def _losses(run: Path) -> list[float]:
-        from tunekit.tracking import read_metrics
+        from tunekit.train.tracking import read_metrics
 
         return [row["loss"] for row in read_metrics(run / "metrics.jsonl") if "loss" in row]
 
     @staticmethod
     def _tokens_per_s(run: Path) -> float | None:
-        from tunekit.tracking import read_metrics
+        from tunekit.train.tracking import read_metrics
 
         rates = [row["tokens_per_s"] for row in read_metrics(run / "metrics.jsonl") if "tokens_per_s" in row]
         return round(statistics.median(rates[1:] or rates), 1) if rates else None
@@ -122,7 +122,7 @@ class Doctor:
     def environment(self) -> None:
         import torch
 
-        from tunekit import device as dev
+        from tunekit.speed import device as dev
         from tunekit.model import resolve_model_path
 
         device = dev.default_device()
@@ -151,7 +151,7 @@ class Doctor:
         slower than peft + bitsandbytes passes, with its times and a note: `auto` trains with peft
         there, `on` with the kernel."""
         from tunekit.config import MethodConfig
-        from tunekit.fused import adapter_change, adapter_state, lora_4bit_layers, prove_kernel
+        from tunekit.speed.lora_path import adapter_change, adapter_state, lora_4bit_layers, prove_kernel
         from tunekit.methods import get_method
         from tunekit.model import load_base_model
 
@@ -254,7 +254,7 @@ class Doctor:
                      error=_last_line(r.stderr) if r.returncode else None)
 
     def two_ranks(self) -> None:
-        from tunekit import device as dev
+        from tunekit.speed import device as dev
 
         if dev.cuda_device_count() < 2:
             self.report["checks"]["two ranks"] = {"ok": None, "skipped": "fewer than 2 GPUs visible"}
@@ -262,7 +262,7 @@ class Doctor:
             return
         run = self.out / "run-two-ranks"
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "tunekit.cli",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "tunekit.commands.main",
                *self._train_args(run, "auto", "trainer.grad_accum=1")]
         one = self.out / "run-one-rank"
         # the launcher starts its ranks as fresh processes itself (only ever on a GPU machine)
@@ -365,7 +365,7 @@ def main(argv: list[str]) -> None:
     (out / "logs").mkdir(parents=True)
     (out / MARKER).write_text(json.dumps({"pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
     env = {**os.environ, "WANDB_MODE": "disabled"}
-    from tunekit import device as dev
+    from tunekit.speed import device as dev
 
     if dev.cuda_device_count() == 0:
         os.environ["TRITON_INTERPRET"] = env["TRITON_INTERPRET"] = "1"  # the only way the fused path runs on a CPU: functional, not fast

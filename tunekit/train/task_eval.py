@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from tunekit import TunekitError
-from tunekit.taskeval.rows import closed_set, task_rows, user_text
+from tunekit.infer.rows import closed_set, task_rows, user_text
 
 # metric -> True when lower is better
 METRICS = {"val_loss": True, "val_accuracy": False, "val_exact_match": False}
@@ -49,7 +49,7 @@ class TrainingProbe:
 
     def __call__(self, model) -> tuple[dict, list[dict]]:
         """(task metrics for the eval row, the sample answers)."""
-        from tunekit.taskeval.score import score_rows
+        from tunekit.infer.score import score_rows
 
         if not self.rows:
             return {}, []
@@ -86,7 +86,7 @@ class BestKeeper:
 
     def update(self, step: int, metrics: dict, save_adapter: Callable[[Path], None]) -> bool:
         """Record this evaluation; save the adapter when it beats the best so far. True if it did."""
-        from tunekit.checkpoint import atomic_dir, atomic_write_text
+        from tunekit.train.checkpoint import atomic_dir, atomic_write_text
 
         value = metrics.get(self.metric)
         if value is None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from tunekit.taskeval.rows import TaskRow, user_text
-from tunekit.taskeval.score import TaskResult
+from tunekit.infer.rows import TaskRow, user_text
+from tunekit.infer.score import TaskResult
 
 COMPARED = ("loss", "ppl", "exact_match", "accuracy")
 
@@ -72,7 +72,7 @@ def clip(text: str, width: int) -> str:
 
 def sample_lines(tokenizer, rows: list[TaskRow], result: TaskResult, n: int, width: int = 60) -> list[str]:
     """One line per row: [ok]/[x] prompt -> answer (ref reference)."""
-    from tunekit.tracking import distinct_parts
+    from tunekit.train.tracking import distinct_parts
 
     pairs = list(zip(rows, result.rows))[:n]
     prompts = distinct_parts([user_text(tokenizer, r.prompt) for r, _ in pairs])

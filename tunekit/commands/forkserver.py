@@ -3,11 +3,11 @@
 A child process keeps each check apart: a crash, a CUDA fault or a SIGKILL takes down that check,
 not the report. How the child starts is the choice here (`start_method`):
 
-- "fresh": `python -m tunekit.cli ...`, a new interpreter. Every child pays the import of torch,
+- "fresh": `python -m tunekit.commands.main ...`, a new interpreter. Every child pays the import of torch,
   transformers, peft, bitsandbytes and hydra (measured ~10 s per child on a 2-core CPU VM).
 - "forkserver": Python's forkserver start method. One server process is started fresh, imports
   that stack once and nothing else (no tensor is ever computed there, so no OpenMP pool or CUDA
-  context exists to be copied), and each child is a fork of it that runs `tunekit.cli.main`.
+  context exists to be copied), and each child is a fork of it that runs `tunekit.commands.main.main`.
   The child has its own stdout/stderr files, environment and exit status, as a fresh process has.
 
 On a machine with a GPU the children start fresh: importing that stack may initialise the CUDA
@@ -28,8 +28,8 @@ from pathlib import Path
 
 # Imported once by the fork server (what `tunekit train` and `tunekit export` import on their way;
 # matplotlib.pyplot: the loss curve every run draws, ~0.6 s of imports and fonts).
-PRELOAD = ["torch", "transformers", "peft", "accelerate", "bitsandbytes", "hydra", "tunekit.cli", "tunekit.recipe",
-           "tunekit.config", "tunekit.data", "tunekit.methods", "tunekit.model", "tunekit.export", "tunekit.fused",
+PRELOAD = ["torch", "transformers", "peft", "accelerate", "bitsandbytes", "hydra", "tunekit.commands.main", "tunekit.commands.train", "tunekit.train.loop",
+           "tunekit.config", "tunekit.data", "tunekit.methods", "tunekit.model", "tunekit.commands.export", "tunekit.speed.lora_path",
            "matplotlib.pyplot"]
 
 
@@ -130,11 +130,11 @@ _server: tuple[dict, list[str]] | None = None
 
 
 class Launcher:
-    """Starts `python -m <module> args` (a module with `main(argv)`; `tunekit.cli` unless told) with
+    """Starts `python -m <module> args` (a module with `main(argv)`; `tunekit.commands.main` unless told) with
     `env` as the child's whole environment, by `method` (see above); `preload` is what the fork
     server imports once."""
 
-    def __init__(self, env: dict, method: str, module: str = "tunekit.cli", preload: list[str] | None = None):
+    def __init__(self, env: dict, method: str, module: str = "tunekit.commands.main", preload: list[str] | None = None):
         global _server
         if method not in ("fresh", "forkserver"):
             raise ValueError(f"start method {method!r}: choose fresh or forkserver")

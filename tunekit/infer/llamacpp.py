@@ -163,10 +163,10 @@ class LlamaCppModel:
 
     def score_task(self, rows, classes, tokenizer=None, batch_size: int = 16, max_new_tokens=None,
                    generate: bool = True):
-        """`tunekit eval`'s figures for this file on task rows (tunekit.taskeval.gguf.score_rows_gguf):
+        """`tunekit eval`'s figures for this file on task rows (tunekit.infer.gguf.score_rows_gguf):
         a TaskResult. tokenizer: the one that made the rows (None: llama.cpp's own vocabulary
         decodes the greedy answers)."""
-        from tunekit.taskeval.gguf import score_rows_gguf
+        from tunekit.infer.gguf import score_rows_gguf
 
         return score_rows_gguf(self, tokenizer, rows, classes, batch_size, max_new_tokens, generate)
 

@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from tunekit import TunekitError
-from tunekit.optim import load_state
+from tunekit.train.optim import load_state
 # The atomic writes live in tunekit.owned (what tunekit may delete); imported from here by older callers.
 from tunekit.owned import atomic_dir, atomic_write_text, cleanup_leftovers  # noqa: F401
 
@@ -133,7 +133,7 @@ def save_checkpoint(output_dir: Path, step: int, save_adapter: Callable[[Path], 
     """Write checkpoints/step-NNNNNN atomically and prune all but the newest `keep`.
 
     trainer_state: JSON-able run facts (tokens seen, first evaluation, fingerprint); rng_states:
-    one `tunekit.device.rng_state` per rank, in rank order.
+    one `tunekit.speed.device.rng_state` per rank, in rank order.
     """
     target = Path(output_dir) / "checkpoints" / f"step-{step:06d}"
     if target.exists() and not (target / STATE_JSON).is_file():

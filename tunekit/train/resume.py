@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from tunekit import TunekitError
-from tunekit.checkpoint import STATE_JSON, find_resumable, read_state, sha256_file
+from tunekit.train.checkpoint import STATE_JSON, find_resumable, read_state, sha256_file
 from tunekit.config import plain
 from tunekit.owned import is_scratch
-from tunekit.runlock import LOCK_NAME
+from tunekit.train.runlock import LOCK_NAME
 
 # Keys (or key prefixes, ending in ".") a resumed run may change.
 MAY_CHANGE = (
@@ -37,7 +37,7 @@ MAY_CHANGE = (
     "model.gradient_checkpointing",               # recomputation, not a different result
 )
 # What a folder holds once a run has started writing into it.
-DATA_FINGERPRINT = "data.sha256.json"  # written beside config.yaml at the start of a run (tunekit.recipe)
+DATA_FINGERPRINT = "data.sha256.json"  # written beside config.yaml at the start of a run (tunekit.train.loop)
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "adapter")
 
 
@@ -152,7 +152,7 @@ def check_resumable(output_dir: Path, max_steps: int) -> None:
     metrics.jsonl would be rewritten over the run's own. So would they from a checkpoint already at or
     past trainer.max_steps. metrics.jsonl is rewritten on resume: it must read back whole first.
     """
-    from tunekit.tracking import check_metrics
+    from tunekit.train.tracking import check_metrics
 
     out = Path(output_dir)
     finished = all((out / n).exists() for n in ("adapter", "summary.json"))
