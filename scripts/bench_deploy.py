@@ -17,7 +17,7 @@ is still written and scored; the table says which the gate refused.
     python scripts/bench_deploy.py                      # ~25 min on a 2-core CPU
     python scripts/bench_deploy.py --steps 2 --train-per-class 8 --val-per-class 4 --work /tmp/bd   # plumbing
 
-Writes benchmarks/deploy-tweet-sentiment-<date>.md and .json (or --out).
+Writes benchmarks/export/deploy-tweet-sentiment-<date>.md and .json (or --out).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--train-per-class", type=int, default=200)
     p.add_argument("--val-per-class", type=int, default=50)
     p.add_argument("--work", type=Path, default=REPO / "runs" / "bench-deploy")
-    p.add_argument("--out", type=Path, help="output path without suffix (default benchmarks/deploy-tweet-sentiment-DATE)")
+    p.add_argument("--out", type=Path, help="output path without suffix (default benchmarks/export/deploy-tweet-sentiment-DATE)")
     p.add_argument("--only", help="comma-separated export names (artifact names) to run")
     return p.parse_args(argv)
 
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     from build_task_data import build
 
     date = datetime.date.today().isoformat()
-    out = args.out or REPO / "benchmarks" / f"deploy-tweet-sentiment-{date}"
+    out = args.out or REPO / "benchmarks" / "export" / f"deploy-tweet-sentiment-{date}"
     work = args.work.absolute()
     data = build(work / "data", args.train_per_class, args.val_per_class)
     val = data["val_path"]

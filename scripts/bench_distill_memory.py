@@ -15,7 +15,7 @@ the increase of the process's peak RSS (getrusage ru_maxrss) over its RSS just b
 on CUDA it is torch.cuda.max_memory_allocated over memory_allocated just before.
 
     python scripts/bench_distill_memory.py                      # CPU, batch 1 and 4
-    python scripts/bench_distill_memory.py --device cuda --out benchmarks/distill-memory-h100.json
+    python scripts/bench_distill_memory.py --device cuda --out benchmarks/training/distill-memory-h100.json
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None,
-                   help="JSON output (default: benchmarks/distill-memory-<device>.json)")
+                   help="JSON output (default: benchmarks/training/distill-memory-<device>.json)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     p.add_argument("--seq", type=int, default=512)
@@ -143,7 +143,7 @@ def main(argv=None):
         sys.exit("--device cuda: CUDA is not available")
     device_name = (torch.cuda.get_device_name() if args.device == "cuda"
                    else f"{_cpu_name()}, {torch.get_num_threads()} threads")
-    out = args.out or REPO / "benchmarks" / f"distill-memory-{args.device}.json"
+    out = args.out or REPO / "benchmarks" / "training" / f"distill-memory-{args.device}.json"
     settings = {k: getattr(args, k) for k in ("device", "seq", "vocab", "student_hidden", "teacher_hidden",
                                               "divergence", "alpha", "temperature", "train_head")}
     rows = []

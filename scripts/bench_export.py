@@ -1,6 +1,6 @@
 """Export one finished run in every deployable form and tabulate the fidelity reports and wall times.
 
-    python scripts/bench_export.py RUN_DIR [--out-dir DIR] [--md benchmarks/export-cpu.md] [--only NAME ...]
+    python scripts/bench_export.py RUN_DIR [--out-dir DIR] [--md benchmarks/export/export-cpu.md] [--only NAME ...]
 
 Each export runs through the real CLI (`tunekit export ... --force`, so a refused export still
 leaves its report to read; the gate's verdict is the report's "accepted"), one after another,

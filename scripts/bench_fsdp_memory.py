@@ -46,7 +46,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--quantize", default="none", choices=["none", "nf4"])
-    p.add_argument("--out", default=None, help="JSON report (default benchmarks/fsdp-memory-<device>-<quantize>.json)")
+    p.add_argument("--out", default=None, help="JSON report (default benchmarks/training/fsdp-memory-<device>-<quantize>.json)")
     args = p.parse_args()
 
     from accelerate import Accelerator
@@ -88,7 +88,7 @@ def main() -> None:
             print(f"{r['rank']:>4} {r['model_bytes'] / 2**20:>10.1f} {r['rank_bytes'] / 2**20:>10.1f} "
                   f"{r['rank_bytes'] / r['model_bytes']:>6.3f} {r['memory_before_load_mb']:>11.0f} "
                   f"{r['memory_whole_model_mb']:>13.0f} {r['memory_after_shard_mb']:>12.0f}")
-        out = Path(args.out or f"benchmarks/fsdp-memory-{device.type}-{args.quantize}.json")
+        out = Path(args.out or f"benchmarks/training/fsdp-memory-{device.type}-{args.quantize}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"model": str(path), "quantize": args.quantize, "ranks": rows,
                                    "device": dev.probe(device).describe(), "torch": torch.__version__,

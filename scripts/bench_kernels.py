@@ -12,7 +12,7 @@ Measures, in bf16:
 Writes JSON and a markdown table (same path, .md) with the device name and library
 versions.  Needs CUDA; on a machine without it, exits with a one-line message.
 
-    python scripts/bench_kernels.py --out benchmarks/kernels-h100.json
+    python scripts/bench_kernels.py --out benchmarks/kernels/kernels-h100.json
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 80GB HBM3": 3350, "H100 PCIe"
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None,
-                   help="JSON output path (default: benchmarks/kernels-<device>.json); a .md table goes beside it")
+                   help="JSON output path (default: benchmarks/kernels/kernels-<device>.json); a .md table goes beside it")
     p.add_argument("--hidden", type=int, nargs="+", default=[2048, 4096])
     p.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384])
@@ -191,7 +191,7 @@ def main(argv=None):
                   versions={"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
                             "bitsandbytes": bitsandbytes.__version__, "peft": peft.__version__})
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
-    out = args.out or REPO / "benchmarks" / f"kernels-{slug}.json"
+    out = args.out or REPO / "benchmarks" / "kernels" / f"kernels-{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     out.with_suffix(".md").write_text(to_markdown(report))

@@ -15,7 +15,7 @@ step" predicts (`Plan.peak`, the runtime baseline excluded). The worst micro-bat
 plan assumes: micro_batch_size text rows, one of max_seq_len tokens and the rest one token
 shorter (so the batch is padded and attention gets a mask, as on real data), every token trained.
 
-    python scripts/bench_plan.py                       # the default model, writes benchmarks/plan-cpu.md/.json
+    python scripts/bench_plan.py                       # the default model, writes benchmarks/plan/plan-cpu.md/.json
     python scripts/bench_plan.py --configs suite --model DIR --out /tmp/x   # the test suite's configurations
 """
 
@@ -74,7 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--allocator", choices=["live", "glibc", "both"], default="both",
                    help="measure with glibc's mmap threshold fixed (live memory), as it comes, or both")
     p.add_argument("--steps", type=int, default=3, help="measured optimizer steps per configuration (max peak)")
-    p.add_argument("--out", type=Path, help="output path without suffix (default benchmarks/plan-cpu[-suite])")
+    p.add_argument("--out", type=Path, help="output path without suffix (default benchmarks/plan/plan-cpu[-suite])")
     return p.parse_args(argv)
 
 
@@ -286,7 +286,7 @@ def main(argv=None):
                   f"{[round(x) for x in res['peaks_mib']]})", file=sys.stderr, flush=True)
         rows.append(row)
 
-    out = args.out or REPO / "benchmarks" / ("plan-cpu" if args.configs == "default" else "plan-cpu-suite")
+    out = args.out or REPO / "benchmarks" / "plan" / ("plan-cpu" if args.configs == "default" else "plan-cpu-suite")
     out.parent.mkdir(parents=True, exist_ok=True)
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.machine())

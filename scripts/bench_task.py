@@ -12,11 +12,11 @@ qlora's learning rates; its adapter is saved next to a tunekit config.yaml so th
 `tunekit eval` rebuilds and scores it. The untuned base is scored once per kind of base (bf16,
 4-bit) with `--base`.
 
-Writes benchmarks/task-tweet-sentiment.md/.json (or --out): accuracy by likelihood, exact match of
+Writes benchmarks/task/task-tweet-sentiment.md/.json (or --out): accuracy by likelihood, exact match of
 greedy answers and held-out loss per method and lr, the base alongside, steps, training and eval
 wall time. Runs live under --work (default runs/bench-task); a rerun skips finished ones.
 
-    python scripts/bench_task.py                  # the full table: hours on a 2-core CPU (see README there)
+    python scripts/bench_task.py                  # the full table: hours on a 2-core CPU (benchmarks/README.md)
     python scripts/bench_task.py --recipes lora,prompt_tuning --lr-factors 1 --steps 2 \\
         --train-per-class 8 --val-per-class 4 --model /path/to/tiny-model --work /tmp/bt   # plumbing check
 """
@@ -58,7 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override for every tunekit run")
     p.add_argument("--eval-batch-size", type=int, default=32)
     p.add_argument("--work", type=Path, default=REPO / "runs" / "bench-task")
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "task-tweet-sentiment")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "task" / "task-tweet-sentiment")
     args = p.parse_args(argv)
     args.recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     bad = [r for r in args.recipes if r not in RECIPES]

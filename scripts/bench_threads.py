@@ -16,7 +16,7 @@ settings, in the opposite order on every other repetition, because these VMs dri
     python scripts/bench_threads.py                       # default model, 6 steps, 2 repetitions
     python scripts/bench_threads.py --model /tmp/tiny --steps 30 --scenarios pair
 
-Writes benchmarks/threads-cpu.json and .md (or --out). CPU only: on a GPU the threads wait on the
+Writes benchmarks/training/threads-cpu.json and .md (or --out). CPU only: on a GPU the threads wait on the
 device instead.
 """
 
@@ -48,7 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--set", action="append", default=[], help="extra train override (repeatable)")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "threads-cpu"))
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "training" / "threads-cpu"))
     args = p.parse_args(argv)
     args.scenarios = [s for s in args.scenarios.split(",") if s]
     bad = [s for s in args.scenarios if s not in SCENARIOS]

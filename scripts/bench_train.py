@@ -26,7 +26,7 @@ two setups (--baseline):
   widened to fp32, so the residual stream is fp32 and only the matmuls run in bf16) and fp32 LoRA
   weights.
 
-Writes benchmarks/train-<device>-<config>.json and .md (or --out).
+Writes benchmarks/training/train-<device>-<config>.json and .md (or --out).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def parse_args(argv=None):
                    "CPU: measured in this run, in the dtype the base computes in)")
     p.add_argument("--peak-reps", type=int, default=10,
                    help="timed products per shape and dtype when measuring the CPU's matmul peak")
-    p.add_argument("--out", type=Path, help="output path without suffix (default benchmarks/train-<device>-<config>)")
+    p.add_argument("--out", type=Path, help="output path without suffix (default benchmarks/training/train-<device>-<config>)")
     p.add_argument("--child", help=argparse.SUPPRESS)  # one run, as JSON
     args = p.parse_args(argv)
     for key, value in CONFIGS[args.config].items():
@@ -503,8 +503,8 @@ def main(argv=None) -> int:
     model = args.model or (random_llama(args.config, CONFIGS[args.config]["llama"]) if gpu else None)
     # The CPU's ceiling is measured here, before the runs and again after them (a drift between the
     # two means the machine was not quiet); a GPU's is its datasheet's dense bf16 figure. bf16 only
-    # where the CPU has it natively: emulated, it runs ~100x slower than fp32 (a 2-core AVX2 EPYC:
-    # 1.2 against 170 GFLOP/s), a minute per measurement and no ceiling any run computes at.
+    # where the CPU has it natively: emulated, it runs orders of magnitude slower than fp32, takes
+    # minutes per measurement and is no ceiling any run computes at.
     # and the dtype a --set model.dtype=... forces, so that its figure too comes from before the runs
     dtypes = tuple(dict.fromkeys([*peak_dtypes(gpu), *filter(None, [forced_dtype(args.set)])]))
     measured = {"before": {d: matmul_peak(d, args.peak_reps) for d in dtypes}}
@@ -574,7 +574,7 @@ def main(argv=None) -> int:
     measured["after"] = {d: matmul_peak(d, args.peak_reps) for d in every}
     result["matmul_peak_gflops"] = measured
     dev = re.sub(r"[^a-z0-9]+", "-", result["device"].lower().removeprefix("nvidia ")).strip("-") if gpu else "cpu"
-    out = args.out or REPO / "benchmarks" / f"train-{dev}-{args.config}"
+    out = args.out or REPO / "benchmarks" / "training" / f"train-{dev}-{args.config}"
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.json").write_text(json.dumps(result, indent=2) + "\n")
     Path(f"{out}.md").write_text(markdown(result))

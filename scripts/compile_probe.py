@@ -3,8 +3,8 @@
 
 Builds the same setup as `scripts/bench_train.py --config cpu` (default model, qlora, seq 256,
 micro-batch 8 x 2, padded) with tunekit's TrainRecipe, `compile` with kernels.compile=true
-(tunekit/speed/torch_compile.py: the check, then every decoder layer's training forward compiled; until
-2026-11-24 this probe compiled the layers itself, with `nn.Module.compile(dynamic=True)`), then
+(tunekit/speed/torch_compile.py: the check, then every decoder layer's training forward compiled; an
+earlier version of this probe compiled the layers itself, with `nn.Module.compile(dynamic=True)`), then
 times optimizer steps 2-4 after two warm-up steps (the first pays the compilation). Prints each
 step's loss so eager and compiled can be compared.
 
@@ -17,10 +17,10 @@ step's loss so eager and compiled can be compared.
 prints, for every compared tensor, the compiled-vs-eager difference and, in half precision, both
 sides' distance from the layer run in fp32 (tunekit/speed/torch_compile.py's `judge` sees the same figures).
 
-Before 2026-11-24 the compiled layers computed every LoRA term at scaling 1 instead of alpha/r
-(torch 2.13's inductor drops `alpha` from `add_(a @ b, alpha=s)`, which lora_compute used), so this
-probe's compiled losses parted from eager's after step 0; benchmarks/cpu-speed.md has the
-correction and the figures with the fix (compiled and eager losses equal to 2e-6 in fp32).
+Compiled losses must follow eager's to rounding. They once parted after step 0: torch 2.13's inductor
+drops `alpha` from `add_(a @ b, alpha=s)`, which the LoRA math then used, so the compiled layers
+computed every LoRA term at scaling 1 instead of alpha/r (benchmarks/history/training-speed.md has
+the correction and the figures with the fix).
 
 `--residual bf16` casts any frozen fp32 parameter (norms, embedding, output head) to bf16 after
 setup. Under the bf16 precision policy (docs/precision.md) they are bf16 already and it changes

@@ -10,7 +10,7 @@ against the per-block limit, and whether the autotuner is offered the config on 
 ``--before REV`` adds the same table for the kernels at git revision REV (its own configs), e.g.
 the commit before the kernel stopped gathering per element in its K loop.
 
-    python scripts/kernel_fit.py --before 2cba8b8 --out benchmarks/kernel-fit.md
+    python scripts/kernel_fit.py --before 2cba8b8 --out benchmarks/kernels/kernel-fit.md
 
 Needs TRITON_INTERPRET unset. A full run compiles ~150 kernels: minutes on a 2-core CPU.
 """

@@ -4,9 +4,9 @@
 No GPU is needed: every row is the planner's answer for tunekit running the same model, batch,
 sequence, method, LoRA rank/targets, checkpointing and parallelism as the published run. The
 published trainers are not tunekit, so the error mixes the planner's error with real differences
-of implementation, which the document lists per source. Writes benchmarks/plan-gpu-published.md.
+of implementation, which the document lists per source. Writes benchmarks/plan/plan-gpu-published.md.
 
-    python scripts/plan_vs_published.py [--out benchmarks/plan-gpu-published.md]
+    python scripts/plan_vs_published.py [--out benchmarks/plan/plan-gpu-published.md]
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def plan_row(preset: str, fields: dict, ranks: int, sharded: bool):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "plan-gpu-published.md")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "plan" / "plan-gpu-published.md")
     args = p.parse_args(argv)
     from tunekit.plan import CUDA_ALLOCATOR_MARGIN
 

@@ -7,8 +7,8 @@ CPU time, grouped into the families that matter for a QLoRA step: 4-bit dequanti
 attention, norms/elementwise/casts, the optimizer, and the rest.
 
     python scripts/profile_train.py                                   # default qlora, seq 256, micro 8 x 2
-    python scripts/profile_train.py --set model.gradient_checkpointing=false --out benchmarks/profile-cpu-after.md
-    python scripts/profile_train.py --roofline --out benchmarks/roofline-cpu.md   # + the least time of each op
+    python scripts/profile_train.py --set model.gradient_checkpointing=false --out benchmarks/profile/profile-cpu-after.md
+    python scripts/profile_train.py --roofline --out benchmarks/profile/roofline-cpu.md   # + the least time of each op
 
 --roofline records shapes, re-runs the profiled steps unprofiled for their wall time, and appends
 `scripts/roofline.py`'s analysis: every matmul shape timed alone, the rest bounded by bandwidth
