@@ -4,7 +4,11 @@ Formats (detected from the first row's columns unless `data.format` says):
   alpaca: {"instruction", "input" (optional), "output"}  -> one user turn, one assistant turn
   chat:   {"messages": [{"role", "content"}, ...]}        -> the tokenizer's chat template
   text:   {"text"}                                       -> plain text, every token trained
+  sharegpt: {"conversations": [{"from": "human"|"gpt"|"system", "value"}, ...]} -> a chat
+  prompt_completion: {"prompt", "completion"}, both strings or both message lists -> a chat
 Alpaca rows are rendered as a chat so an instruct model sees the template it was tuned on.
+A data path may also be a folder written by `datasets`' save_to_disk or a hub dataset id
+(tunekit.data.sources); their rows go through the same checks.
 
 Files are read here rather than through `datasets`: a bad byte, a broken line or a row of another
 format is then reported once, at its own 1-based line or row, and rows keep exactly the keys
@@ -39,11 +43,15 @@ class DataError(TunekitError):
 
 
 class Rows(list):
-    """The rows of a file, each with the label a user finds it by: "row 3", "row 3 (line 5)"."""
+    """The rows of a file, each with the label a user finds it by: "row 3", "row 3 (line 5)".
 
-    def __init__(self, rows: list[dict], labels: list[str]):
+    held_out: the rows of a saved or hub dataset's validation (or test) split, when data.path is a
+    dataset with splits; None for a file."""
+
+    def __init__(self, rows: list[dict], labels: list[str], held_out: Optional["Rows"] = None):
         super().__init__(rows)
         self.labels = labels
+        self.held_out = held_out
 
 
 def _label(row: int, line: int) -> str:
@@ -138,11 +146,17 @@ def _read_parquet(path: Path) -> Rows:
 
 
 def read_rows(path: str | Path, key: str = "data.path") -> Rows:
-    """All rows of a .jsonl/.json/.csv/.parquet file, each a dict with the row's own keys."""
+    """All rows of a .jsonl/.json/.csv/.parquet file, each a dict with the row's own keys; or of a
+    save_to_disk folder or a hub dataset id (tunekit.data.sources: data.path takes the train split
+    and keeps the held-out one in Rows.held_out, data.val_path takes the held-out split)."""
+    from tunekit.data import sources
+
     path = Path(path)
     if path.is_dir():
-        raise DataError(f"{key}: {path} is a folder; give a {'/'.join(SUFFIXES)} file")
+        return sources.read_saved(path, key)
     if not path.exists():
+        if sources.looks_like_hub_id(str(path)):
+            return sources.read_hub(str(path), key)
         raise DataError(f"{key}: file not found: {path}")
     if not path.is_file():  # a FIFO or device would block or never end
         raise DataError(f"{key}: {path} is not a regular file")
@@ -218,7 +232,17 @@ def row_to_messages(row: dict, fmt: str, where: str, why: str = "") -> list[dict
     out = _messages(row.get("messages"), "messages", where)
     if not any(m["role"] == "assistant" for m in out):
         raise DataError(f"{where}: no assistant message, so nothing to train on")
-    return out
+    return _ends_on_reply(out, "messages", where)
+
+
+def _ends_on_reply(messages: list[dict], key: str, where: str) -> list[dict]:
+    """Only assistant turns train: a turn after the last one is a slip (a reply cut off, turns
+    shifted), not context for anything."""
+    last = messages[-1]["role"]
+    if last != "assistant":
+        raise DataError(f"{where}: the conversation ends on a {last} turn ({key}[{len(messages) - 1}]); "
+                        "the last turn must be the assistant's reply (only assistant turns train)")
+    return messages
 
 
 def _messages(messages: Any, key: str, where: str) -> list[dict]:
@@ -245,13 +269,17 @@ def _sharegpt(turns: Any, where: str) -> list[dict]:
         out.append({"role": role, "content": _need_str(t.get("value"), f"conversations[{i}].value", where)})
     if not any(m["role"] == "assistant" for m in out):
         raise DataError(f"{where}: no assistant ('gpt') turn, so nothing to train on")
-    return out
+    return _ends_on_reply(out, "conversations", where)
 
 
 def _prompt_completion(row: dict, where: str) -> list[dict]:
     """TRL's prompt-completion rows: both strings (the prompt is the user's turn, the completion the
     reply), or both message lists (the completion's messages are the replies that train)."""
     prompt, completion = row.get("prompt"), row.get("completion")
+    for key, value in (("prompt", prompt), ("completion", completion)):
+        if value is None:
+            raise DataError(f"{where}: no {key!r}: a prompt_completion row needs 'prompt' and 'completion', "
+                            f"it has {sorted(k for k, v in row.items() if v is not None)}")
     if isinstance(prompt, str) and isinstance(completion, str):
         return [{"role": "user", "content": _need_str(prompt, "'prompt'", where)},
                 {"role": "assistant", "content": _need_str(completion, "'completion'", where)}]
@@ -297,23 +325,43 @@ def iter_examples(rows: Iterable[dict], fmt: str, path: str | Path, why: str = "
 _CHECKED: dict[tuple, tuple[int, str]] = {}
 
 
+def _memo_key(path: str | Path, fmt: str, max_chars: Optional[int]) -> Optional[tuple]:
+    """What check_file's memo is keyed by: the file's (size, mtime), a saved dataset folder's files'
+    (name, size, mtime), a hub id as it is; None for anything else (never remembered)."""
+    from tunekit.data.sources import is_saved_dataset
+
+    p = Path(path)
+    try:
+        if p.is_dir():
+            if not is_saved_dataset(p):  # refused by read_rows; never walk a big folder for a stamp
+                return None
+            stamp = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(p.rglob("*")) if f.is_file())
+        elif p.exists():
+            stamp = (p.stat().st_size, p.stat().st_mtime_ns)
+        else:
+            stamp = ("hub",)
+        return (str(p.resolve()), stamp, fmt, max_chars)
+    except OSError:
+        return None
+
+
 def check_file(path: str | Path, fmt: str, key: str, max_chars: Optional[int] = None) -> tuple[int, str]:
-    """Read and check every row of a data file (no tokenizer needed): (rows, format).
+    """Read and check every row of a data file, save_to_disk folder or hub dataset (no tokenizer
+    needed; a dataset's held-out split too): (rows, format).
 
     Remembered per (file, size, mtime, format): validation runs once per command and once per
     job, and a file read twice should not cost twice."""
-    try:
-        st = Path(path).stat()
-        memo = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, fmt, max_chars)
-    except OSError:
-        memo = None
-    if memo in _CHECKED:
+    memo = _memo_key(path, fmt, max_chars)
+    if memo is not None and memo in _CHECKED:
         return _CHECKED[memo]
     rows = read_rows(path, key)
     why = f"data.format={fmt}" if fmt != "auto" else "as its first row"
+    for part in (rows, rows.held_out):
+        if part is not None:
+            detected = detect_format(part, path) if fmt == "auto" else fmt
+            for _ in iter_examples(part, detected, path, why, max_chars):
+                pass
     detected = detect_format(rows, path) if fmt == "auto" else fmt
-    for _ in iter_examples(rows, detected, path, why, max_chars):
-        pass
     if memo is not None:
         _CHECKED[memo] = (len(rows), detected)
     return len(rows), detected

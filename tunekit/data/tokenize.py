@@ -1,10 +1,22 @@
 """Tokenize rows into (input_ids, labels) with the loss on response tokens only.
 
-A chat is rendered with the tokenizer's chat template piece by piece: everything up to an
-assistant turn's generation prompt is context (label -100), the assistant's text up to and
-including its end-of-turn token is trained. The EOS is always in the labels: padding is masked
-by sequence length in the collator, never by token id, so a pad token equal to EOS (SmolLM2)
-cannot hide it.
+The masking rule: a chat trains on every assistant turn's tokens, from the end of the template's
+generation prompt up to and including the end-of-turn token the template emits after the reply
+(ChatML's <|im_end|>, Llama-3's <|eot_id|>, Gemma's <end_of_turn>, Llama-2/Mistral's </s>), and
+on no other token: system and user turns, the headers, and what the template adds after the
+end-of-turn token (ChatML's newline) are context, label -100.
+
+How: the chat is rendered with the tokenizer's chat template on prefixes of the conversation.
+render(messages[:i], add_generation_prompt=True) is the prompt a model sees when it is asked for
+turn i; render(messages[:i + 1]) minus that prompt is the text the model must generate. The
+prompt is tokenized as a piece of its own, as at generation time, so the reply starts at a token
+boundary exactly as generated tokens do. The end-of-turn token is the first EOS or special token
+of the reply after the reply's content (special tokens some templates put before the content,
+e.g. a channel header, are not its end). A template whose turns end in plain text (no EOS, no
+special token) gets an EOS appended to each reply: the model must learn to stop somewhere.
+
+The EOS is always in the labels: padding is masked by sequence length in the collator, never by
+token id, so a pad token equal to EOS (SmolLM2) cannot hide it.
 """
 
 from __future__ import annotations
@@ -27,6 +39,19 @@ def ensure_chat_template(tokenizer) -> None:
         tokenizer.chat_template = CHATML
 
 
+def end_of_turn_ids(tokenizer) -> frozenset[int]:
+    """The tokens that can end an assistant turn: EOS and every special token, less BOS and UNK
+    (UNK can stand inside a reply's content; BOS opens a sequence, never closes a turn)."""
+    ids = set(tokenizer.all_special_ids)
+    for i, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(added, "special", False):
+            ids.add(i)
+    ids -= {tokenizer.unk_token_id, tokenizer.bos_token_id}
+    ids.add(tokenizer.eos_token_id)
+    ids.discard(None)
+    return frozenset(ids)
+
+
 def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
     if not messages and not generation_prompt:
         return ""
@@ -37,7 +62,28 @@ def _ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
 
-def encode_chat(tokenizer, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
+def _reply_end(tokenizer, reply: str, content: str, ends: frozenset[int]) -> tuple[list[int], Optional[int]]:
+    """(the reply's token ids, how many of them train: up to and including its end-of-turn token;
+    None when the template emits none)."""
+    try:
+        enc = tokenizer(reply, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    except (NotImplementedError, ValueError, TypeError):  # a slow tokenizer: no character offsets
+        ids, offsets = _ids(tokenizer, reply), None
+    first = 0  # the first token that may be the end of the turn: the first after the content
+    at = reply.find(content.strip())
+    if offsets is not None and at >= 0:
+        content_end = at + len(content.strip())
+        first = next((j for j, (start, _) in enumerate(offsets) if start >= content_end), len(ids))
+    cut = next((j + 1 for j in range(first, len(ids)) if ids[j] in ends), None)
+    return ids, cut
+
+
+def encode_chat(tokenizer, messages: list[dict], where: str,
+                ends: Optional[frozenset[int]] = None) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of one conversation, each (seq,); labels are IGNORE except on the
+    assistant turns' tokens (see the module docstring)."""
+    ends = end_of_turn_ids(tokenizer) if ends is None else ends
     eos = tokenizer.eos_token_id
     input_ids: list[int] = []
     labels: list[int] = []
@@ -54,17 +100,31 @@ def encode_chat(tokenizer, messages: list[dict], where: str) -> tuple[list[int],
         if not (before.startswith(done) and after.startswith(before)):
             raise DataError(f"{where}: the tokenizer's chat template does not render turn by turn; cannot mask prompts")
         context = _ids(tokenizer, before[len(done):])
-        reply = _ids(tokenizer, after[len(before):])
-        # Train up to and including the first EOS; what the template adds after it (a newline) is
-        # context, and a template that ends a turn without EOS gets one appended.
-        cut = reply.index(eos) + 1 if eos in reply else len(reply)
-        trained, tail = reply[:cut], reply[cut:]
-        if eos not in trained:
-            trained = trained + [eos]
+        reply, cut = _reply_end(tokenizer, after[len(before):], m["content"], ends)
+        if cut is None:  # the template ends the turn in plain text: train the reply, then an EOS
+            trained, tail = reply + [eos], []
+        else:  # what the template adds after the end-of-turn token (a newline) is context
+            trained, tail = reply[:cut], reply[cut:]
         input_ids += context + trained + tail
         labels += [IGNORE] * len(context) + trained + [IGNORE] * len(tail)
         done = after
     return input_ids, labels
+
+
+def turn_end_id(tokenizer) -> Optional[int]:
+    """The token a trained reply ends with under the tokenizer's chat template: <|im_end|> (ChatML),
+    <|eot_id|> (Llama-3), <end_of_turn> (Gemma), </s> ([INST] templates); EOS where turns end in
+    plain text. A model tuned here stops its replies there, so generation should stop there too,
+    besides EOS (they differ where a base tokenizer's EOS is <|end_of_text|>, or for Gemma)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer.eos_token_id  # training renders with CHATML, whose turns end in EOS
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    try:
+        ids, labels = encode_chat(tokenizer, probe, "chat template")
+    except DataError:  # a template that refuses the probe: EOS is the best guess
+        return tokenizer.eos_token_id
+    trained = [t for t, label in zip(ids, labels) if label != IGNORE]
+    return trained[-1] if trained else tokenizer.eos_token_id
 
 
 def encode_text(tokenizer, text: str) -> tuple[list[int], list[int]]:
@@ -72,12 +132,14 @@ def encode_text(tokenizer, text: str) -> tuple[list[int], list[int]]:
     return ids, list(ids)
 
 
-def encode_example(tokenizer, messages: Optional[list[dict]], row: dict, where: str, max_len: int):
-    """Returns {"input_ids", "labels"} truncated to max_len, or None if no trained token survives."""
+def encode_example(tokenizer, messages: Optional[list[dict]], row: dict, where: str, max_len: int,
+                   ends: Optional[frozenset[int]] = None):
+    """Returns {"input_ids", "labels"} (each (seq,), seq <= max_len), or None if no trained token
+    survives the truncation."""
     if messages is None:
         input_ids, labels = encode_text(tokenizer, row["text"])
     else:
-        input_ids, labels = encode_chat(tokenizer, messages, where)
+        input_ids, labels = encode_chat(tokenizer, messages, where, ends)
     input_ids, labels = input_ids[:max_len], labels[:max_len]
     # labels[0] is never predicted (no token before it), so it does not count as trained
     if all(label == IGNORE for label in labels[1:]):

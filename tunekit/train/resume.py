@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tunekit import TunekitError
-from tunekit.train.checkpoint import STATE_JSON, find_resumable, read_state, sha256_file
+from tunekit.train.checkpoint import STATE_JSON, find_resumable, read_state
 from tunekit.config import plain
 from tunekit.owned import is_scratch
 from tunekit.train.runlock import LOCK_NAME
@@ -62,8 +62,10 @@ def fingerprint(cfg, world_size: int) -> dict[str, Any]:
     data = cfg.data
     train = Path(data.path) if data.path else DEFAULT_DATA_DIR / "train.jsonl"
     val = Path(data.val_path) if data.val_path else (DEFAULT_DATA_DIR / "val.jsonl" if not data.path else None)
-    kept["data.path:sha256"] = sha256_file(train)
-    kept["data.val_path:sha256"] = sha256_file(val) if val is not None else None
+    from tunekit.data.sources import data_fingerprint  # a file's sha256; also save_to_disk folders, hub ids
+
+    kept["data.path:sha256"] = data_fingerprint(train)
+    kept["data.val_path:sha256"] = data_fingerprint(val, "data.val_path") if val is not None else None
     kept["world_size"] = world_size
     if kept.get("trainer.strategy") == "ddp":
         # the default, as before the key existed: checkpoints written then still resume
