@@ -22,7 +22,7 @@ from _helpers import run_cli, tiny_args
 from tunekit import TunekitError
 from tunekit.config import MethodConfig
 from tunekit.losses import sft_loss_from_hidden
-from tunekit.methods import available_methods, get_method
+from tunekit.methods import available_methods, get_method, method_for_adapter
 from tunekit.methods.prompt_tuning import init_token_ids, load_soft_prompt
 from tunekit.model import decoder_and_head, load_base_model
 
@@ -33,6 +33,10 @@ DTYPE = torch.bfloat16  # the compute dtype of both bases in these tests
 # W x + B A x, and over NF4 an fp32 merged model replaces bf16 matmuls; peft's prompt tuning
 # casts in another order. bf16 spacing for |logit| in [1, 2) is 2^-7 = 7.8e-3 (the tiny model's
 # logits are ~1; measured max difference 3.9e-3), so 2 such steps plus torch's own bf16 rtol.
+# (IA)^3 merged over bf16: x (l * W)^T with l * W rounded to bf16 (relative error <= 2^-9 per
+# weight) against l * (x W^T) rounded twice (the matmul's output, then the scaled product:
+# <= 2 * 2^-9 relative): each scaled projection's output differs by at most ~3 half-ulps
+# (2^-8 relative), the same size as a merged LoRA's re-rounded sum, so the same 2 steps hold.
 # fp32 leaves only summation order. Initialisation and save/load need no tolerance: same ops.
 TOL = {
     torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
@@ -55,6 +59,9 @@ class Case:
     exact_init: bool = True
     saved_files: tuple = ("adapter_config.json", "adapter_model.safetensors")
     merged_dtype: Optional[torch.dtype] = None  # None: fp32 over a 4-bit base, else the base dtype
+    # AdamW's rate for the two training steps. (IA)^3's vectors are O(1) factors that move ~lr per
+    # step: at 1e-2 two steps change the tiny model's logits by ~0.03, below the check's 0.1.
+    lr: float = 1e-2
 
 
 CASES = [
@@ -64,6 +71,7 @@ CASES = [
     Case("prompt_tuning", {"num_virtual_tokens": 5, "prompt_init_text": "Answer briefly"}, init_text="Answer briefly"),
     Case("full", merges=True, bases=("none",), trains_everything=True, exact_init=False,
          saved_files=("config.json", "model.safetensors"), merged_dtype=torch.float32),
+    Case("ia3", merges=True, lr=1e-1),
 ]
 BASES = ["none", "nf4"]
 ROWS = [pytest.param(case, quantize, id=f"{case.name}-{quantize}") for case in CASES for quantize in case.bases]
@@ -123,9 +131,9 @@ def reference_logits(base, batch, case: Case, model_dir) -> torch.Tensor:
     return out
 
 
-def train_steps(model, batch, steps: int = 2) -> None:
+def train_steps(model, batch, steps: int = 2, lr: float = 1e-2) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-2)
+    opt = torch.optim.AdamW(params, lr=lr)
     model.train()
     for _ in range(steps):
         decoder, head = decoder_and_head(model)
@@ -172,7 +180,7 @@ def test_method(case: Case, quantize: str, tiny_model_dir, tmp_path):
     init = eval_logits(model, batch)
     torch.testing.assert_close(init, before, **(dict(atol=0, rtol=0) if case.exact_init else TOL[DTYPE]))
 
-    train_steps(model, batch)
+    train_steps(model, batch, lr=case.lr)
     trained = eval_logits(model, batch)
     assert (trained - init).abs().max() > 0.1  # the steps changed the function (measured ~0.7)
 
@@ -183,6 +191,11 @@ def test_method(case: Case, quantize: str, tiny_model_dir, tmp_path):
     fresh = method.apply(make_base(tiny_model_dir, quantize), cfg)
     method.load(fresh, tmp_path / "adapter")
     torch.testing.assert_close(eval_logits(fresh, batch), trained, atol=0, rtol=0)
+    if not case.trains_everything:  # ... and so does the folder alone: its method, its structure, its tensors
+        found = method_for_adapter(tmp_path / "adapter")
+        assert found.name == case.name
+        opened = found.open_adapter(make_base(tiny_model_dir, quantize), tmp_path / "adapter")
+        torch.testing.assert_close(eval_logits(opened, batch), trained, atol=0, rtol=0)
 
     if not case.merges:
         assert not method.can_merge
@@ -259,6 +272,52 @@ def test_prompt_tuning_adapter_runs_in_peft(quantize, tiny_model_dir, tmp_path):
     torch.testing.assert_close(theirs, ours, **TOL[DTYPE])
 
 
+@pytest.mark.parametrize("quantize", BASES)
+def test_ia3_adapter_runs_in_peft(quantize, tiny_model_dir, tmp_path):
+    """The saved folder is a peft IA3 adapter: peft's IA3 layers rebuild the model and give tunekit's
+    logits exactly (the same ops: (t * l) in fp32, rounded once to the stream's dtype). Over a 4-bit
+    base peft 0.21's IA3 layer returns fp32 for a bf16 input (attention then refuses keys and values
+    of another dtype than the queries), so there both sides compute in fp32."""
+    from peft import PeftModel
+
+    from tunekit.model import prepare_for_training
+
+    torch.manual_seed(0)
+    method, batch = get_method("ia3"), make_batch()
+    dtype = DTYPE if quantize == "none" else torch.float32
+
+    def base():
+        model = load_base_model(str(tiny_model_dir), quantize, dtype, CPU)
+        prepare_for_training(model, quantize, gradient_checkpointing=False)
+        return model
+
+    model = method.apply(base(), MethodConfig(name="ia3"))
+    train_steps(model, batch, lr=1e-1)
+    ours = eval_logits(model, batch)
+    method.save(model, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["peft_type"] == "IA3" and config["task_type"] == "CAUSAL_LM"
+    assert sorted(config["target_modules"]) == ["down_proj", "k_proj", "v_proj"]
+    assert config["feedforward_modules"] == ["down_proj"]
+    peft_model = PeftModel.from_pretrained(base(), tmp_path).eval()
+    assert sum(1 for n, _ in peft_model.named_parameters() if ".ia3_l." in n) == 2 * 3
+    with torch.no_grad():
+        theirs = peft_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.testing.assert_close(theirs.float()[batch["attention_mask"].bool()], ours, atol=0, rtol=0)
+
+
+def test_method_modules_import_no_torch():
+    """The method.* schema is built from the registered methods whenever a command line is composed:
+    a config error must not wait for torch, transformers and peft to import."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tunekit.config; heavy = sorted({'torch', 'peft', 'transformers'} & set(sys.modules)); "
+            "assert not heavy, heavy")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_prompt_tuning_packed_rows_equal_padded(tiny_model_dir):
     """Packed rows (position_ids restarting per example) get the soft prompt before each example."""
     torch.manual_seed(0)
@@ -287,6 +346,13 @@ def test_config_errors_name_the_key(tiny_model_dir):
         ("bitfit", {"target_modules": ["lm_head"]}, "method.target_modules"),
         ("prompt_tuning", {"num_virtual_tokens": 0}, "method.num_virtual_tokens"),
         ("prompt_tuning", {"prompt_init_text": ""}, "method.prompt_init_text"),
+        ("ia3", {"target_modules": ["lm_head"]}, "method.target_modules: \\['lm_head'\\] are not Llama projections"),
+        ("ia3", {"target_modules": ["k_proj"], "feedforward_modules": ["down_proj"]},
+         "method.feedforward_modules: 'down_proj' is not one of method.target_modules"),
+        ("lora", {"init": "svd"}, "method.init: unknown value 'svd'"),
+        ("lora", {"loraplus_lr_ratio": -16.0}, "method.loraplus_lr_ratio: must be > 0"),
+        ("lora", {"use_dora": "yes"}, "method.use_dora: must be true or false"),
+        ("lora", {"init": "pissa", "use_dora": True}, "method.use_dora: not with method.init=pissa"),
     ]:
         with pytest.raises(TunekitError, match=key):
             get_method(name).apply(base, MethodConfig(name=name, **overrides))
@@ -310,12 +376,12 @@ def test_load_errors(tiny_model_dir, tmp_path):
 def test_new_recipes_train_from_the_cli(tiny_model_dir, tiny_data, tmp_path):
     """Every new recipe trains through the real CLI on a bf16 and on a 4-bit NF4 base (one sweep)."""
     out = tmp_path / "sweep"
-    r = run_cli(["train", "-m", "recipe=adapter,bitfit,prompt_tuning", "model.quantize=none,nf4",
+    r = run_cli(["train", "-m", "recipe=adapter,bitfit,prompt_tuning,ia3", "model.quantize=none,nf4",
                  *tiny_args(tiny_model_dir, tiny_data, out, "trainer.max_steps=2", "trainer.eval_every=2",
                             "method.num_virtual_tokens=4", "method.bottleneck=8")], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     seen = set()
-    for job in range(6):
+    for job in range(8):
         d = out / str(job)
         cfg = (d / "config.yaml").read_text()
         recipe = cfg.split("\n")[0].split(": ")[1]
@@ -326,4 +392,4 @@ def test_new_recipes_train_from_the_cli(tiny_model_dir, tiny_data, tmp_path):
         assert all(map(lambda v: v == v and abs(v) < 100, (summary["first_val_loss"], summary["last_val_loss"])))
         assert (summary["bits_per_param"] is not None) == (quant == "nf4")
         assert (d / "adapter" / "adapter_model.safetensors").is_file() and (d / "adapter" / "tokenizer.json").is_file()
-    assert seen == {(r, q) for r in ("adapter", "bitfit", "prompt_tuning") for q in ("none", "nf4")}
+    assert seen == {(r, q) for r in ("adapter", "bitfit", "prompt_tuning", "ia3") for q in ("none", "nf4")}

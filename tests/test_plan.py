@@ -113,6 +113,18 @@ CASES = {
     "prompt tuning": (dict(method="prompt_tuning", num_virtual_tokens=5, micro_batch_size=2, seq_len=24),
                       dict(name="prompt_tuning", num_virtual_tokens=5)),
     "full fp32": (dict(method="full", micro_batch_size=2, seq_len=24, compute_bytes=4), dict(name="full")),
+    "ia3": (dict(method="ia3", micro_batch_size=2, seq_len=24), dict(name="ia3")),
+    "ia3 nf4 packed": (dict(method="ia3", quantize="nf4", packing=True, micro_batch_size=3, seq_len=16),
+                       dict(name="ia3")),
+    # every site: queries, o_proj's input (sdpa's output, kept already), gate and up sharing an input
+    "ia3 all-linear": (dict(method="ia3", micro_batch_size=2, seq_len=24,
+                            options=dict(targets=PROJECTIONS, feedforward=("o_proj", "gate_proj", "up_proj"))),
+                       dict(name="ia3", target_modules=["all-linear"],
+                            feedforward_modules=["o_proj", "gate_proj", "up_proj"])),
+    "ia3 fp32 queries scaled in": (dict(method="ia3", micro_batch_size=2, seq_len=24, compute_bytes=4,
+                                        options=dict(targets=("q_proj", "down_proj"), feedforward=("q_proj",))),
+                                   dict(name="ia3", target_modules=["q_proj", "down_proj"],
+                                        feedforward_modules=["q_proj"])),
 }
 
 
@@ -145,7 +157,7 @@ def test_checkpointing_keeps_block_inputs_only(tiny_model_dir):
     assert sum(v for k, v in counts.items() if k.startswith("L")) == activation_bytes(shape, st)["blocks"]
 
 
-@pytest.mark.parametrize("quantize, method", [("nf4", "lora"), ("none", "lora"), ("nf4", "adapter")])
+@pytest.mark.parametrize("quantize, method", [("nf4", "lora"), ("none", "lora"), ("nf4", "adapter"), ("nf4", "ia3")])
 def test_weights_and_trainable_tensors_match_the_loaded_model(tiny_model_dir, quantize, method):
     st = TrainSetup(quantize=quantize, method=method)
     shape = model_shape(str(tiny_model_dir), None)

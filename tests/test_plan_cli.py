@@ -64,6 +64,23 @@ def test_a_70b_base_does_not_fit_one_24gb_card(capsys):
     assert "does NOT fit" in out and "FSDP over 4 ranks would need" in out
 
 
+def test_ia3_is_planned_through_its_own_terms(capsys):
+    """The planner asks the method: (IA)^3's vectors on the default model are 30 blocks x (k 192 +
+    v 192 + down_proj's input 1536) = 57,600 (the count the trainer logs), fp32, with their
+    gradients and AdamW's two moments."""
+    code, out, err = run_main(["plan", "recipe=ia3", "--memory", "16", "--json"], capsys)
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["setup"]["method"] == "ia3"
+    assert plan["setup"]["options"] == {"targets": ["k_proj", "v_proj", "down_proj"], "feedforward": ["down_proj"]}
+    assert plan["flops"]["trainable_params"] == 57_600
+    terms = plan["per_rank"]["single"]["terms"]
+    assert terms["trainable parameters"] == terms["gradients"] == 4 * 57_600
+    assert terms["optimizer state"] == 8 * 57_600
+    code, out, err = run_main(["plan", "recipe=ia3", "model.quantize=nf4", "--memory", "16"], capsys)
+    assert code == 0 and "(IA)^3 vectors on 3 projections (1 input-scaled) over a NF4" in out, err
+
+
 @pytest.mark.parametrize("args, culprit", [
     (["trainer.max_stpes=3"], "trainer.max_stpes: unknown config key"),
     (["model.preset=llama-9"], "model.preset: unknown preset 'llama-9'"),
@@ -166,12 +183,12 @@ def test_train_resolves_auto_before_loading_and_logs_one_line(tiny_model_dir, ti
 
 
 def test_train_refuses_what_cannot_fit_before_loading(tiny_model_dir, tiny_data, tmp_path, monkeypatch):
-    import tunekit.train.loop
+    import tunekit.train.build
 
     def never(*a, **k):
         raise AssertionError("the model was loaded before the memory check")
 
-    monkeypatch.setattr(tunekit.train.loop, "load_base_model", never)  # the tokenizer and data may load: cheap
+    monkeypatch.setattr(tunekit.train.build, "load_base_model", never)  # the tokenizer and data may load: cheap
     out = tmp_path / "run"
     r = _recipe(tiny_model_dir, tiny_data, out, "data.max_seq_len=512", "trainer.micro_batch_size=1048576")
     with pytest.raises(TunekitError) as e:

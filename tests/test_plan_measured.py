@@ -7,12 +7,12 @@ on a random Llama of a middle size (hidden 384, 4 blocks, vocabulary 4096: a ste
 (full-length, fully trained, padded rows). Measured: the largest resident growth over a step,
 VmHWM - VmRSS after setup and a warm-up step, with glibc's mmap threshold fixed so that freed
 tensors leave the process (the peak of live memory; glibc's default keeps them resident, which
-the plan covers with a stated margin, see benchmarks/plan-cpu.md). Predicted: the plan's peak
+the plan covers with a stated margin, see benchmarks/plan/plan-cpu.md). Predicted: the plan's peak
 minus the state that lives across steps (weights, trainable parameters, optimizer state), which
 test_plan.py checks byte for byte.
 
 One measured step after the warm-up: a second repeats the first on the same batch, and their live
-peaks differed by at most 1.6 MiB (1.7%) in benchmarks/plan-cpu-suite.json, 13.5 MiB (0.8%) on the
+peaks differed by at most 1.6 MiB (1.7%) in benchmarks/plan/plan-cpu-suite.json, 13.5 MiB (0.8%) on the
 default model (plan-cpu.json) and 1.9 MiB (3.4%) in a suite run on the 2-core AVX2 VM, against a 15%
 bound. A step that kept memory (a leak) shows in the first one already: the baseline is read after
 the warm-up step. Alone on that VM the test took 70.2 s with 2 measured steps, 59.7 s with 1.

@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -90,24 +90,18 @@ class DataConfig:
     packing: bool = False
 
 
-@dataclass
-class MethodConfig:
-    name: str = "lora"
-    # LoRA (Hu et al. 2021)
-    r: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.05
-    # LoRA and BitFit: which projections; "all-linear" = q,k,v,o,gate,up,down of every block.
-    target_modules: List[str] = field(default_factory=lambda: ["all-linear"])
-    # Bottleneck adapters (Houlsby et al. 2019): width of dim -> bottleneck -> dim, its
-    # nonlinearity (gelu | silu | relu), and the sublayers whose output is adapted.
-    bottleneck: int = 64
-    activation: str = "gelu"
-    sublayers: List[str] = field(default_factory=lambda: ["self_attn", "mlp"])
-    # Prompt tuning (Lester et al. 2021): soft prompt length, and the text whose token embeddings
-    # initialise it (repeated/truncated to num_virtual_tokens); null = random vocabulary rows.
-    num_virtual_tokens: int = 20
-    prompt_init_text: Optional[str] = None
+def _method_config() -> type:
+    """The method.* schema: `name` and the keys of every registered method (tunekit.methods), each
+    declared once, by the method that reads it (its `config` dataclass, with its defaults and
+    comments). A key several methods read with different defaults (target_modules) defaults to
+    null here: the chosen method's default, filled in by `validate`. Method modules import no
+    torch, so building this costs what reading their dataclasses costs."""
+    from tunekit.methods import config_schema
+
+    return config_schema()
+
+
+MethodConfig = _method_config()
 
 
 @dataclass
@@ -283,7 +277,7 @@ def validate(cfg: TrainConfig) -> None:
     2. output_dir can be created and written   (a probe folder, removed at once)
     3. the libraries a choice needs            (bitsandbytes, wandb)
     4. data files: every row read and checked  (no tokenizer)
-    5. the method's own checks                 (imports tunekit.methods: torch, peft)
+    5. the method's own checks                 (tunekit.methods: ranges and names, no model)
     6. model folders: config.json, weights, tokenizer; the method's targets against the model
        built on the meta device (no weights)
     """
@@ -300,8 +294,9 @@ def validate(cfg: TrainConfig) -> None:
     check_output_dir(cfg.output_dir)
     _check_libraries(cfg)
     _check_data(cfg.data)
-    from tunekit.methods import check_method_config
+    from tunekit.methods import check_method_config, fill_method_defaults
 
+    fill_method_defaults(cfg.method)  # a null key: the chosen method's default
     check_method_config(cfg.method)
     _check_models(cfg)
 
@@ -471,7 +466,7 @@ def _check_models(cfg: TrainConfig) -> None:
     """The folders the run loads, from their small files; then the method against the model's layout
     (built on the meta device). The default model is checked only once converted (the conversion
     is the first run's job)."""
-    from tunekit.methods import check_method_config
+    from tunekit.methods import check_method_config, get_method
     from tunekit.model.default import converted_default_dir
     from tunekit.model.folder import check_weights_fit, max_positions, model_skeleton, read_json, resolve_model_path
 
@@ -502,15 +497,8 @@ def _check_models(cfg: TrainConfig) -> None:
     if limit is not None and cfg.data.max_seq_len > limit:
         raise TunekitError(f"data.max_seq_len: {cfg.data.max_seq_len} is more than the {limit} positions the model "
                            f"in {student} was built for; lower it to {limit} or less")
-    if cfg.method.name == "prompt_tuning" and limit is not None \
-            and cfg.method.num_virtual_tokens + cfg.data.max_seq_len > limit:
-        # the soft prompt goes in front of every row: its positions come out of the same budget, and
-        # past the last one a rotary/learned position table would be read out of its range
-        raise TunekitError(f"method.num_virtual_tokens: {cfg.method.num_virtual_tokens} virtual tokens + "
-                           f"data.max_seq_len {cfg.data.max_seq_len} = "
-                           f"{cfg.method.num_virtual_tokens + cfg.data.max_seq_len} positions, more than the "
-                           f"{limit} the model in {student} was built for; lower method.num_virtual_tokens or "
-                           f"data.max_seq_len so that they add up to {limit} or less")
+    if limit is not None:  # what the method adds to every row (a soft prompt) shares the model's positions
+        get_method(cfg.method.name).check_context(cfg.method, cfg.data.max_seq_len, limit, str(student))
     skeleton = model_skeleton(str(student), student_key)
     check_weights_fit(student, skeleton, student_key)
     check_method_config(cfg.method, skeleton, plain(cfg.model.quantize))

@@ -20,6 +20,7 @@ from tunekit.commands.parse import Parser
 from tunekit.speed.device import available_memory_bytes, default_device, planning_facts
 from tunekit.plan import GiB, Plan, predict
 from tunekit.plan.inputs import planner_inputs
+from tunekit.plan.memory import method_of
 from tunekit.plan.shape import preset_names, preset_source
 
 EXAMPLES = """examples:
@@ -97,9 +98,7 @@ def render(plan: Plan, memory_gib: Optional[float], cfg, source: str) -> str:
     s, shape = plan.setup, plan.shape
     cols = [("per process", plan.memory)] if plan.fsdp is None else [
         (f"per rank, DDP x{plan.ranks}", plan.memory), (f"per rank, FSDP x{plan.ranks}", plan.fsdp)]
-    method = {"lora": f"LoRA r={s.lora_r} on {len(s.lora_targets)} projections", "adapter":
-              f"adapters (bottleneck {s.adapter_bottleneck})", "bitfit": "BitFit biases",
-              "prompt_tuning": f"prompt tuning ({s.num_virtual_tokens} virtual tokens)", "full": "full fine-tune"}[s.method]
+    method = method_of(s).plan_label(s.options)
     base = "NF4 + double quant" if s.quantize == "nf4" else ("bf16" if s.compute_bytes == 2 else "fp32")
     lines = [
         f"tunekit plan: recipe={cfg.recipe}, {shape.name} ({shape.total_params / 1e9:.3f}B params; {source})",

@@ -1,15 +1,19 @@
 """PEFT methods: each one decides which small part of a frozen base trains.
 
-A method is one file here with a `Method` subclass registered under its name (registry.py); the
-recipe looks it up with `get_method(cfg.method.name)` and never branches on the name. Adding a
-method means: one file here, one yaml in recipes/recipe/, one row in the shared method test table.
+A method is one file here with a `Method` subclass registered under its name (registry.py): its
+config keys, its adapter format, its merge and its part of the training plan. The recipe looks it
+up with `get_method(cfg.method.name)`, a saved adapter folder with `method_for_adapter(folder)`,
+and nothing branches on a method's name. Adding a method means: one file here, one yaml in
+recipes/recipe/, one row in the shared method test table.
 """
 
-from tunekit.methods.registry import (Method, available_methods, cannot_merge, check_method_config, get_method,
-                                      register, trainable_parameters)
+from tunekit.methods.registry import (Method, adapter_kinds, available_methods, cannot_merge, check_method_config,
+                                      config_schema, fill_method_defaults, get_method, method_for_adapter, register,
+                                      trainable_parameters)
 
-# Each module registers itself on import; they import from registry/saving, never from here.
-from tunekit.methods import adapter, bitfit, full, lora, prompt_tuning  # noqa: E402,F401
+# Each module registers itself on import (in this order: the order of their keys in the method.*
+# schema); they import from registry/saving, never from here. None imports torch at import time.
+from tunekit.methods import lora, adapter, bitfit, prompt_tuning, full, ia3  # noqa: E402,F401,I001
 
-__all__ = ["Method", "available_methods", "cannot_merge", "check_method_config", "get_method", "register",
-           "trainable_parameters"]
+__all__ = ["Method", "adapter_kinds", "available_methods", "cannot_merge", "check_method_config", "config_schema",
+           "fill_method_defaults", "get_method", "method_for_adapter", "register", "trainable_parameters"]

@@ -17,17 +17,20 @@ not train), so the merged folder reloads with from_pretrained and gives the same
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
-import torch.nn as nn
+from typing import TYPE_CHECKING, List
 
 from tunekit import TunekitError
 from tunekit.checks import names
+from tunekit.methods.merging import dequantized_linear, replace_module, to_plain_model
 from tunekit.methods.registry import Method, register
-from tunekit.methods.saving import load_tensors_into, save_tensors
-from tunekit.methods.adapter import decoder_layers
-from tunekit.methods.lora import dequantized_linear, is_4bit, replace_module, to_plain_model
+from tunekit.plan.shape import PROJECTIONS
+from tunekit.plan.terms import PlanTerms, planned_projections
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Which config flag makes transformers' Llama create a bias on each projection.
@@ -37,6 +40,18 @@ PARAM = "bitfit_bias"
 CONFIG_TYPE = "TUNEKIT_BITFIT"
 
 
+@dataclass
+class BitFitConfig:
+    """The method.* keys of BitFit: the projections that get a bias ([all-linear]: all seven)."""
+
+    target_modules: List[str] = field(default_factory=lambda: ["all-linear"])
+
+
+@dataclass(frozen=True)
+class BitFitPlan:
+    targets: tuple = PROJECTIONS
+
+
 def _add_bias(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
     # output: (..., out). Adding in fp32 keeps the small trained bias exact in the sum.
     return (output.float() + getattr(module, PARAM)).to(output.dtype)
@@ -44,6 +59,8 @@ def _add_bias(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
 
 def _targets(model: nn.Module, wanted: list[str]) -> list[tuple[str, nn.Module]]:
     """(full name, projection) for every wanted projection inside the decoder blocks."""
+    from tunekit.model.layers import decoder_layers
+
     wanted = _target_names(wanted)
     inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}  # not lm_head and the like
     found = [(name, m) for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in wanted and id(m) in inside]
@@ -66,13 +83,17 @@ def _target_names(wanted) -> list[str]:
 @register("bitfit")
 class BitFit(Method):
     can_merge = True
+    config = BitFitConfig
+    adapter_kinds = (CONFIG_TYPE,)
+    plan_options_type = BitFitPlan
+    plan_aliases = {"bitfit_targets": "targets"}
 
-    @staticmethod
-    def check_config(cfg, model: nn.Module | None = None, quantize: str = "none") -> None:
-        _target_names(cfg.target_modules)
+    def check_config(self, cfg, model: nn.Module | None = None, quantize: str = "none") -> None:
+        targets = self.settings(cfg).target_modules
+        _target_names(targets)
         if model is None:
             return
-        for _, proj in _targets(model, cfg.target_modules):
+        for _, proj in _targets(model, targets):
             if hasattr(proj, PARAM):
                 raise TunekitError("model: BitFit biases are already applied to this model")
             if getattr(proj, "bias", None) is not None:
@@ -80,9 +101,12 @@ class BitFit(Method):
                                    "biases; BitFit here adds biases to bias-free (Llama-style) projections only")
 
     def apply(self, model: nn.Module, cfg) -> nn.Module:
+        import torch
+        import torch.nn as nn
+
         self.check_config(cfg, model)
         model.requires_grad_(False)
-        targets = _targets(model, cfg.target_modules)
+        targets = _targets(model, self.settings(cfg).target_modules)
         for _, proj in targets:
             device = proj.weight.device
             proj.register_parameter(PARAM, nn.Parameter(torch.zeros(proj.out_features, device=device)))
@@ -104,14 +128,23 @@ class BitFit(Method):
         return param_name.removesuffix(PARAM) + "bias"
 
     def write(self, model: nn.Module, out_dir: Path) -> None:
+        from tunekit.methods.saving import save_tensors
+
         save_tensors(out_dir, self._state(model), model.tunekit_bitfit_config)
 
     def read(self, model: nn.Module, in_dir: Path) -> None:
+        from tunekit.methods.saving import load_tensors_into
+
         load_tensors_into(in_dir, self._state(model))
 
     def merge(self, model: nn.Module) -> nn.Module:
         """Every projection of every block becomes an nn.Linear with a bias (the trained one, or
         zeros), so that config.attention_bias = config.mlp_bias = True describes the model exactly."""
+        import torch
+        import torch.nn as nn
+
+        from tunekit.model.layers import is_4bit
+
         trained = self._state(model)
         # Every projection the flags will give a bias to, trained or not.
         projections = _targets(model, ["all-linear"])
@@ -132,3 +165,21 @@ class BitFit(Method):
             setattr(model.config, flag, True)
         del model.tunekit_bitfit_config
         return to_plain_model(model)
+
+    def config_from_adapter(self, adapter_cfg: dict):
+        from tunekit.config import MethodConfig
+
+        return MethodConfig(name="bitfit", target_modules=list(adapter_cfg["targets"]))
+
+    # ------------------------------------------------------------ the training plan
+    def plan_options(self, cfg) -> BitFitPlan:
+        return BitFitPlan(targets=planned_projections(self.settings(cfg).target_modules))
+
+    def plan_label(self, o: BitFitPlan) -> str:
+        return "BitFit biases"
+
+    def plan_terms(self, shape, setup) -> PlanTerms:
+        """A bias (out,) per target projection; the fp32 add keeps nothing for backward."""
+        o: BitFitPlan = setup.options
+        return PlanTerms(trainable=tuple([shape.projection(p)[1] for p in o.targets] * shape.num_layers),
+                         grad_outputs=frozenset(o.targets))

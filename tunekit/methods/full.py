@@ -11,21 +11,24 @@ plain Hugging Face model folder, so "merging" is the identity.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn as nn
 from tunekit import TunekitError
 from tunekit.methods.registry import Method, register
-from tunekit.methods.saving import read_tensors
+from tunekit.plan.shape import PROJECTIONS
+from tunekit.plan.terms import PlanTerms, Site
+
+if TYPE_CHECKING:
+    import torch.nn as nn
 
 
 @register("full")
 class FullFineTune(Method):
     can_merge = True
     autocast = True  # fp32 master weights; matmuls in the policy's bf16 where the device has it
+    trains_base = True
 
-    @staticmethod
-    def check_config(cfg, model: nn.Module | None = None, quantize: str = "none") -> None:
+    def check_config(self, cfg, model: nn.Module | None = None, quantize: str = "none") -> None:
         if quantize == "nf4":
             raise TunekitError("method.name=full: cannot train a 4-bit base; set model.quantize=none")
 
@@ -43,6 +46,8 @@ class FullFineTune(Method):
         model.save_pretrained(out_dir, safe_serialization=True)
 
     def read(self, model: nn.Module, in_dir: Path) -> None:
+        from tunekit.methods.saving import read_tensors
+
         # Method.load has checked that every trainable tensor is there in its shape; a tied output
         # head is saved once, under the embedding's name.
         missing, unexpected = model.load_state_dict(read_tensors(Path(in_dir)), strict=False)
@@ -52,6 +57,30 @@ class FullFineTune(Method):
 
     def merge(self, model: nn.Module) -> nn.Module:
         """Already a plain model: return it frozen, in the fp32 it trained in."""
+        import torch
+
         if getattr(model, "is_gradient_checkpointing", False):
             model.gradient_checkpointing_disable()
         return model.to(torch.float32).requires_grad_(False)
+
+    # ------------------------------------------------------------ the training plan
+    def plan_label(self, options) -> str:
+        return "full fine-tune"
+
+    def plan_terms(self, shape, setup) -> PlanTerms:
+        """Every weight (fp32) trains; what autograd keeps for the weights' gradients on top of the
+        frozen walk: each trained norm its output, each projection group its (fp32) input, the
+        embedding the token ids."""
+        d, m, L = shape.hidden_size, shape.intermediate_size, shape.num_layers
+        per_layer = [i * o for p in PROJECTIONS for i, o in [shape.projection(p)]] + [d, d]  # + the two norms
+        head = [shape.head_params] if shape.head_params else []
+        keeps = {"input_norm": 4 * d, "post_norm": 4 * d, "final_norm": 4 * d, "qkv": 4 * d, "gate_up": 4 * d,
+                 "down": 4 * m, "embedding": 8}
+
+        def saves(site: Site) -> int:
+            if site.name in ("input_norm", "post_norm") and not site.input_grad:
+                return 0  # as the walk counts the norm's own saves: only where its input needs a gradient
+            return site.tokens * keeps.get(site.name, 0)
+
+        return PlanTerms(trainable=tuple(per_layer * L + [shape.embedding_params, d] + head), saves=saves,
+                         grad_outputs=frozenset(PROJECTIONS), decoder_input_grad=True)

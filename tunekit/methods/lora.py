@@ -7,85 +7,68 @@ adapter weights `lora_A` / `lora_B`, so what we save is a standard PEFT adapter 
 
 Merging folds B A into W: peft's merge_and_unload on a bf16 base; on a 4-bit base each Linear4bit
 is dequantized to fp32 from its packed codes and the fp32 delta added, so no 4-bit rounding of
-the sum. The helpers that turn a 4-bit (and possibly gradient-checkpointed) training model into a
-plain fp32 one are shared with the other merging methods (bitfit).
+the sum (tunekit.methods.merging, shared with the other merging methods).
+
+A variant of LoRA is a key in `LoRAConfig`, its range check in `check_config`, its argument in
+`peft_config`, and what it adds to the plan in `plan_terms`. The variants compose, except DoRA with a
+PiSSA/OLoRA start (tunekit.methods.lora_variants says why, and does their saving and LoRA+'s groups):
+
+* method.use_dora: DoRA (Liu et al. 2024, arXiv:2402.09353): W' = m * (W + s B A) / ||W + s B A||
+  (row norms), m: (out,) trained; peft's layers only (the fused and compute-dtype 4-bit paths do
+  not compute it: tunekit.speed.lora_path keeps peft's). Over a 4-bit base: QDoRA.
+* method.use_rslora: rsLoRA (Kalajdzievski 2023, arXiv:2312.03732): s = alpha / sqrt(r) instead of
+  alpha / r. Whatever computes LoRA's output reads peft's `layer.scaling`, never alpha / r.
+* method.init: default | pissa (Meng et al. 2024, arXiv:2404.02948) | olora (Buyukakyuz 2024,
+  arXiv:2406.01775): B A starts at W's principal part and the base becomes W - s B A; bf16 bases only.
+* method.loraplus_lr_ratio: LoRA+ (Hayou et al. 2024, arXiv:2402.12354): B trains at ratio x lr.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-
-import torch
-import torch.nn as nn
-from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
-from safetensors.torch import load_file
+from typing import TYPE_CHECKING, List, Optional
 
 from tunekit import TunekitError
-from tunekit.checks import names, number
+from tunekit.checks import names, number, one_of
+from tunekit.methods.merging import dequantized_linear, replace_module, to_plain_model  # noqa: F401 (shared)
+from tunekit.methods import lora_variants as variants
 from tunekit.methods.registry import Method, register
+from tunekit.plan.shape import PROJECTIONS
+from tunekit.plan.terms import PlanTerms, Site, planned_projections
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+    from peft import PeftModel
 
 
-def is_4bit(module: nn.Module) -> bool:
-    return getattr(getattr(module, "weight", None), "quant_state", None) is not None
+@dataclass
+class LoRAConfig:
+    """The method.* keys of LoRA."""
+
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.05
+    # LoRA and BitFit: which projections; "all-linear" = q,k,v,o,gate,up,down of every block.
+    target_modules: List[str] = field(default_factory=lambda: ["all-linear"])
+    # DoRA: a trained magnitude (out,) per target over the normalised W + s B A (QDoRA over 4-bit).
+    use_dora: bool = False
+    # rsLoRA: scale the update by alpha / sqrt(r) instead of alpha / r (stable at large r).
+    use_rslora: bool = False
+    # How B A starts: default (B = 0) | pissa | olora (W's principal part; bf16 base only).
+    init: str = "default"
+    # LoRA+: B's learning rate = this x trainer.lr (the paper suggests ~16); null: one rate.
+    loraplus_lr_ratio: Optional[float] = None
 
 
-def dequantized_linear(layer: nn.Module) -> nn.Linear:
-    """An fp32 nn.Linear equal to a bitsandbytes Linear4bit, read afresh from its packed codes.
+@dataclass(frozen=True)
+class LoRAPlan:
+    """What the planner needs of a LoRA setup (defaults: the planner's, dropout off)."""
 
-    The packed weight must be in bitsandbytes' portable layout: the loader turns off the CPU
-    repack (keep_bnb_layout) after which dequantize_4bit silently returns wrong weights.
-    """
-    import bitsandbytes.functional as bnbf
-
-    weight = layer.weight
-    if getattr(weight.quant_state, "packing_format_for_cpu", False):
-        raise TunekitError("model: a 4-bit layer was repacked into bitsandbytes' CPU inference layout; "
-                           "load the base with tunekit.model.load_base_model, which prevents this")
-    w = bnbf.dequantize_4bit(weight.data, weight.quant_state).float()  # (out, in)
-    plain = nn.Linear(w.shape[1], w.shape[0], bias=layer.bias is not None, device=w.device, dtype=torch.float32)
-    with torch.no_grad():
-        plain.weight.copy_(w)
-        if layer.bias is not None:
-            plain.bias.copy_(layer.bias.float())
-    return plain
-
-
-def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
-
-
-def to_plain_model(model: nn.Module) -> nn.Module:
-    """Undo what loading in 4-bit and preparing for training did: a model that saves and runs as
-    an ordinary transformers model. Remaining Linear4bit layers become fp32 nn.Linear, and then
-    the whole model goes to fp32 (prepare_model_for_kbit_training already made norms and
-    embeddings fp32); the input-grad hook and gradient checkpointing are switched off.
-    """
-    quantized = [name for name, m in model.named_modules() if is_4bit(m)]
-    for name in quantized:
-        replace_module(model, name, dequantized_linear(model.get_submodule(name)))
-    if quantized or getattr(model, "is_quantized", False):
-        for attr in ("hf_quantizer", "quantization_method"):
-            if hasattr(model, attr):
-                delattr(model, attr)
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.is_quantized = False
-        model.is_loaded_in_4bit = False
-        model.float()
-        model.config.dtype = torch.float32
-    if getattr(model, "_require_grads_hook", None) is not None:
-        model.disable_input_require_grads()
-    # transformers 5 renamed gradient checkpointing to activation checkpointing
-    if hasattr(model, "is_activation_checkpointing"):
-        on, disable = model.is_activation_checkpointing, model.activation_checkpointing_disable
-    else:
-        on, disable = getattr(model, "is_gradient_checkpointing", False), model.gradient_checkpointing_disable
-    if on:
-        disable()
-    model.config.use_cache = True
-    model.requires_grad_(False)
-    return model
+    r: int = 16
+    targets: tuple = PROJECTIONS
+    dropout: float = 0.0
+    dora: bool = False
 
 
 def check_targets(targets: list[str], model: nn.Module | None) -> list[str]:
@@ -96,6 +79,8 @@ def check_targets(targets: list[str], model: nn.Module | None) -> list[str]:
         raise TunekitError(f"method.target_modules: all-linear stands alone, got {targets}")
     if model is None or targets == ["all-linear"]:
         return targets
+    import torch.nn as nn
+
     modules = [n for n, _ in model.named_modules()]
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in modules)]
     if missing:
@@ -116,55 +101,88 @@ def check_targets(targets: list[str], model: nn.Module | None) -> list[str]:
     return targets
 
 
+def peft_config(c: LoRAConfig):
+    """peft's LoraConfig of tunekit's LoRA keys."""
+    from peft import LoraConfig
+
+    targets = list(c.target_modules)
+    return LoraConfig(r=c.r, lora_alpha=c.alpha, lora_dropout=c.dropout, bias="none", task_type="CAUSAL_LM",
+                      # peft's own shorthand: every Linear but the output head
+                      target_modules="all-linear" if targets == ["all-linear"] else targets,
+                      use_dora=bool(c.use_dora), use_rslora=bool(c.use_rslora),
+                      init_lora_weights=variants.PEFT_INIT[c.init])
+
+
 @register("lora")
 class LoRA(Method):
     can_merge = True
+    config = LoRAConfig
+    adapter_kinds = ("LORA",)
+    plan_options_type = LoRAPlan
+    plan_aliases = {"lora_r": "r", "lora_targets": "targets", "lora_dropout": "dropout"}
 
-    @staticmethod
-    def check_config(cfg, model: nn.Module | None = None, quantize: str = "none") -> None:
-        number("method.r", cfg.r, ge=1, integer=True)
-        number("method.alpha", cfg.alpha, gt=0)  # the update is scaled by alpha / r: < 0 flips it, 0 removes it
-        number("method.dropout", cfg.dropout, ge=0, lt=1)
-        check_targets(cfg.target_modules, model)
+    def check_config(self, cfg, model: nn.Module | None = None, quantize: str = "none") -> None:
+        c = self.settings(cfg)
+        number("method.r", c.r, ge=1, integer=True)
+        number("method.alpha", c.alpha, gt=0)  # the update is scaled by alpha / r: < 0 flips it, 0 removes it
+        number("method.dropout", c.dropout, ge=0, lt=1)
+        check_targets(c.target_modules, model)
+        for key in ("use_dora", "use_rslora"):
+            if not isinstance(getattr(c, key), bool):
+                raise TunekitError(f"method.{key}: must be true or false, got {getattr(c, key)!r}")
+        one_of("method.init", c.init, list(variants.PEFT_INIT))
+        if c.loraplus_lr_ratio is not None:
+            number("method.loraplus_lr_ratio", c.loraplus_lr_ratio, gt=0)
+        variants.check_combination(c, quantize if model is None else _quantize_of(model, quantize))
 
     def apply(self, model: nn.Module, cfg) -> nn.Module:
+        from peft import get_peft_model
+
         self.check_config(cfg, model)
-        targets = list(cfg.target_modules)
-        if targets == ["all-linear"]:
-            targets = "all-linear"  # peft's own shorthand: every Linear but the output head
-        lora_cfg = LoraConfig(
-            r=cfg.r,
-            lora_alpha=cfg.alpha,
-            lora_dropout=cfg.dropout,
-            target_modules=targets,
-            bias="none",
-            task_type="CAUSAL_LM",
-        )
+        c = self.settings(cfg)
         try:
-            return get_peft_model(model, lora_cfg)
+            with variants.seeded(c.init != "default"):  # PiSSA's randomized SVD: the same start on resume
+                peft_model = get_peft_model(model, peft_config(c))
         except ValueError as e:  # what check_config cannot see (a module type peft does not wrap)
             raise TunekitError(f"method: peft refuses this LoRA config: {str(e).splitlines()[0]}") from None
+        if c.init != "default":
+            variants.keep_start(peft_model, self.saved_key)
+        return peft_model
 
     def owns(self, param_name: str) -> bool:
-        return ".lora_A." in param_name or ".lora_B." in param_name
+        return ".lora_A." in param_name or ".lora_B." in param_name or ".lora_magnitude_vector." in param_name
 
     def saved_key(self, param_name: str) -> str:
-        """peft's file keys drop the adapter name: ...lora_A.default.weight -> ...lora_A.weight."""
-        return param_name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+        """peft's file keys drop the adapter name: ...lora_A.default.weight -> ...lora_A.weight, and
+        DoRA's ...lora_magnitude_vector.default.weight -> ...lora_magnitude_vector."""
+        return (param_name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+                .replace(".lora_magnitude_vector.default.weight", ".lora_magnitude_vector"))
+
+    def expected_tensors(self, model: nn.Module) -> dict:
+        """A PiSSA/OLoRA model saves the standard LoRA of rank 2r its training amounts to over the
+        original base ([A; A0], [B, -B0]: lora_variants.converted)."""
+        return variants.converted(super().expected_tensors(model), model)
 
     def write(self, model: PeftModel, out_dir: Path) -> None:
-        model.save_pretrained(out_dir, safe_serialization=True)
+        variants.save_peft(model, Path(out_dir))
 
     def read(self, model: PeftModel, in_dir: Path) -> None:
-        state = load_file(str(Path(in_dir) / "adapter_model.safetensors"))
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        state = variants.unconverted(load_file(str(Path(in_dir) / "adapter_model.safetensors")), model)
         result = set_peft_model_state_dict(model, state)
         unexpected = [k for k in result.unexpected_keys if "lora_" in k]
         if unexpected:
             raise TunekitError(f"{in_dir}: adapter does not fit this model (unexpected keys {unexpected[:3]})")
 
     def merge(self, model: PeftModel) -> nn.Module:
-        """W + (alpha / r) B A in every LoRA layer; fp32 over a 4-bit base, the base dtype otherwise."""
+        """W + s B A in every LoRA layer (s = layer.scaling: alpha / r, or alpha / sqrt(r) under rsLoRA;
+        DoRA: m * (W + s B A) / ||W + s B A||, row norms); fp32 over a 4-bit base, the base dtype otherwise."""
+        import torch
         from peft.tuners.lora import LoraLayer
+
+        from tunekit.model.layers import is_4bit
 
         lora_layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
         if not any(is_4bit(m.get_base_layer()) for _, m in lora_layers):
@@ -180,5 +198,134 @@ class LoRA(Method):
                 with torch.no_grad():
                     for adapter in layer.active_adapters:
                         merged.weight += layer.get_delta_weight(adapter).float()  # (out, in)
+                        if layer.use_dora.get(adapter):  # DoRA: m * (W + s B A) / ||W + s B A|| (rows)
+                            m = layer.lora_magnitude_vector[adapter].weight.float()  # (out,)
+                            merged.weight *= (m / torch.linalg.norm(merged.weight, dim=1)).view(-1, 1)
             replace_module(base, name.removeprefix(prefix), merged)
         return to_plain_model(base)
+
+    # ------------------------------------------------------------ adapter folders
+    def config_from_adapter(self, adapter_cfg: dict):
+        from tunekit.config import MethodConfig
+
+        targets = adapter_cfg["target_modules"]
+        targets = [targets] if isinstance(targets, str) else sorted(targets)
+        return MethodConfig(name="lora", r=int(adapter_cfg["r"]), alpha=float(adapter_cfg["lora_alpha"]),
+                            dropout=float(adapter_cfg.get("lora_dropout") or 0.0), target_modules=targets,
+                            use_dora=bool(adapter_cfg.get("use_dora", False)),
+                            use_rslora=bool(adapter_cfg.get("use_rslora", False)))
+
+    def open_adapter(self, base: nn.Module, folder: Path) -> nn.Module:
+        """Any peft LoRA folder (tunekit's, TRL's, ...) through peft's own loader."""
+        from peft import PeftModel
+
+        try:
+            model = PeftModel.from_pretrained(base, str(folder))
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise TunekitError(f"{folder}: this LoRA adapter does not fit the base model "
+                               f"({str(e).splitlines()[0][:160]})") from None
+        model.requires_grad_(False)
+        return model.eval()
+
+    # ------------------------------------------------------------ the optimizer
+    def param_groups(self, model: nn.Module, params: list, cfg, lr: float) -> list[dict]:
+        """LoRA+ (method.loraplus_lr_ratio): B at ratio x lr; one group otherwise."""
+        ratio = self.settings(cfg).loraplus_lr_ratio
+        if ratio is None:
+            return super().param_groups(model, params, cfg, lr)
+        return variants.loraplus_groups(model, params, lr, ratio)
+
+    # ------------------------------------------------------------ the training plan
+    def plan_options(self, cfg) -> LoRAPlan:
+        c = self.settings(cfg)
+        return LoRAPlan(r=c.r, targets=planned_projections(c.target_modules), dropout=c.dropout,
+                        dora=bool(c.use_dora))
+
+    def plan_label(self, o: LoRAPlan) -> str:
+        return f"{'DoRA' if o.dora else 'LoRA'} r={o.r} on {len(o.targets)} projections"
+
+    def plan_setup(self, setup, shape, cfg, facts, dtype):
+        """tunekit.speed.lora_path's rules over a 4-bit base: the LoRA matmuls in bf16 (the CPU's torch
+        path, the GPU's fused kernel or, where that is not trusted, the same torch path), never peft's
+        fp32 branch; on a CPU with fused_lora=auto, the base kept dequantized in its compute dtype."""
+        import torch
+
+        from tunekit.speed.device import dense_cache_fits
+
+        fused = getattr(cfg.kernels.fused_lora, "value", cfg.kernels.fused_lora)
+        if setup.options.dora:  # peft's DoRA layers only: neither the kernel nor the compute-dtype path
+            if fused == "on" and setup.quantize == "nf4":
+                raise TunekitError(variants.DORA_NOT_FUSED)
+            return setup
+        if setup.quantize == "nf4" and dtype == torch.bfloat16 and fused != "off":
+            setup = replace(setup, lora_compute=True, fused_kernel=facts.type == "cuda")
+        if facts.type == "cpu" and setup.quantize == "nf4" and dtype in (torch.bfloat16, torch.float32) \
+                and fused == "auto":
+            weights = sum(i * o for p in setup.options.targets for i, o in [shape.projection(p)])
+            dense = setup.compute_bytes * shape.num_layers * weights
+            if dense_cache_fits(dense, facts):
+                setup = replace(setup, dense_cache_bytes=dense)
+        return setup
+
+    def plan_terms(self, shape, setup) -> PlanTerms:
+        o: LoRAPlan = setup.options
+        per_layer = [n for p in o.targets for i, out in [shape.projection(p)] for n in (o.r * i, out * o.r)]
+        flops = 2 * shape.num_layers * sum(o.r * (i + out) for p in o.targets for i, out in [shape.projection(p)])
+        # The torch path (tunekit.speed.lora_math) through a recomputed block: measured on the CPU
+        # (tests/test_plan_measured.py, qlora with checkpointing) its step peaks ~3 (T, m) buffers
+        # above the rest of the walk, which tensors exactly is not pinned down; counted so that the
+        # plan does not fall short (it read -18% without them).
+        torch_path = setup.lora_compute and not setup.fused_kernel
+        if o.dora:  # one magnitude (out,) per target; its per-position rescaling (variants.dora_flops)
+            per_layer += [shape.projection(p)[1] for p in o.targets]
+            flops += shape.num_layers * variants.dora_flops(o, shape)
+        return PlanTerms(
+            trainable=tuple(per_layer * shape.num_layers),
+            saves=lambda site: _saves(o, setup, site, shape) + variants.dora_saves(o, site, shape),
+            grad_outputs=frozenset(o.targets), forward_flops_per_token=flops,
+            backward_flops_per_token=2 * flops,  # the input's gradient and the weights' through A and B
+            block_backward_per_token=3 * shape.intermediate_size * setup.compute_bytes if torch_path else 0)
+
+
+def _quantize_of(model: nn.Module, quantize: str) -> str:
+    """"nf4" where the model holds a 4-bit layer, else `quantize` as given."""
+    from tunekit.model.layers import is_4bit
+
+    return "nf4" if any(is_4bit(m) for m in model.modules()) else quantize
+
+
+def _saves(o: LoRAPlan, setup, site: Site, shape) -> int:
+    """Bytes the LoRA branches of the site's projections (sharing one input) keep.
+
+    peft casts the input to the adapter's fp32, lora_A keeps that input and lora_B keeps
+    A's (r,) output. A bf16 input is cast anew in every branch; an fp32 input is the same tensor
+    for all branches (and costs nothing when another op already keeps it). With dropout each
+    branch keeps its own dropped fp32 copy, and, when the input needs a gradient, the dropout
+    mask (a bool per element on CUDA; on a CPU torch keeps the fp32 scaled noise).
+    """
+    branches = len([p for p in site.projections if p in o.targets])
+    if not branches:
+        return 0
+    in_dim, e = site.in_dim(shape), site.dtype_bytes
+    if setup.lora_compute:
+        return site.tokens * _compute_path_saves(o, branches, in_dim, e, site.input_saved)
+    r_part = 4 * o.r * branches
+    if o.dropout > 0:
+        per_token = r_part + (4 + (setup.dropout_mask_bytes if site.input_grad else 0)) * in_dim * branches
+    elif e == 4:
+        per_token = r_part + (0 if site.input_saved else 4 * in_dim)
+    else:
+        per_token = r_part + 4 * in_dim * branches
+    return site.tokens * per_token
+
+
+def _compute_path_saves(o: LoRAPlan, branches: int, in_dim: int, e: int, input_saved: bool) -> int:
+    """The same for LoRA computed in the compute dtype (tunekit.speed.lora_math on any device, or the
+    fused Triton kernel on CUDA): each branch keeps its input as it came (the projections that share
+    an input share that tensor) and A's (r,) output in the compute dtype; with dropout, each branch's
+    keep-mask and dropped copy instead of the input (the CPU path's, in the compute dtype; the kernel
+    keeps a bool mask and the input)."""
+    r_part = e * o.r * branches
+    if o.dropout > 0:
+        return r_part + 2 * e * in_dim * branches
+    return r_part + (0 if input_saved else e * in_dim)

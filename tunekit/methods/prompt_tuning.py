@@ -9,100 +9,42 @@ seeded (Lester's "sampled vocabulary" init).
 Position ids are the default 0..N+L-1, the soft prompt first, exactly as peft's
 PeftModelForCausalLM does it, so the saved folder is a standard peft PROMPT_TUNING adapter
 (adapter_config.json + adapter_model.safetensors with `prompt_embeddings`: (N, dim)) that
-`peft.PeftModel.from_pretrained` loads and runs to the same logits.
-
-The trainer sees the usual contract through `decoder_and_head`: `SoftPromptLM.tunekit_decoder_and_head`
-returns a decoder that prepends P, extends the attention mask, and returns hidden states for the
-real positions only: (batch, seq, dim) aligned with input_ids.
+`peft.PeftModel.from_pretrained` loads and runs to the same logits. The model it trains is
+tunekit.methods.soft_prompt.SoftPromptLM.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-import torch.nn as nn
-from safetensors.torch import load_file, save_file
-from transformers.modeling_outputs import CausalLMOutput
+from typing import TYPE_CHECKING, Optional
 
 from tunekit import TunekitError
 from tunekit.checks import number
 from tunekit.methods.registry import Method, register
+from tunekit.plan.terms import PlanTerms
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
+
+    from tunekit.methods.soft_prompt import SoftPromptLM
 
 
-class SoftPromptLM(nn.Module):
-    """A frozen causal LM `base` with a trainable soft prompt `prompt_embeddings`: (N, dim) fp32."""
+@dataclass
+class PromptTuningConfig:
+    """The method.* keys of prompt tuning: soft prompt length, and the text whose token embeddings
+    initialise it (repeated/truncated to num_virtual_tokens); null = random vocabulary rows."""
 
-    def __init__(self, base: nn.Module, prompt: torch.Tensor, init: dict):
-        super().__init__()
-        self.base = base
-        self.prompt_embeddings = nn.Parameter(prompt.float())
-        self.init_info = init  # how the prompt was initialised, recorded in the peft config
+    num_virtual_tokens: int = 20
+    prompt_init_text: Optional[str] = None
 
-    @property
-    def config(self):
-        return self.base.config
 
-    @property
-    def num_virtual_tokens(self) -> int:
-        return self.prompt_embeddings.shape[0]
-
-    def get_base_model(self) -> nn.Module:
-        return self.base
-
-    def decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-               position_ids: torch.Tensor | None = None, **kwargs):
-        """input_ids: (batch, seq) -> output whose last_hidden_state is (batch, seq, dim).
-
-        Padded batches (attention_mask (batch, seq)): the decoder runs on (batch, N + seq) with
-        the soft prompt always attended to, and the N prompt positions are dropped. Packed rows
-        (position_ids (1, seq) restarting at 0 per example, no mask): the prompt goes in front of
-        every example, so each one sees exactly what it would see alone.
-        """
-        decoder = self.base.get_decoder()
-        embeds = self.base.get_input_embeddings()(input_ids)  # (batch, seq, dim)
-        batch, seq, n = input_ids.shape[0], input_ids.shape[1], self.num_virtual_tokens
-        prompt = self.prompt_embeddings.to(embeds.dtype)  # (N, dim)
-        if position_ids is None:
-            if attention_mask is not None:
-                attention_mask = torch.cat([attention_mask.new_ones(batch, n), attention_mask], dim=1)
-            x = torch.cat([prompt.unsqueeze(0).expand(batch, -1, -1), embeds], dim=1)
-            out = decoder(inputs_embeds=x, attention_mask=attention_mask, **kwargs)
-            out.last_hidden_state = out.last_hidden_state[:, n:]
-            return out
-        if batch != 1 or attention_mask is not None:
-            raise TunekitError("prompt tuning: explicit position_ids are supported for packed rows only "
-                               "(batch of 1, no attention_mask)")
-        starts = (position_ids[0] == 0).nonzero().flatten().tolist()
-        if not starts or starts[0] != 0:
-            raise TunekitError("prompt tuning: packed position_ids must start every example at 0")
-        pieces, positions, real = [], [], []
-        prompt_pos = torch.arange(n, device=input_ids.device)
-        for a, b in zip(starts, starts[1:] + [seq]):
-            pieces += [prompt, embeds[0, a:b]]
-            positions += [prompt_pos, position_ids[0, a:b] + n]
-            offset = sum(p.shape[0] for p in pieces) - (b - a)
-            real.append(torch.arange(offset, offset + b - a, device=input_ids.device))
-        out = decoder(inputs_embeds=torch.cat(pieces)[None], position_ids=torch.cat(positions)[None], **kwargs)
-        out.last_hidden_state = out.last_hidden_state[:, torch.cat(real)]
-        return out
-
-    def tunekit_decoder_and_head(self):
-        """Used by tunekit.model.decoder_and_head instead of the base's own decoder."""
-        return self.decode, self.base.get_output_embeddings()
-
-    def tunekit_generation_view(self):
-        """Used by tunekit.infer.decode: (the plain base, the soft prompt (N, dim)). Generation prepends
-        the prompt per row itself (left padding, per-row positions), so one base serves many prompts."""
-        return self.base, self.prompt_embeddings.detach()
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> CausalLMOutput:
-        """logits: (batch, seq, vocab) on the real positions."""
-        hidden = self.decode(input_ids, attention_mask, **kwargs).last_hidden_state
-        head = self.base.get_output_embeddings()
-        return CausalLMOutput(logits=head(hidden.to(head.weight.dtype)))
+@dataclass(frozen=True)
+class PromptTuningPlan:
+    num_virtual_tokens: int = 20
 
 
 def init_token_ids(tokenizer, text: str, n: int) -> list[int]:
@@ -119,6 +61,8 @@ def _model_path(model: nn.Module) -> str | None:
 
 def load_soft_prompt(in_dir: Path | str, hidden_size: int) -> torch.Tensor:
     """The soft prompt (N, hidden_size) fp32 of a peft PROMPT_TUNING folder; one clear error otherwise."""
+    from safetensors.torch import load_file
+
     in_dir = Path(in_dir)
     if not in_dir.is_dir():
         raise TunekitError(f"adapter {in_dir}: no such folder")
@@ -147,28 +91,47 @@ def load_soft_prompt(in_dir: Path | str, hidden_size: int) -> torch.Tensor:
 @register("prompt_tuning")
 class PromptTuning(Method):
     can_merge = False
+    config = PromptTuningConfig
+    adapter_kinds = ("PROMPT_TUNING",)
+    plan_options_type = PromptTuningPlan
+    plan_aliases = {"num_virtual_tokens": "num_virtual_tokens"}
 
-    @staticmethod
-    def check_config(cfg, model: nn.Module | None = None, quantize: str = "none") -> None:
-        number("method.num_virtual_tokens", cfg.num_virtual_tokens, ge=1, integer=True)
-        text = cfg.prompt_init_text
+    def check_config(self, cfg, model: nn.Module | None = None, quantize: str = "none") -> None:
+        c = self.settings(cfg)
+        number("method.num_virtual_tokens", c.num_virtual_tokens, ge=1, integer=True)
+        text = c.prompt_init_text
         if text is not None and (not isinstance(text, str) or not text):
             raise TunekitError(f"method.prompt_init_text: must be non-empty text, or null for random vocabulary "
                                f"rows; got {text!r}")
 
+    def check_context(self, cfg, seq_len: int, limit: int, where: str) -> None:
+        # the soft prompt goes in front of every row: its positions come out of the same budget, and
+        # past the last one a rotary/learned position table would be read out of its range
+        n = self.settings(cfg).num_virtual_tokens
+        if n + seq_len > limit:
+            raise TunekitError(f"method.num_virtual_tokens: {n} virtual tokens + data.max_seq_len {seq_len} = "
+                               f"{n + seq_len} positions, more than the {limit} the model in {where} was built "
+                               f"for; lower method.num_virtual_tokens or data.max_seq_len so that they add up to "
+                               f"{limit} or less")
+
     def apply(self, model: nn.Module, cfg) -> SoftPromptLM:
+        import torch
+
+        from tunekit.methods.soft_prompt import SoftPromptLM
+
         self.check_config(cfg, model)
-        n = cfg.num_virtual_tokens
+        c = self.settings(cfg)
+        n = c.num_virtual_tokens
         model.requires_grad_(False)
         table = model.get_input_embeddings().weight  # (vocab, dim)
-        if cfg.prompt_init_text is not None:
+        if c.prompt_init_text is not None:
             from tunekit.model.loader import load_tokenizer
 
             path = _model_path(model)
             if path is None:
                 raise TunekitError("method.prompt_init_text: the model has no path to load its tokenizer from")
-            ids = init_token_ids(load_tokenizer(path), cfg.prompt_init_text, n)
-            init = {"prompt_tuning_init": "TEXT", "prompt_tuning_init_text": cfg.prompt_init_text,
+            ids = init_token_ids(load_tokenizer(path), c.prompt_init_text, n)
+            init = {"prompt_tuning_init": "TEXT", "prompt_tuning_init_text": c.prompt_init_text,
                     "tokenizer_name_or_path": path}
         else:
             # the global RNG: seeded by the trainer (cfg.seed) before apply, like every other init
@@ -181,12 +144,13 @@ class PromptTuning(Method):
         return param_name == "prompt_embeddings"
 
     def write(self, model: SoftPromptLM, out_dir: Path) -> None:
-        from peft import PromptTuningConfig
+        from peft import PromptTuningConfig as PeftPromptTuningConfig
+        from safetensors.torch import save_file
 
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         c = model.config
-        PromptTuningConfig(
+        PeftPromptTuningConfig(
             task_type="CAUSAL_LM", num_virtual_tokens=model.num_virtual_tokens, token_dim=c.hidden_size,
             num_transformer_submodules=1, num_attention_heads=c.num_attention_heads, num_layers=c.num_hidden_layers,
             base_model_name_or_path=_model_path(model.base), **model.init_info,
@@ -195,9 +159,29 @@ class PromptTuning(Method):
                   str(out_dir / "adapter_model.safetensors"))
 
     def read(self, model: SoftPromptLM, in_dir: Path) -> None:
+        import torch
+
         prompt = load_soft_prompt(in_dir, model.config.hidden_size)
         if prompt.shape != model.prompt_embeddings.shape:
             raise TunekitError(f"adapter {in_dir}: {prompt.shape[0]} virtual tokens, this run has "
                                f"method.num_virtual_tokens={model.num_virtual_tokens}")
         with torch.no_grad():
             model.prompt_embeddings.copy_(prompt)
+
+    def config_from_adapter(self, adapter_cfg: dict):
+        from tunekit.config import MethodConfig
+
+        return MethodConfig(name="prompt_tuning", num_virtual_tokens=int(adapter_cfg["num_virtual_tokens"]))
+
+    # ------------------------------------------------------------ the training plan
+    def plan_options(self, cfg) -> PromptTuningPlan:
+        return PromptTuningPlan(num_virtual_tokens=self.settings(cfg).num_virtual_tokens)
+
+    def plan_label(self, o: PromptTuningPlan) -> str:
+        return f"prompt tuning ({o.num_virtual_tokens} virtual tokens)"
+
+    def plan_terms(self, shape, setup) -> PlanTerms:
+        """P: (N, dim) trains; the decoder runs N more positions per row, from a first block whose
+        input needs a gradient (the prompt's)."""
+        n = setup.options.num_virtual_tokens
+        return PlanTerms(trainable=(n * shape.hidden_size,), decoder_input_grad=True, extra_positions=n)

@@ -1,26 +1,53 @@
-"""What a PEFT method is, and the registry the recipe looks methods up in.
+"""What a PEFT method is, and the registry everything else looks methods up in.
 
 A method decides which small part of a frozen base trains. It is one file in this package with a
-`Method` subclass registered under its name; the recipe calls `get_method(cfg.method.name)` and
-never branches on the name. Subclasses implement `apply`, `write`, `read` (and `merge` where the
-trained part folds into the base); the `save` and `load` that everything else calls are defined
-once here, around them, so that no method can save an incomplete adapter or load one silently:
+`Method` subclass registered under its name, and it owns everything about itself:
+
+* its config: a dataclass of its `method.*` keys (defaults, one comment each) and `check_config`,
+  the range checks naming the key; tunekit.config's `MethodConfig` schema is the union of every
+  registered method's keys (`config_schema`), not a list of its own;
+* its adapter folder: `write`/`read` in its standard format (PEFT, or tunekit's own), the kinds it
+  is recognised by (`adapter_kinds`: adapter_config.json's "peft_type" or "method"), how to
+  rebuild its structure from such a folder (`config_from_adapter`, `open_adapter`), `merge`;
+* its part of the training plan: `plan_options` (its planner inputs) and `plan_terms`
+  (tunekit.plan.terms), so that the planner never branches on a method's name.
+
+The recipe calls `get_method(cfg.method.name)`. `save` and `load`, which everything else calls,
+are defined once here around `write`/`read`, so that no method can save an incomplete adapter or
+load one silently:
 
 * save: write, then read the folder back; every trainable tensor must be there, equal to the
   model's (peft 0.21 once saved 0 tensors for layers it did not recognise).
 * load: before touching the model, the folder must hold every tensor the model expects, in the
   expected shapes; the first missing or misfit key is named in one error.
+
+Importing a method module must stay cheap (no torch, peft or transformers at import time): the
+config schema is built from the registered methods whenever a command line is composed, before
+anything else is needed. Layers and models are imported inside the functions that use them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import typing
 from pathlib import Path
-from typing import Callable, Dict
-
-import torch
-import torch.nn as nn
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
 from tunekit import TunekitError
+
+if TYPE_CHECKING:  # annotations only: importing torch here would make every config composition pay for it
+    import torch
+    import torch.nn as nn
+
+    from tunekit.plan.memory import TrainSetup
+    from tunekit.plan.shape import ModelShape
+    from tunekit.plan.terms import PlanTerms
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+    """The planner options of a method that has none."""
 
 
 class Method:
@@ -30,14 +57,44 @@ class Method:
     # that the forward computes under the precision policy's autocast (tunekit.speed.precision). The other
     # methods add small parts that compute in fp32 and hand back the frozen base's dtype.
     autocast: bool = False
+    # Whether the base's own weights are the trained part (no frozen copy to plan; fp32 residual
+    # stream and head; a 4-bit base cannot train this way).
+    trains_base: bool = False
+    # The method.* keys this method reads: a dataclass (defaults and comments), or None for none.
+    config: Optional[type] = None
+    # adapter_config.json's "peft_type" (peft formats) or "method" (tunekit's formats) it writes.
+    adapter_kinds: tuple = ()
+    # The planner's inputs (a frozen dataclass; its defaults are the planner's defaults), and the
+    # keywords older versions of tunekit.plan.memory.TrainSetup took for them: {keyword: option}.
+    plan_options_type: type = NoOptions
+    plan_aliases: dict = {}
 
-    @staticmethod
-    def check_config(cfg, model: nn.Module | None = None, quantize: str = "none") -> None:
+    # ------------------------------------------------------------ config
+    def settings(self, cfg) -> Any:
+        """This method's keys read off a method config (tunekit.config.MethodConfig or any object with
+        the attributes): an instance of `config`, a key that is absent or null taking its default."""
+        if self.config is None:
+            return None
+        values = {}
+        for f in dataclasses.fields(self.config):
+            value = getattr(cfg, f.name, None)
+            if value is not None:
+                values[f.name] = list(value) if isinstance(value, (list, tuple)) or _is_list_config(value) else value
+            elif not _optional(self.config, f.name):
+                values[f.name] = _default(f)
+        return self.config(**values)
+
+    def check_config(self, cfg, model: nn.Module | None = None, quantize: str = "none") -> None:
         """Raise TunekitError naming the method.* key of a bad value. Without `model`: what needs
         no model (ranges, names). With the base (loaded, or a skeleton on the meta device) and its
         `quantize`: also that what the config names exists in it. Config validation calls this
         before anything loads (through `check_method_config`), and `apply` calls it again."""
 
+    def check_context(self, cfg, seq_len: int, limit: int, where: str) -> None:
+        """Raise TunekitError if `seq_len` positions (data.max_seq_len) plus what the method adds
+        exceed the `limit` positions the model in `where` was built for."""
+
+    # ------------------------------------------------------------ the trained part
     def apply(self, model: nn.Module, cfg) -> nn.Module:
         """Freeze the base, add the method's trainable parameters; return the model to train."""
         raise NotImplementedError
@@ -63,6 +120,48 @@ class Method:
         bitsandbytes layers, no hooks) whose logits equal the trained model's. A 4-bit base comes
         out dequantized in fp32. May reuse `model`'s storage: do not train `model` afterwards."""
         raise cannot_merge(self.name)
+
+    # ------------------------------------------------------------ the optimizer
+    def param_groups(self, model: nn.Module, params: list, cfg, lr: float) -> list[dict]:
+        """The optimizer's parameter groups over `params` (the tensors it steps, as the strategy hands
+        them), each a dict with "params" and optionally its own "lr"; `cfg`: the method config. One
+        group at trainer.lr unless the method says otherwise (LoRA+)."""
+        return [{"params": list(params), "lr": lr}]
+
+    # ------------------------------------------------------------ a standalone adapter folder
+    def config_from_adapter(self, adapter_cfg: dict):
+        """The MethodConfig that rebuilds, with `apply`, the structure an adapter folder of this
+        method was written from (its adapter_config.json, parsed). KeyError for a missing key."""
+        raise TunekitError(f"method {self.name!r} writes no adapter folder of its own")
+
+    def open_adapter(self, base: nn.Module, folder: Path) -> nn.Module:
+        """Base + the adapter folder's trained part, frozen, in eval mode."""
+        try:
+            cfg = self.config_from_adapter(_read_adapter_config(Path(folder)))
+        except KeyError as e:
+            raise TunekitError(f"{Path(folder) / 'adapter_config.json'}: missing key {e}") from None
+        model = self.apply(base, cfg)
+        self.load(model, Path(folder))
+        model.requires_grad_(False)
+        return model.eval()
+
+    # ------------------------------------------------------------ the training plan
+    def plan_options(self, cfg) -> Any:
+        """The planner's inputs from the method config; TunekitError naming the key the planner
+        cannot model."""
+        return self.plan_options_type()
+
+    def plan_terms(self, shape: ModelShape, setup: TrainSetup) -> PlanTerms:
+        """What the method adds to the plan of `setup` over a base of this shape (tunekit.plan.terms)."""
+        raise NotImplementedError
+
+    def plan_setup(self, setup: TrainSetup, shape: ModelShape, cfg, facts, dtype) -> TrainSetup:
+        """The setup with what this method's layers decide on this device (a compute path, a cache)."""
+        return setup
+
+    def plan_label(self, options) -> str:
+        """A few words for `tunekit plan`'s header: what trains."""
+        return self.name
 
     # ------------------------------------------------------------ defined once, for every method
     def expected_tensors(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -108,8 +207,51 @@ def check_method_config(cfg, model: nn.Module | None = None, quantize: str = "no
     get_method(cfg.name).check_config(cfg, model, quantize)
 
 
+def fill_method_defaults(cfg) -> None:
+    """Set the keys of cfg's method that are null (a key several methods declare with different
+    defaults is null in the schema) to that method's defaults, in place."""
+    method = get_method(cfg.name)
+    if method.config is None:
+        return
+    resolved = method.settings(cfg)
+    for f in dataclasses.fields(method.config):
+        if getattr(cfg, f.name, None) is None and getattr(resolved, f.name) is not None:
+            setattr(cfg, f.name, getattr(resolved, f.name))
+
+
 def available_methods() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def adapter_kinds() -> dict[str, str]:
+    """{adapter_config.json "peft_type" or "method": the name of the method that reads it}."""
+    return {kind: name for name, cls in _REGISTRY.items() for kind in cls.adapter_kinds}
+
+
+def method_for_adapter(folder: str | Path) -> Method:
+    """The method that reads an adapter folder, recognised by its adapter_config.json: peft's
+    "peft_type" (LORA, PROMPT_TUNING, IA3) or tunekit's "method" (bottleneck adapters, BitFit).
+    One error line for a folder without one, unreadable, or of a kind no method reads."""
+    folder = Path(folder)
+    cfg = _read_adapter_config(folder)
+    kind = cfg.get("peft_type") or cfg.get("method")
+    kinds = adapter_kinds()
+    if kind not in kinds:
+        raise TunekitError(f"{folder}: holds a {kind} adapter; tunekit loads {', '.join(kinds)}")
+    return get_method(kinds[kind])
+
+
+def _read_adapter_config(folder: Path) -> dict:
+    path = folder / "adapter_config.json"
+    if not path.is_file():
+        raise TunekitError(f"{folder}: no adapter_config.json (not an adapter folder)")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise TunekitError(f"{path}: not readable JSON ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+    if not isinstance(data, dict):
+        raise TunekitError(f"{path}: expected a JSON object")
+    return data
 
 
 def trainable_parameters(model: nn.Module) -> tuple[int, int]:
@@ -132,3 +274,55 @@ def cannot_merge(name: str) -> TunekitError:
         f"method {name!r} cannot be merged into the base model (its trained part is not a change to "
         "existing weights); export the adapter instead (--format adapter)"
     )
+
+
+# ------------------------------------------------------------------ the method.* schema
+def config_schema() -> type:
+    """tunekit.config's MethodConfig: `name`, then the keys of every registered method in the order
+    they registered, each once. A key several methods declare must have one type; where their
+    defaults differ, the schema's default is null, read as "the chosen method's default"
+    (`Method.settings`, and `fill_method_defaults` when a config is validated)."""
+    declared: dict[str, list] = {}  # key -> [type, [defaults], first field]
+    for cls in _REGISTRY.values():
+        if cls.config is None:
+            continue
+        hints = typing.get_type_hints(cls.config)
+        for f in dataclasses.fields(cls.config):
+            entry = declared.setdefault(f.name, [hints[f.name], [], f])
+            if entry[0] != hints[f.name]:
+                raise TypeError(f"method.{f.name}: {cls.__name__} declares it as {hints[f.name]}, another method as "
+                                f"{entry[0]}; a shared key needs one type")
+            entry[1].append(_default(f))
+    fields = [("name", str, dataclasses.field(default="lora"))]
+    for key, (kind, defaults, first) in declared.items():
+        if all(d == defaults[0] for d in defaults[1:]):
+            fields.append((key, kind, _same_default(first)))
+        else:
+            fields.append((key, Optional[kind] if not _is_optional(kind) else kind, dataclasses.field(default=None)))
+    schema = dataclasses.make_dataclass("MethodConfig", fields)
+    schema.__module__ = "tunekit.config"  # where it is used and documented
+    return schema
+
+
+def _default(f: dataclasses.Field):
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
+
+
+def _same_default(f: dataclasses.Field) -> dataclasses.Field:
+    if f.default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=f.default_factory)
+    return dataclasses.field(default=f.default)
+
+
+def _is_optional(kind) -> bool:
+    return typing.get_origin(kind) is typing.Union and type(None) in typing.get_args(kind)
+
+
+def _optional(config: type, key: str) -> bool:
+    return _is_optional(typing.get_type_hints(config)[key])
+
+
+def _is_list_config(value) -> bool:
+    return type(value).__name__ == "ListConfig"  # OmegaConf's list, without importing omegaconf

@@ -10,7 +10,7 @@ facts, so it answers for a 24 GB or 80 GB GPU on a machine that has none. The me
   CPU_RUNTIME_BYTES, measured) is resident before any model loads; the check against free
   memory leaves it out (it is already spent). glibc's allocator keeps freed tensors resident
   (its mmap threshold rises with every large free, after which big tensors live in the heap and
-  the heap does not shrink): measured on the suite's model (benchmarks/plan-cpu-suite.md), a
+  the heap does not shrink): measured on the suite's model (benchmarks/plan/plan-cpu-suite.md), a
   step then peaks GLIBC_RETENTION x the saved activations higher without checkpointing, and, with
   checkpointing, every block recomputed in backward stays resident. The planner's peak is live
   memory (what a CPU with an allocator that returns freed memory peaks at); the retention is a
@@ -24,12 +24,14 @@ facts, so it answers for a 24 GB or 80 GB GPU on a machine that has none. The me
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from tunekit.speed.device import DeviceFacts
 from tunekit.plan.compute import step_flops
 from tunekit.plan.memory import STATIC_TERMS, Memory, TrainSetup, step_memory
 from tunekit.plan.shape import ModelShape
+
+if TYPE_CHECKING:  # importing this package imports no torch: method modules import tunekit.plan.terms
+    from tunekit.speed.device import DeviceFacts
 
 GiB = 2**30
 # RSS before the model loads, measured with torch 2.13 / transformers 5.23: imports 520 MiB, the

@@ -26,6 +26,7 @@ from tunekit import TunekitError
 from tunekit.speed.device import DeviceFacts, available_memory_bytes, probe, rank_device
 from tunekit.plan import AUTO_HEADROOM, GiB, Plan, predict
 from tunekit.plan.inputs import planner_inputs
+from tunekit.plan.memory import method_of
 
 log = logging.getLogger(__name__)
 AUTO_MICRO_BATCHES = (64, 32, 16, 8, 4, 2, 1)
@@ -54,7 +55,7 @@ def hints(plan: Plan) -> str:
     keys = ["trainer.micro_batch_size or data.max_seq_len"]
     if not s.gradient_checkpointing:
         keys.append("model.gradient_checkpointing=true")
-    if s.quantize != "nf4" and s.method != "full":
+    if s.quantize != "nf4" and not method_of(s).trains_base:  # a method training the base's weights needs them whole
         keys.append("model.quantize=nf4")
     return "lower " + keys[0] + "".join(f", set {k}" for k in keys[1:])
 

@@ -19,7 +19,11 @@ tunekit's trainer actually allocates, not a generic transformer:
   (tunekit.losses.sft): one chunk's logits in the head's dtype and in fp32, the gradient of the
   rows kept for backward; nothing of size (trained tokens, vocab). Distillation computes both
   heads `chunk_size` rows at a time (about five (chunk, vocab) fp32 buffers, measured in
-  benchmarks/distill-memory-cpu.json) and keeps the teacher's last hidden states.
+  benchmarks/training/distill-memory-cpu.json) and keeps the teacher's last hidden states.
+
+What the method adds (its trainable tensors, what its layers keep at each site of the block walk,
+which activations it makes need gradients) comes from the method itself through
+`Method.plan_terms` (tunekit.plan.terms); nothing here branches on a method's name.
 
 The plan is for the worst micro-batch: `micro_batch_size` rows of `data.max_seq_len` tokens,
 every position trained, padding present (so attention gets an explicit mask, as it does for
@@ -28,14 +32,15 @@ every batch with rows of unequal length). Shorter data uses less.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from tunekit.plan.shape import PROJECTIONS, ModelShape
+from tunekit.plan.terms import PlanTerms, Site
 
 ATTN = ("q_proj", "k_proj", "v_proj")
-GATE_UP = ("gate_proj", "up_proj")
 # bitsandbytes: NF4 blocks of 64 weights, their absmax 8-bit quantized in blocks of 256.
 NF4_BLOCK, NF4_ABSMAX_BLOCK = 64, 256
 # bitsandbytes 8-bit optimizers: tensors smaller than this keep 32-bit state; blockwise absmax per 256.
@@ -46,18 +51,18 @@ STATIC_TERMS = ("base weights", "trainable parameters", "optimizer state", "teac
 DISTILL_CHUNK_BUFFERS = 5.25
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class TrainSetup:
-    """What a training configuration decides about memory, as plain values (see plan.inputs)."""
+    """What a training configuration decides about memory, as plain values (see plan.inputs).
 
-    method: str = "lora"  # lora | adapter | bitfit | prompt_tuning | full
-    lora_r: int = 16
-    lora_targets: tuple = PROJECTIONS
-    lora_dropout: float = 0.0
-    bitfit_targets: tuple = PROJECTIONS
-    adapter_bottleneck: int = 64
-    adapter_sublayers: tuple = ("self_attn", "mlp")
-    num_virtual_tokens: int = 20
+    `options` are the method's own planner inputs (its `Method.plan_options_type`, e.g. a LoRA
+    rank and targets; a dict of them, or None for the method's defaults). The keywords of each
+    method's `plan_aliases` (lora_r=8, adapter_sublayers=("mlp",), num_virtual_tokens=5, ...) set
+    the option they name when the setup's method is theirs, and are ignored for another method.
+    """
+
+    method: str = "lora"  # a registered method (tunekit.methods)
+    options: Any = None
     quantize: str = "none"  # none | nf4
     compute_bytes: int = 2  # 2 = bf16, 4 = fp32 (model.dtype resolved for the device)
     gradient_checkpointing: bool = False
@@ -71,11 +76,13 @@ class TrainSetup:
     teacher_quantize: str = "none"
     distill_chunk: int = 1024
     dropout_mask_bytes: int = 4  # torch's dropout keeps a bool mask on CUDA, fp32 noise on a CPU
-    # CPU with kernels.fused_lora=auto over a 4-bit base: a bf16 copy of the LoRA-wrapped weights
-    # (tunekit.speed.lora_math.cache_dense), where tunekit.speed.device.dense_cache_fits allows it
+    # What the method's layers decide on the device (Method.plan_setup; LoRA's rules in
+    # tunekit.speed.lora_path): a copy of the 4-bit base's wrapped weights kept dequantized in the
+    # compute dtype (tunekit.speed.lora_math.cache_dense, where tunekit.speed.device.dense_cache_fits
+    # allows it) ...
     dense_cache_bytes: int = 0
-    # LoRA over a 4-bit base computed in the compute dtype (tunekit.speed.lora_math or the fused kernel,
-    # tunekit.speed.lora_path) rather than peft's fp32 branch, which keeps an fp32 copy of every input
+    # ... LoRA over a 4-bit base computed in the compute dtype (tunekit.speed.lora_math or the fused
+    # kernel) rather than peft's fp32 branch, which keeps an fp32 copy of every input ...
     lora_compute: bool = False
     # ... through the fused Triton kernel (CUDA): it dequantizes the base weight tile by tile in
     # registers, forward and backward, so no dequantized weight exists
@@ -83,6 +90,49 @@ class TrainSetup:
     # with gradient checkpointing on a GPU: the blocks' saved inputs live in pinned host memory
     # (tunekit.speed.device.offload_activations), not on the device
     offload_activations: bool = False
+
+    def __init__(self, method: str = "lora", options: Any = None, **values):
+        from tunekit.methods import get_method
+        from tunekit.methods.registry import _REGISTRY
+
+        kind = get_method(method).plan_options_type
+        if isinstance(options, dict):
+            options = kind(**options)
+        elif not isinstance(options, kind):  # None, or another method's (replace(setup, method=...))
+            options = kind()
+        aliases, own = get_method(method).plan_aliases, {}
+        for key in [k for k in values if k not in _SETUP_FIELDS]:
+            if not any(key in cls.plan_aliases for cls in _REGISTRY.values()):
+                raise TypeError(f"TrainSetup() got an unexpected keyword argument {key!r}")
+            value = values.pop(key)
+            if key in aliases:
+                own[aliases[key]] = value
+        options = dataclasses.replace(options, **own) if own else options
+        # lists as tuples: a setup is hashable and compares by value
+        listed = {f.name: tuple(getattr(options, f.name)) for f in dataclasses.fields(options)
+                  if isinstance(getattr(options, f.name), list)}
+        options = dataclasses.replace(options, **listed) if listed else options
+        object.__setattr__(self, "method", method)
+        object.__setattr__(self, "options", options)
+        for f in dataclasses.fields(self):
+            if f.name not in ("method", "options"):
+                object.__setattr__(self, f.name, values.pop(f.name, f.default))
+        if values:
+            raise TypeError(f"TrainSetup() got an unexpected keyword argument {next(iter(values))!r}")
+
+
+_SETUP_FIELDS = {f.name for f in dataclasses.fields(TrainSetup)}
+
+
+def plan_terms(shape: ModelShape, st: TrainSetup) -> PlanTerms:
+    """What the setup's method adds to the plan (tunekit.plan.terms)."""
+    return method_of(st).plan_terms(shape, st)
+
+
+def method_of(st: TrainSetup):
+    from tunekit.methods import get_method
+
+    return get_method(st.method)
 
 
 @dataclass
@@ -120,23 +170,7 @@ def base_weight_bytes(shape: ModelShape, quantize: str, compute_bytes: int) -> i
 
 def trainable_tensors(shape: ModelShape, st: TrainSetup) -> list[int]:
     """Element counts of the trainable tensors (what the optimizer sees, tensor by tensor)."""
-    L, d = shape.num_layers, shape.hidden_size
-    if st.method == "lora":
-        per_layer = [n for p in st.lora_targets for i, o in [shape.projection(p)] for n in (st.lora_r * i, o * st.lora_r)]
-    elif st.method == "adapter":
-        b = st.adapter_bottleneck
-        per_layer = [n for _ in st.adapter_sublayers for n in (d * b, b, b * d, d)]
-    elif st.method == "bitfit":
-        per_layer = [shape.projection(p)[1] for p in st.bitfit_targets]
-    elif st.method == "prompt_tuning":
-        return [st.num_virtual_tokens * d]
-    elif st.method == "full":
-        per_layer = [i * o for p in PROJECTIONS for i, o in [shape.projection(p)]] + [d, d]
-        head = [shape.head_params] if shape.head_params else []
-        return per_layer * L + [shape.embedding_params, d] + head
-    else:
-        raise ValueError(f"unknown method {st.method!r}")
-    return per_layer * L
+    return list(plan_terms(shape, st).trainable)
 
 
 def optimizer_state_bytes(tensors: list[int], optimizer: str) -> int:
@@ -152,107 +186,61 @@ def optimizer_state_bytes(tensors: list[int], optimizer: str) -> int:
 
 
 # ------------------------------------------------------------------ activations
-def _lora_saves(st: TrainSetup, names: tuple, in_dim: int, in_bytes: int, input_already_saved: bool,
-                input_grad: bool) -> int:
-    """Per-token bytes the LoRA branches of `names` (projections sharing one input) keep.
-
-    peft casts the input to the adapter's fp32, lora_A keeps that input and lora_B keeps
-    A's (r,) output. A bf16 input is cast anew in every branch; an fp32 input is the same tensor
-    for all branches (and costs nothing when another op already keeps it). With dropout each
-    branch keeps its own dropped fp32 copy, and, when the input needs a gradient, the dropout
-    mask (a bool per element on CUDA; on a CPU torch keeps the fp32 scaled noise).
-    """
-    hit = [n for n in names if n in st.lora_targets]
-    if not hit:
-        return 0
-    if st.lora_compute:
-        return _compute_lora_saves(st, len(hit), in_dim, in_bytes, input_already_saved)
-    r_part = 4 * st.lora_r * len(hit)
-    if st.lora_dropout > 0:
-        return r_part + (4 + (st.dropout_mask_bytes if input_grad else 0)) * in_dim * len(hit)
-    if in_bytes == 4:
-        return r_part + (0 if input_already_saved else 4 * in_dim)
-    return r_part + 4 * in_dim * len(hit)
-
-
-def _compute_lora_saves(st: TrainSetup, branches: int, in_dim: int, e: int, input_already_saved: bool) -> int:
-    """The same for LoRA computed in the compute dtype (tunekit.speed.lora_math on any device, or the
-    fused Triton kernel on CUDA): each branch keeps its input as it came (the projections that share
-    an input share that tensor) and A's (r,) output in the compute dtype; with dropout, each branch's
-    keep-mask and dropped copy instead of the input (the CPU path's, in the compute dtype; the kernel
-    keeps a bool mask and the input)."""
-    r_part = e * st.lora_r * branches
-    if st.lora_dropout > 0:
-        return r_part + 2 * e * in_dim * branches
-    return r_part + (0 if input_already_saved else e * in_dim)
-
-
-def layer_saved(shape: ModelShape, st: TrainSetup, rows: int, seq: int, input_grad: bool = True) -> int:
+def layer_saved(shape: ModelShape, st: TrainSetup, rows: int, seq: int, input_grad: bool = True,
+                terms: Optional[PlanTerms] = None) -> int:
     """Bytes one decoder block keeps for backward for a micro-batch of (rows, seq) positions.
 
     A walk through transformers' Llama block as tunekit trains it. `input_grad`: whether the
     block's input requires grad (every block but the first, unless something upstream trains).
     Residual stream and projection outputs are in the compute dtype (a 4-bit base's Linear4bit
     returns its input's dtype); a full fine-tune's fp32 weights make them fp32 (`activation_dtype_bytes`).
+    What the method's layers keep comes from its `PlanTerms.saves`, site by site; which
+    projections' outputs need a gradient because of it, from `grad_outputs`.
     """
+    terms = terms or plan_terms(shape, st)
     d, m, q, kv, h = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim, shape.num_heads
-    full = st.method == "full"
     e = activation_dtype_bytes(st)
-    lora, bitfit = st.method == "lora", st.method == "bitfit"
-    trains = (lambda p: (lora and p in st.lora_targets) or (bitfit and p in st.bitfit_targets) or full)
-    per_token = 0  # bytes per position
-    # input RMSNorm keeps its fp32 input and the (., 1) rsqrt; with trainable weights also its output
+    T = rows * seq
+
+    def method(site: str, grad: bool, saved: bool = False) -> int:
+        return terms.saves(Site(site, T, e, grad, saved))
+
+    trains = terms.grad_outputs.__contains__
+    per_token = 0  # bytes per position of the frozen walk
+    # input RMSNorm keeps its fp32 input and the (., 1) rsqrt
     if input_grad:
-        per_token += 4 * d + 4 + (4 * d if full else 0)
+        per_token += 4 * d + 4
+    extra = method("input_norm", input_grad) + method("qkv", input_grad)
     qkv_grad = {p: input_grad or trains(p) for p in ATTN}
-    if lora:
-        per_token += _lora_saves(st, ATTN, d, e, input_already_saved=False, input_grad=input_grad)
-    if full:
-        per_token += 4 * d  # q/k/v weight grads need their (shared) input
     attn_grad = any(qkv_grad.values())
     mask = rows > 1 or st.packing  # padded rows or packed examples: sdpa gets an explicit mask
-    per_layer_extra = 0
     if attn_grad:
         # sdpa keeps q, k, v (k and v repeated to every head when a mask is given), the output and
         # the fp32 log-sum-exp; the boolean mask is converted to a float mask per call and kept.
         kv_saved = q if (mask and kv != q) else kv
         per_token += e * (q + 2 * kv_saved) + e * q + 4 * h
         if mask:
-            per_layer_extra += e * rows * seq * seq  # (rows, 1, seq, seq); packed: one row
+            extra += e * rows * seq * seq  # (rows, 1, seq, seq); packed: one row
+    # o_proj's input is sdpa's output, which sdpa keeps when attention needs gradients
     o_grad = attn_grad or trains("o_proj")
-    if lora:  # o_proj's input is sdpa's output: shared if fp32 (already kept), else an fp32 copy
-        per_token += _lora_saves(st, ("o_proj",), q, e, input_already_saved=attn_grad, input_grad=attn_grad)
-    if "self_attn" in _adapter_sublayers(st):
-        per_token += 4 * d + 8 * st.adapter_bottleneck  # fp32 input, down output, activation output
-        o_grad = True
+    extra += method("o", attn_grad, saved=attn_grad) + method("attn_out", o_grad)
     res_grad = input_grad or o_grad
     if res_grad:  # post-attention RMSNorm
-        per_token += 4 * d + 4 + (4 * d if full else 0)
-    if lora:
-        per_token += _lora_saves(st, GATE_UP, d, e, input_already_saved=False, input_grad=res_grad)
-    if full:
-        per_token += 4 * d
+        per_token += 4 * d + 4
+    extra += method("post_norm", res_grad) + method("gate_up", res_grad)
     gate_grad, up_grad = res_grad or trains("gate_proj"), res_grad or trains("up_proj")
-    # act(gate) * up: SiLU keeps its input, the product keeps whichever factor the other needs
+    # act(gate) * up: SiLU keeps its input, the product keeps whichever factor the other needs;
+    # down_proj's input, the product, is kept by nobody else
     per_token += e * m * (2 * gate_grad + up_grad)
-    if lora:  # down_proj's input is the product, kept by nobody else
-        per_token += _lora_saves(st, ("down_proj",), m, e, input_already_saved=False,
-                                 input_grad=gate_grad or up_grad)
-    if full:
-        per_token += 4 * m
-    if "mlp" in _adapter_sublayers(st):
-        per_token += 4 * d + 8 * st.adapter_bottleneck
-    return per_token * rows * seq + per_layer_extra
+    down_grad = gate_grad or up_grad
+    extra += method("down", down_grad) + method("mlp_out", down_grad or trains("down_proj"))
+    return per_token * T + extra
 
 
-def _adapter_sublayers(st: TrainSetup) -> tuple:
-    return tuple(st.adapter_sublayers) if st.method == "adapter" else ()
-
-
-def positions(st: TrainSetup) -> tuple[int, int]:
-    """(rows, positions per row) the decoder runs on: a packed micro-batch is one row; prompt
-    tuning prepends its virtual tokens to every example."""
-    extra = st.num_virtual_tokens if st.method == "prompt_tuning" else 0
+def positions(st: TrainSetup, terms: PlanTerms) -> tuple[int, int]:
+    """(rows, positions per row) the decoder runs on: a packed micro-batch is one row; a method may
+    prepend positions to every example (prompt tuning's virtual tokens)."""
+    extra = terms.extra_positions
     if st.packing:
         return 1, st.micro_batch_size * (st.seq_len + extra)
     return st.micro_batch_size, st.seq_len + extra
@@ -263,40 +251,36 @@ def trained_positions(st: TrainSetup) -> int:
     return st.micro_batch_size * (st.seq_len - 1)
 
 
-def first_block_input_grad(st: TrainSetup) -> bool:
+def first_block_input_grad(st: TrainSetup, terms: PlanTerms) -> bool:
     """Whether the first block's input requires grad: with gradient checkpointing the trainer
-    makes the embeddings' output require grad; prompt tuning's soft prompt trains; a full
-    fine-tune trains the embeddings."""
-    return st.gradient_checkpointing or st.method in ("prompt_tuning", "full")
+    makes the embeddings' output require grad; a method may train what feeds the first block
+    (prompt tuning's soft prompt, a full fine-tune's embeddings)."""
+    return st.gradient_checkpointing or terms.decoder_input_grad
 
 
 def activation_bytes(shape: ModelShape, st: TrainSetup) -> dict:
     """Saved activations of the student's decoder for one micro-batch, and the working sets
     around them: {'saved', 'ckpt_layer', 'layer_backward'}."""
-    rows, seq = positions(st)
+    terms = plan_terms(shape, st)
+    rows, seq = positions(st, terms)
     T = rows * seq
     d, m = shape.hidden_size, shape.intermediate_size
     e = activation_dtype_bytes(st)
-    first = layer_saved(shape, st, rows, seq, input_grad=first_block_input_grad(st))
-    steady = layer_saved(shape, st, rows, seq, input_grad=True)
+    first = layer_saved(shape, st, rows, seq, input_grad=first_block_input_grad(st, terms), terms=terms)
+    steady = layer_saved(shape, st, rows, seq, input_grad=True, terms=terms)
     labels = st.micro_batch_size * st.seq_len  # label positions (prompt tuning's virtual tokens have none)
     trained_mask = labels - 1 if st.packing else labels - st.micro_batch_size
-    # final RMSNorm (+ its output when its weight trains) + the bool mask of trained positions
-    final_norm = (4 * d + 4 + (4 * d if st.method == "full" else 0)) * T + trained_mask
-    # a full fine-tune's embedding keeps the token ids for its weight gradient
-    embedding = 8 * st.micro_batch_size * st.seq_len if st.method == "full" else 0
+    # final RMSNorm (+ what the method keeps there) + the bool mask of trained positions
+    final_norm = (4 * d + 4) * T + terms.saves(Site("final_norm", T, e)) + trained_mask
+    # what the method keeps at the embedding (a full fine-tune: the token ids, for its weight gradient)
+    embedding = terms.saves(Site("embedding", labels, e))
     rope = 2 * seq * shape.head_dim * e  # cos and sin, (1, 1, seq, head_dim), shared by all blocks
     # Gradients flowing back through one block: the hidden-state grad plus a few (T, m) grads of
-    # the MLP and, over a 4-bit base, one dequantized weight.
+    # the MLP and, over a 4-bit base, one dequantized weight; and what the method's layers add.
     dequant = max(i * o for p in PROJECTIONS for i, o in [shape.projection(p)]) * st.compute_bytes \
         if st.quantize == "nf4" and not st.fused_kernel else 0
     layer_backward = T * (3 * m * e + 2 * d * 4) + dequant  # the norms compute their gradients in fp32
-    if st.lora_compute and not st.fused_kernel:
-        # The torch path (tunekit.speed.lora_math) through a recomputed block: measured on the CPU
-        # (tests/test_plan_measured.py, qlora with checkpointing) its step peaks ~3 (T, m) buffers
-        # above the rest of this walk, which tensors exactly is not pinned down; counted so that the
-        # plan does not fall short (it read -18% without them).
-        layer_backward += 3 * T * m * e
+    layer_backward += T * terms.block_backward_per_token
     if st.gradient_checkpointing:
         # non-reentrant checkpointing keeps each block's input; backward recomputes one block
         blocks = shape.num_layers * T * d * e
@@ -308,14 +292,14 @@ def activation_bytes(shape: ModelShape, st: TrainSetup) -> dict:
 
 
 def activation_dtype_bytes(st: TrainSetup) -> int:
-    """Bytes per element of the residual stream: the compute dtype, or fp32 under a full fine-tune
-    (its embeddings and norms train as fp32 weights; autocast rounds only the matmuls)."""
-    return 4 if st.method == "full" else st.compute_bytes
+    """Bytes per element of the residual stream: the compute dtype, or fp32 where the base's own
+    weights train (its embeddings and norms are fp32 weights; autocast rounds only the matmuls)."""
+    return 4 if method_of(st).trains_base else st.compute_bytes
 
 
 def head_dtype_bytes(st: TrainSetup) -> int:
-    """The output head's dtype: the compute dtype (frozen), or fp32 when it trains (full)."""
-    return 4 if st.method == "full" else st.compute_bytes
+    """The output head's dtype: the compute dtype (frozen), or fp32 when it trains (trains_base)."""
+    return 4 if method_of(st).trains_base else st.compute_bytes
 
 
 def sft_loss_bytes(shape: ModelShape, st: TrainSetup) -> dict:
@@ -325,8 +309,9 @@ def sft_loss_bytes(shape: ModelShape, st: TrainSetup) -> dict:
     Forward: the selected rows (n, d), the gradient of the rows it fills (n, d), and one chunk's
     working set: its logits in the head's dtype and their fp32 copy (the first let go once the copy
     exists), the copy turned into the softmax gradient in place and cast back to the head's dtype
-    beside it: at most 4 + 2 bytes per logit of a bf16 head, 4 of an fp32 one. A head
-    that trains (full) also accumulates its fp32 weight gradient (V, d) beside each chunk's product.
+    beside it: at most 4 + 2 bytes per logit of a bf16 head, 4 of an fp32 one. A head that
+    trains (a full fine-tune) also accumulates its fp32 weight gradient (V, d) beside each chunk's
+    product.
     Kept for backward: the rows' gradient (and the head's). Backward: that gradient scaled once.
     """
     from tunekit.losses.sft import chunk_rows
@@ -336,7 +321,7 @@ def sft_loss_bytes(shape: ModelShape, st: TrainSetup) -> dict:
     c = min(chunk_rows(V), n)
     work = c * V * (4 + (eh if eh != 4 else 0)) + 16 * c
     kept = n * d * eh
-    if st.method == "full":  # the fp32 accumulator, and one chunk's (V, d) product in the autocast dtype
+    if method_of(st).trains_base:  # the fp32 accumulator, and one chunk's (V, d) product in the autocast dtype
         kept += 4 * V * d
         work += (st.compute_bytes + 4) * V * d
     forward = n * d * eh + kept + work + 8 * n
@@ -348,7 +333,7 @@ def distill_loss_bytes(shape: ModelShape, st: TrainSetup) -> dict:
     """Chunked distillation: saved student/teacher rows, teacher hidden states, chunk buffers."""
     t = st.teacher
     n, V = trained_positions(st), shape.vocab_size
-    rows, seq = positions(st)
+    rows, seq = positions(st, plan_terms(shape, st))
     et, eh = st.compute_bytes, head_dtype_bytes(st)  # the teacher is not kbit-prepared
     chunk = min(st.distill_chunk, n)
     teacher_hidden = rows * seq * t.hidden_size * et
@@ -358,10 +343,10 @@ def distill_loss_bytes(shape: ModelShape, st: TrainSetup) -> dict:
     return {"forward": kept + work, "backward": kept - teacher_hidden + work}
 
 
-def teacher_forward_bytes(st: TrainSetup) -> int:
+def teacher_forward_bytes(shape: ModelShape, st: TrainSetup) -> int:
     """The frozen teacher's no-grad forward: one block's working set at a time, plus its output."""
     t = st.teacher
-    rows, seq = positions(st)
+    rows, seq = positions(st, plan_terms(shape, st))
     T, e = rows * seq, st.compute_bytes
     dequant = max(i * o for p in PROJECTIONS for i, o in [t.projection(p)]) * e if st.teacher_quantize == "nf4" else 0
     return T * (3 * t.intermediate_size + 3 * t.hidden_size) * e + dequant
@@ -393,9 +378,8 @@ def step_memory(shape: ModelShape, st: TrainSetup, ranks: int = 1, sharded: bool
     tensors = trainable_tensors(shape, st)
     P = sum(tensors)
     split = ranks if sharded else 1
-    weights = base_weight_bytes(shape, st.quantize, 4 if st.method == "full" else st.compute_bytes)
-    if st.method == "full":
-        weights = 0  # the whole model is the trainable part (fp32)
+    # a method that trains the base's own weights has no frozen copy: the model is the trainable part (fp32)
+    weights = 0 if method_of(st).trains_base else base_weight_bytes(shape, st.quantize, st.compute_bytes)
     mem = Memory()
     mem.terms["base weights"] = (weights + st.dense_cache_bytes) // split
     mem.terms["trainable parameters"] = 4 * P // split
@@ -419,7 +403,7 @@ def step_memory(shape: ModelShape, st: TrainSetup, ranks: int = 1, sharded: bool
         "optimizer step": (0, 8 * P // split),
     }
     if st.teacher is not None:
-        phases["teacher forward"] = (act["saved"], teacher_forward_bytes(st))
+        phases["teacher forward"] = (act["saved"], teacher_forward_bytes(shape, st))
     if ranks > 1 and not sharded:
         phases["gradient all-reduce"] = (0, 8 * P)  # flat copy of the grads + the reduced result
     phase = max(phases, key=lambda k: sum(phases[k]))

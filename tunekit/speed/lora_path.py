@@ -7,7 +7,7 @@ The choice is made once, before the first step, and never changes what is traine
   saves, loads, merges or disables adapters, and state-dict keys are untouched. (Swapping in a
   module of another type made peft 0.21 save adapters with 0 tensors.)
 * On a CPU, `auto` takes the same layer math in plain torch + bitsandbytes with the LoRA matmuls
-  in bf16 (tunekit/speed/lora_math.py: peft runs them in fp32, at a quarter of the CPU's bf16 speed),
+  in bf16 (tunekit/speed/lora_math.py: peft runs them in fp32, several times slower on a CPU),
   when the base computes in bf16; it is checked against the twin like the kernel (not timed: a
   rule, so that a resumed run takes the same path and stays bit-identical).
 * `kernels.fused_lora=auto` proves the kernel on this device before trusting it: for every
@@ -197,7 +197,9 @@ def check_layer(layer: nn.Module, dtype: torch.dtype, tokens: int = CHECK_TOKENS
 
     def run(fn, cast):
         with torch.enable_grad():  # the check may be asked for under no_grad (evaluation, generation)
-            xs, As, Bs = (t.to(cast).requires_grad_() for t in (x, A, B))
+            # a copy even where `cast` is t's dtype (.to would return t itself): each run's own leaves,
+            # so that one run's gradients are not the other's tensors, accumulated into
+            xs, As, Bs = (t.to(cast, copy=True).requires_grad_() for t in (x, A, B))
             y = fn(xs, As, Bs)
             y.backward(dy.to(cast))
         return [y.detach(), xs.grad, As.grad, Bs.grad]
@@ -341,6 +343,13 @@ def choose_lora_path(model: nn.Module, mode: str, facts: dev.DeviceFacts, dtype:
         drop_dense(m.base_layer)
     if mode == "off":
         return FusedDecision(mode, "peft", "kernels.fused_lora=off")
+    if any(m.use_dora.get(a) for _, m in layers for a in m.active_adapters):
+        if mode == "on":  # neither the kernel nor the compute-dtype path computes DoRA's magnitude
+            from tunekit.methods.lora_variants import DORA_NOT_FUSED
+
+            raise TunekitError(DORA_NOT_FUSED)
+        return FusedDecision(mode, "peft", "DoRA (method.use_dora): peft's layers compute its magnitude",
+                             layers=len(layers))
     if not layers:
         if mode == "on":
             raise TunekitError("kernels.fused_lora=on: no LoRA layer over a 4-bit base "

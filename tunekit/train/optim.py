@@ -13,8 +13,9 @@ from tunekit import TunekitError
 log = logging.getLogger(__name__)
 
 
-def build_optimizer(name: str, params: list[torch.nn.Parameter], lr: float, weight_decay: float, device: torch.device):
-    """name: adamw | adamw_8bit | paged_adamw_8bit | paged_adamw_32bit.
+def build_optimizer(name: str, params: list, lr: float, weight_decay: float, device: torch.device):
+    """name: adamw | adamw_8bit | paged_adamw_8bit | paged_adamw_32bit. params: tensors, or parameter
+    groups (dicts with "params" and their own "lr": Method.param_groups); `lr` is the default rate.
 
     Paged optimizers (QLoRA) keep their state in CUDA unified memory so it can spill to the
     host under memory pressure. There is no paging on a CPU: bitsandbytes falls back to the

@@ -1,0 +1,186 @@
+"""LoRA's variants (tunekit.methods.lora): which combine, how PiSSA/OLoRA save, LoRA+'s groups, DoRA's plan.
+
+Combinations. rsLoRA and LoRA+ combine with everything. DoRA does not combine with a PiSSA/OLoRA
+start: the saved adapter must load over the original base, and peft's conversion of such a start
+(below) carries only lora_A/lora_B, dropping DoRA's magnitude. PiSSA and OLoRA rewrite the base
+weight to W - s B0 A0; over a 4-bit base that residual would be requantized (quant(W_res) + s B0 A0
+!= W, so the start is no longer the base's function, and the adapter saved as a LoRA over the
+original base would not apply over quant(W) either). tunekit refuses them there: a start fitted to
+the 4-bit base is LoftQ's job (tunekit.methods.loftq).
+
+PiSSA/OLoRA saving. Training changes B0 A0 into B A over W_res = W - s B0 A0, which equals
+W + s (B A - B0 A0) = W + s [B, -B0] [A; A0]: a standard LoRA of rank 2r over the original W, with
+peft's config then saying r = 2r and alpha scaled to keep s (2x, or sqrt(2)x under rsLoRA). That is
+what peft's `save_pretrained(path_initial_model_for_weight_conversion=...)` writes, from the start
+(A0, B0) `keep_start` copies at apply time. A model rebuilt by `apply` (resuming, opening a run)
+recomputes the same start (exact QR for OLoRA; PiSSA's randomized SVD under a fixed seed), and
+`unconverted` splits a saved folder back into the trained halves.
+
+Importing this module imports no torch (tunekit.methods.registry).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tunekit import TunekitError
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+# method.init -> peft's init_lora_weights. PiSSA through peft's fast SVD (4 subspace iterations, the
+# paper's fast variant: minutes instead of hours of full SVDs on a 7B model; B0 A0 is then close to,
+# not exactly, W's top-r part, and W_res = W - s B0 A0 exactly whatever B0 A0 is).
+PEFT_INIT = {"default": True, "pissa": "pissa_niter_4", "olora": "olora"}
+START_ATTR = "_tunekit_lora_start"  # on the PeftModel: {saved key: the tensor's value at apply time}
+SEED = 0
+
+DORA_NOT_FUSED = ("kernels.fused_lora=on: the fused LoRA kernel does not implement DoRA (method.use_dora=true); "
+                  "use kernels.fused_lora=auto (peft's DoRA layers) or off")
+
+
+def check_combination(c, quantize: str) -> None:
+    """One error line for a variant that does not combine with the others or with the base."""
+    if c.init != "default" and quantize == "nf4":
+        raise TunekitError(f"method.init={c.init}: rewrites the base weight as W - (principal part), which a "
+                           "4-bit base cannot hold exactly; over model.quantize=nf4 use method.init=default, or LoftQ's start "
+                           "(tunekit.methods.loftq), fitted to the 4-bit base")
+    if c.init != "default" and c.use_dora:
+        raise TunekitError(f"method.use_dora: not with method.init={c.init} (its adapter is saved as a standard LoRA "
+                           "over the original base, which has no place for DoRA's magnitude); choose one")
+
+
+@contextlib.contextmanager
+def seeded(on: bool):
+    """Random numbers drawn inside come from SEED, and the caller's streams are left as they were."""
+    if not on:
+        yield
+        return
+    import torch
+
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []):
+        torch.manual_seed(SEED)
+        yield
+
+
+def keep_start(model: nn.Module, saved_key) -> None:
+    """Copy the PiSSA/OLoRA start (A0, B0) onto the model, keyed as peft's files key them."""
+    start = {saved_key(n): p.detach().clone() for n, p in model.named_parameters()
+             if ".lora_A." in n or ".lora_B." in n}
+    object.__setattr__(model, START_ATTR, start)  # not a submodule or buffer: never in a state dict
+
+
+def start_of(model: nn.Module):
+    return getattr(model, START_ATTR, None)
+
+
+def converted(expected: dict, model: nn.Module) -> dict:
+    """{saved key: tensor} as a PiSSA/OLoRA model saves them: A: (2r, in) = [A; A0], B: (out, 2r) =
+    [B, -B0]; `expected` unchanged for any other model."""
+    start = start_of(model)
+    if start is None:
+        return expected
+    import torch
+
+    out = {}
+    for key, p in expected.items():
+        init = start[key].to(p.device)
+        out[key] = torch.cat([p.detach(), init], 0) if ".lora_A." in key else torch.cat([p.detach(), -init], 1)
+    return out
+
+
+def unconverted(state: dict, model: nn.Module) -> dict:
+    """A saved PiSSA/OLoRA folder's tensors, as the rank-r model trains them (the first halves); the
+    saved start replaces the model's copy, so that saving again writes the same folder."""
+    start = start_of(model)
+    if start is None:
+        return state
+    trained = {}
+    for key, t in state.items():
+        if key not in start:
+            trained[key] = t
+            continue
+        r = start[key].shape[0] if ".lora_A." in key else start[key].shape[1]
+        if ".lora_A." in key:
+            trained[key], start[key] = t[:r], t[r:].to(start[key])
+        else:
+            trained[key], start[key] = t[:, :r], (-t[:, r:]).to(start[key])
+    return trained
+
+
+def save_peft(model: nn.Module, out_dir: Path) -> None:
+    """peft's save_pretrained; a PiSSA/OLoRA model converted to the rank-2r LoRA over the original base.
+    peft's conversion loads the start as a temporary adapter (drawing a Kaiming init for it first,
+    and putting the model in eval mode): under fork_rng, and each module's train/eval mode put back,
+    so that saving a checkpoint changes nothing about the training that goes on."""
+    start = start_of(model)
+    if start is None:
+        model.save_pretrained(out_dir, safe_serialization=True)
+        return
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory() as tmp, seeded(True):
+        initial = Path(tmp) / "initial"
+        initial.mkdir()
+        save_file({k: v.detach().cpu().contiguous() for k, v in start.items()},
+                  str(initial / "adapter_model.safetensors"))
+        modes = [(m, m.training) for m in model.modules()]
+        try:
+            model.save_pretrained(out_dir, safe_serialization=True,
+                                  path_initial_model_for_weight_conversion=str(initial))
+        finally:
+            for m, training in modes:
+                m.training = training
+
+
+def loraplus_groups(model: nn.Module, params: list, lr: float, ratio: float) -> list[dict]:
+    """LoRA+ optimizer groups over `params` (the tensors the optimizer steps): lora_B and 1-d tensors
+    (DoRA's magnitude) at ratio x lr, the rest (lora_A) at lr, as peft's create_loraplus_optimizer
+    groups them. A tensor the model does not name (a strategy's wrapper) stays at lr."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    fast, rest = [], []
+    for p in params:
+        name = names.get(id(p), "")
+        (fast if ".lora_B." in name or (name and p.ndim == 1) else rest).append(p)
+    groups = [{"params": rest, "lr": lr}, {"params": fast, "lr": lr * ratio}]
+    return [g for g in groups if g["params"]]
+
+
+# ------------------------------------------------------------------ DoRA in the plan
+def dora_flops(o, shape) -> int:
+    """Forward FLOPs per position of one block's DoRA rescaling: (m / ||W + s B A|| - 1) * base +
+    m / ||.|| * s * lora, ~4 per output of each target; with dropout peft recomputes the base matmul
+    on the dropped input (2 in out). The per-step norm (B A, then W + s B A and its row norms:
+    ~2 r in out + 3 in out per target, once per forward, not per position) is not in this figure."""
+    total = 0
+    for p in o.targets:
+        i, out = shape.projection(p)
+        total += 4 * out + (2 * i * out if o.dropout > 0 else 0)
+    return total
+
+
+def dora_saves(o, site, shape) -> int:
+    """Bytes DoRA's rescaling keeps at one site, beyond plain LoRA's, for each target there:
+
+    * per position: the base output (out,) the magnitude's gradient reads, in the stream's dtype
+      (peft reuses the base layer's output), and the fp32 LoRA output (out,);
+    * with dropout, peft recomputes the base matmul on the dropped fp32 input instead: that output
+      is fp32, and the matmul keeps the fp32 dequantized weight (out, in) for the input's gradient,
+      once per layer and micro-batch.
+
+    (Each forward also builds B A through an identity input and W + s B A for the norm: freed within
+    the layer's forward, not kept; not counted.)"""
+    if not o.dora:
+        return 0
+    total = 0
+    for p in site.projections:
+        if p in o.targets:
+            i, out = shape.projection(p)
+            if o.dropout > 0:
+                total += site.tokens * 8 * out + 4 * i * out
+            else:
+                total += site.tokens * (site.dtype_bytes + 4) * out
+    return total

@@ -1,0 +1,317 @@
+"""The steps of TrainRecipe.setup(), one method each, in the order setup() runs them.
+
+Every rank runs every step (rank 0 alone writes files and logs); what must agree between ranks is
+either computed the same everywhere (same seed, same config) or decided by rank 0 and broadcast.
+Nothing here asks which strategy runs: the strategy object answers (tunekit.train.strategy).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from accelerate.utils import set_seed
+from omegaconf import OmegaConf
+from transformers import AutoConfig
+
+from tunekit import TunekitError
+from tunekit.config import TrainConfig, plain
+from tunekit.data import BatchSchedule, collate, collate_packed, load_splits
+from tunekit.methods import get_method, trainable_parameters
+from tunekit.model import (load_base_model, load_tokenizer, prepare_for_training, quantized_bits_per_param,
+                           resolve_model_path)
+from tunekit.model.student import make_student
+from tunekit.plan.choose import resolve_memory_settings
+from tunekit.speed import device as dev
+from tunekit.speed import precision, threads
+from tunekit.speed import torch_compile as compiled
+from tunekit.train.checkpoint import atomic_write_text, cleanup_leftovers, find_resumable, load_checkpoint, read_state
+from tunekit.train.objective import DistillObjective, SFTObjective, check_same_vocabulary, model_inputs
+from tunekit.train.optim import build_optimizer, warmup_cosine
+from tunekit.train.resume import (DATA_FINGERPRINT, check_not_foreign, check_output_dir, check_resumable, check_same_run,
+                                  fingerprint)
+from tunekit.train.runlock import RunLock
+from tunekit.train.tracking import NullTracker, Tracker
+
+log = logging.getLogger("tunekit")
+
+
+class RecipeSetup:
+    """What TrainRecipe (tunekit.train.loop) inherits: its setup steps. Each sets the attributes it
+    names; later steps read the earlier ones'."""
+
+    cfg: TrainConfig
+    output_dir: Path
+
+    def _info(self, msg: str) -> None:
+        if self.main:
+            log.info(msg)
+
+    def _process_group_kwargs(self):
+        """The collectives' timeout, set explicitly (accelerate's NCCL default is 10 minutes, shorter
+        than rank 0 may spend alone saving a large checkpoint): tunekit.speed.device.dist_timeout_s of the
+        checkpoint the plan predicts (the trained tensors and their optimizer state)."""
+        from datetime import timedelta
+
+        from accelerate.utils import InitProcessGroupKwargs
+
+        from tunekit.plan.inputs import planner_inputs
+        from tunekit.plan.memory import optimizer_state_bytes, trainable_tensors
+
+        try:
+            shape, setup = planner_inputs(self.cfg, dev.DeviceFacts("cpu"))
+            tensors = trainable_tensors(shape, setup)
+            size = 4 * sum(tensors) + optimizer_state_bytes(tensors, setup.optimizer)
+        except TunekitError:  # a model the planner cannot shape: the base timeout alone
+            size = None
+        self.dist_timeout_s = dev.dist_timeout_s(self.cfg.trainer.dist_timeout_s, size)
+        return InitProcessGroupKwargs(timeout=timedelta(seconds=self.dist_timeout_s))
+
+    # ---------------------------------------------------------------- before the model
+    def _lock_output_dir(self) -> None:
+        """Rank 0 locks output_dir (tunekit.train.runlock), then checks what it holds and removes leftovers of
+        interrupted saves; every rank gets its verdict. The other ranks never touch the lock: they are
+        the same run, and a lock per rank would make rank 1 refuse rank 0's run."""
+        cfg, problem = self.cfg, None
+        if self.main:
+            try:
+                # A folder of the user's files is refused before a lock file goes into it; everything else
+                # is checked under the lock, where no other run can come between the check and the
+                # first write (and a folder in use is refused as such, naming its run).
+                check_not_foreign(self.output_dir, cfg.trainer.allow_nonempty_output_dir)
+                self.lock = RunLock.acquire(self.output_dir)
+                if self.lock.stale:
+                    self._info(f"output_dir: took over the lock of a run that ended without releasing it "
+                               f"({self.lock.describe_stale()})")
+                check_output_dir(self.output_dir, cfg.trainer.resume, cfg.trainer.allow_nonempty_output_dir)
+                if cfg.trainer.resume:
+                    check_resumable(self.output_dir, cfg.trainer.max_steps)
+                for line in cleanup_leftovers(self.output_dir):
+                    self._info(f"leftover of an interrupted save: {line}")
+            except (TunekitError, OSError) as e:
+                self.release()
+                problem = str(e) if isinstance(e, TunekitError) else f"output_dir: {self.output_dir}: {e.strerror or e}"
+        problem = self.strategy.broadcast(problem)  # all ranks stop together, none left waiting in a collective
+        if problem is not None:
+            raise TunekitError(problem)
+
+    def _resolve_models(self) -> None:
+        """model_path (the student: model.path, or distill.student_keep_every's cut of the teacher) and
+        teacher_path. Rank 0 first: it converts the default model once, the others find it done."""
+        cfg = self.cfg
+        with self.acc.main_process_first():
+            self.model_path = resolve_model_path(cfg.model.path)
+            if cfg.objective == "distill":
+                self.teacher_path = resolve_model_path(cfg.distill.teacher, key="distill.teacher")
+                if cfg.distill.student_keep_every:
+                    self.model_path = str(make_student(self.teacher_path, cfg.distill.student_keep_every,
+                                                       self.output_dir / "student_base"))
+
+    def _load_data(self) -> None:
+        """The tokenizer, the train / held-out splits, and the collate function (padded or packed)."""
+        cfg = self.cfg
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.train_data, self.val_data = load_splits(
+            cfg.data.path, cfg.data.val_path, plain(cfg.data.format), self.tokenizer, cfg.data.max_seq_len,
+            cfg.data.val_fraction, cfg.data.max_val_examples, cfg.seed,
+        )
+        self._info(f"data: {len(self.train_data)} train / {len(self.val_data)} held-out examples"
+                   + (", packed" if cfg.data.packing else ""))
+        self.collate = collate_packed if cfg.data.packing else collate
+
+    def _plan_memory(self) -> None:
+        """Before the model loads: `auto` settings from the memory plan, every rank choosing from the
+        least free memory of all (a run that cannot fit stops here); `planned`, the plan of the
+        settings resolved (None where the planner cannot model the run)."""
+        from tunekit.plan.choose import plan_for
+
+        cfg, world = self.cfg, self.strategy.world_size
+        self._info(resolve_memory_settings(cfg, self.device, world, self.acc.local_process_index,
+                                           self.strategy.least, self.output_dir))
+        try:
+            self.planned = plan_for(cfg, self.facts, world, cfg.trainer.micro_batch_size,
+                                    bool(cfg.model.gradient_checkpointing))
+        except TunekitError:
+            self.planned = None
+
+    def _find_checkpoint(self) -> None:
+        """The run's fingerprint, and with trainer.resume the newest intact checkpoint (`resume_from`,
+        its `resume_state`), checked against it before any model loads; (None, None) otherwise.
+        check_resumable (in _lock_output_dir) has already refused a run with nothing to resume."""
+        self.fingerprint = fingerprint(self.cfg, self.strategy.world_size)
+        self.resume_from, self.resume_state = None, None
+        if not self.cfg.trainer.resume:
+            return
+        ckpt, skipped = find_resumable(self.output_dir)
+        for note in skipped:
+            log.warning("skipping damaged checkpoint %s", note)
+        if ckpt is None:
+            self._info(f"trainer.resume=true but no checkpoint in {self.output_dir}: starting from step 0")
+            return
+        state = read_state(ckpt)
+        check_same_run(state.get("fingerprint", {}), self.fingerprint, ckpt)
+        self.resume_from, self.resume_state = ckpt, state
+
+    def _choose_precision(self) -> None:
+        """The precision policy (tunekit.speed.precision) from model.dtype and the device; `dtype` is
+        its compute dtype."""
+        self.precision = precision.decide(plain(self.cfg.model.dtype), self.facts)
+        precision.apply(self.precision, self.facts)
+        self.dtype = self.precision.compute
+        self._info(self.precision.describe())
+
+    # ---------------------------------------------------------------- the model
+    def _load_model(self) -> None:
+        """The base, where and as the strategy stores it, prepared for training (gradient
+        checkpointing, k-bit preparation); thread settings and activation offload."""
+        cfg, quantize = self.cfg, plain(self.cfg.model.quantize)
+        self._info(self.strategy.describe())
+        model = load_base_model(self.model_path, quantize, self.dtype, self.strategy.load_device,
+                                self.strategy.storage_dtype(quantize, self.dtype))
+        bits = quantized_bits_per_param(model)
+        where = f"on {self.facts.describe()}"
+        if bits is not None:
+            self._info(f"base: {self.model_path} in 4-bit NF4 + double quant, {bits:.3f} bits/param, "
+                       f"compute {self.dtype}, {where}")
+        else:
+            self._info(f"base: {self.model_path} in {self.dtype}, {where}")
+        self.bits_per_param = bits
+        self.threads = threads.on_device(self.device.type, os.environ, torch.get_num_threads(), threads.cores())
+        if self.threads:
+            self._info(self.threads["line"])
+        prepare_for_training(model, quantize, cfg.model.gradient_checkpointing)
+        self.offload = self.strategy.offload_activations(cfg.model.offload_activations, self.facts,
+                                                         bool(cfg.model.gradient_checkpointing))
+        if self.offload:
+            self._info("memory: checkpointed blocks' inputs offloaded to pinned host memory (model.offload_activations)")
+        self.model = model
+
+    def _build_objective(self) -> None:
+        """SFT, or distillation from the frozen teacher (loaded here, after checking its vocabulary)."""
+        if self.cfg.objective == "sft":
+            self.objective = SFTObjective()
+            return
+        d = self.cfg.distill
+        check_same_vocabulary(self.tokenizer, load_tokenizer(self.teacher_path, key="distill.teacher"),
+                              self.model.config, AutoConfig.from_pretrained(self.teacher_path), self.teacher_path)
+        teacher = load_base_model(self.teacher_path, plain(d.teacher_quantize), self.dtype, self.device,
+                                  key="distill.teacher")
+        self._info(f"distill: teacher {self.teacher_path} ({plain(d.teacher_quantize)}), {plain(d.divergence)}, "
+                   f"alpha {d.alpha}, T {d.temperature}")
+        self.objective = DistillObjective(teacher, d)
+
+    def _apply_method(self) -> None:
+        """The method (LoRA, adapters...) applied to the base; refuses a trained tensor it would not save."""
+        cfg = self.cfg
+        self.method = get_method(cfg.method.name)
+        self.model = self.method.apply(self.model, cfg.method)
+        trains = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        saves = {n for n, _ in self.model.named_parameters() if self.method.owns(n)}
+        if trains != saves:  # a parameter that trains but is not saved would be lost at the end
+            odd = sorted(trains ^ saves)
+            raise TunekitError(f"method {cfg.method.name}: trains {len(trains)} tensors but saves {len(saves)} "
+                               f"(first differing: {odd[0]})")
+        trainable, total = trainable_parameters(self.model)
+        self._info(f"method {cfg.method.name}: {trainable:,} trainable of {total:,} parameters "
+                   f"({100 * trainable / total:.3f}%)")
+        self.trainable_params = trainable
+
+    def _choose_compute_path(self) -> None:
+        """The LoRA layers' path (kernels.fused_lora, the same on every rank), then training mode, in
+        which kernels.compile checks and compiles the decoder layers."""
+        cfg, setting = self.cfg, plain(self.cfg.kernels.fused_lora)
+        self.lora_path = self.strategy.choose_lora_path(self.model, setting, self.facts, self.dtype)
+        if self.lora_path.layers or setting != "auto" or self.lora_path.checks:
+            self._info(f"kernels: LoRA layers use {self.lora_path.path} ({self.lora_path.reason})")
+        self.model.train()
+        self.compiled = compiled.CompileDecision(False, "kernels.compile=false")
+        if cfg.kernels.compile:  # config checks keep it from FSDP
+            self.compiled = compiled.apply(self.model, self.compile_check_inputs(), self.dtype)
+            self._info(f"kernels: {self.compiled.reason}")
+
+    def compile_check_inputs(self) -> list[dict]:
+        """kernels.compile's check batches: real training rows cut to unequal lengths, the two together
+        and the first alone, each collated as a step collates them (padded and masked, or packed), on
+        the device."""
+        rows = [{k: self.train_data[i][k][:n] for k in ("input_ids", "labels")}
+                for i, n in zip(range(len(self.train_data)), compiled.CHECK_LENGTHS)]
+        batches = [self.collate(group, self.tokenizer.pad_token_id) for group in (rows, rows[:1])]
+        return [{k: v.to(self.device) for k, v in model_inputs(batch).items()} for batch in batches]
+
+    def _wrap_model(self) -> None:
+        """A resumed run's adapter goes into the whole tensors (before a strategy may shard them), then
+        the strategy wraps the model; `params` are the tensors the optimizer steps."""
+        if self.resume_from is not None:
+            self.method.load(self.model, self.resume_from / "adapter")
+        self.params = self.strategy.wrap(self.model)
+
+    # ---------------------------------------------------------------- training state
+    def _build_optimizer(self) -> None:
+        """The optimizer over `params`, its warmup + cosine schedule, and the batch schedule (which
+        rows each micro-batch of each step holds, on this rank)."""
+        cfg, t = self.cfg, self.cfg.trainer
+        groups = self.method.param_groups(self.model, self.params, cfg.method, t.lr)  # LoRA+: B's own rate
+        self.optimizer = build_optimizer(plain(t.optimizer), groups, t.lr, t.weight_decay, self.device)
+        self.scheduler = warmup_cosine(self.optimizer, t.warmup_steps, t.max_steps)
+        self.schedule = BatchSchedule([len(e["input_ids"]) for e in self.train_data], t.micro_batch_size,
+                                      t.grad_accum, self.strategy.world_size, self.strategy.rank, cfg.seed,
+                                      min_padding=not cfg.data.packing)
+
+    def _start_or_resume(self) -> None:
+        """Per-rank random streams and the step counters: from step 0, or from `resume_from`.
+
+        Dropout masks differ per rank (as in DDP); everything that must agree is already built. A
+        resumed run restores the optimizer and scheduler state and each rank's own RNG state saved
+        with the checkpoint, so it continues the random stream of an uninterrupted run."""
+        set_seed(self.cfg.seed + 1000 * self.strategy.rank)
+        self.start_step, self.tokens_seen, self.first_eval = 0, 0, None
+        self.attention_seen: dict = {}
+        ckpt = self.resume_from
+        if ckpt is None:
+            return
+        state = load_checkpoint(ckpt, self.strategy.optimizer_to_load(self.optimizer), self.scheduler)
+        dev.set_rng_state(state["rng"][self.strategy.rank], self.device)
+        self.start_step, self.tokens_seen = state["step"], state.get("tokens_seen", 0)
+        self.first_eval = state.get("first_eval")
+        self._info(f"resumed from {ckpt} (step {self.start_step})")
+
+    def _write_run_files(self) -> None:
+        """Rank 0: config.yaml, and beside it the data files' checksums: `tunekit eval RUN` re-splits
+        data.path to find the run's held-out rows, which is only the run's split while the file is
+        unchanged."""
+        if not self.main:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.output_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(self.cfg)))
+        atomic_write_text(self.output_dir / DATA_FINGERPRINT, json.dumps(
+            {k: v for k, v in self.fingerprint.items() if k.endswith(":sha256")}, indent=2))
+
+    def _open_tracker(self) -> None:
+        """metrics.jsonl and the configured tracker on rank 0; a tracker that records nothing elsewhere."""
+        cfg = self.cfg
+        if not self.main:
+            self.tracker = NullTracker()
+            return
+        self.tracker = Tracker(self.output_dir, cfg.trainer.max_steps, self.start_step, cfg.tracker.name,
+                               cfg.tracker.project, cfg.tracker.run_name, json.loads(json.dumps(asdict(cfg), default=str)))
+
+    def _setup_task_eval(self) -> None:
+        """Rank 0: sample answers / task metric at every evaluation, and keep_best (tunekit.train.task_eval).
+        Where forwards are collective (FSDP) every rank runs the probe: the same rows through the same
+        gathered weights give every rank the same answers; rank 0 reports them."""
+        from tunekit.train.task_eval import BestKeeper, TrainingProbe, resolve_best_metric
+
+        t = self.cfg.trainer
+        self.probe = self.best = None
+        if not self.main and not self.strategy.forwards_are_collective:
+            return
+        probe = TrainingProbe(self.tokenizer, self.val_data, t.eval_samples, t.eval_task, t.eval_task_rows,
+                              t.eval_max_new_tokens, t.micro_batch_size)
+        self.probe = probe if probe.active else None
+        if t.keep_best and self.main:
+            self.best = BestKeeper(self.output_dir, resolve_best_metric(t.best_metric, self.probe), self.start_step)
+            self._info(f"keep_best: following {self.best.metric}")
