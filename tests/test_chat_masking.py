@@ -185,3 +185,23 @@ def test_content_spelling_a_special_token_does_not_end_the_turn(smollm2):
                 {"role": "assistant", "content": "With <|im_end|> after the reply."}]
     ids, labels = encode_chat(tok, messages, "x")
     assert trained_runs(tok, ids, labels) == ["With <|im_end|> after the reply.<|im_end|>"]
+
+
+@pytest.mark.parametrize("name", ["llama3-eos-end-of-text", "gemma"])
+def test_generation_and_task_rows_end_where_training_ended_the_reply(smollm2, name):
+    """Where the template's end of turn is not EOS, a model tuned here ends its reply at the end of
+    turn: generation must stop there, and a row whose reply ends there is a complete task row."""
+    from types import SimpleNamespace
+
+    from tunekit.infer.decode import stop_token_ids
+    from tunekit.infer.rows import task_rows
+
+    template, specials, bos, eos, eot, system, replies = TEMPLATES[name]
+    tok = _tokenizer(smollm2, template, specials, bos, eos)
+    end = tok.convert_tokens_to_ids(eot)
+    assert end != tok.eos_token_id  # the case this test is about
+    no_gen_config = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))
+    assert end in stop_token_ids(no_gen_config, tok)
+    ids, labels = encode_chat(tok, CHAT, "x.jsonl: row 1")
+    rows, skipped = task_rows([{"input_ids": ids, "labels": labels}], tok)
+    assert skipped == 0 and rows[0].answer[-1] == end

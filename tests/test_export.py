@@ -108,10 +108,11 @@ def test_merged_export_via_cli_loads_without_tunekit(runs, tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     got = torch.load(tmp_path / "logits.pt")
-    from tunekit.runs.run import open_run, trained_model
+    from tunekit.runs.load import load_trained
+    from tunekit.runs.open import open_source
 
     with torch.no_grad():
-        want = trained_model(open_run(runs["qlora"]))(input_ids=got["ids"]).logits.float()
+        want = load_trained(open_source(runs["qlora"]))(input_ids=got["ids"]).logits.float()
     # bf16 storage of the merged weights vs fp32-dequantized NF4 + LoRA at train time
     assert (got["logits"] - want).abs().max() < 0.05
 
@@ -136,10 +137,10 @@ def test_merged_nf4_weights_are_fresh_dequantized_base_plus_delta(runs, tiny_mod
     out = tmp_path / "merged"
     export(runs["qlora"], "merged", out, dtype="fp32", merge_into="dequantized", eval_batches=1)
     merged = load_file(str(out / "model.safetensors"))
-    from tunekit.runs.run import open_run
+    from tunekit.runs.open import open_source
 
     # the export measures and merges in fp32 whatever the run computed in: dequantize_4bit's fp32 values
-    assert open_run(runs["qlora"]).dtype in (torch.bfloat16, torch.float32)
+    assert open_source(runs["qlora"]).dtype in (torch.bfloat16, torch.float32)
     base = load_base_model(str(tiny_model_dir), "nf4", torch.float32, torch.device("cpu"))
     adapter = load_file(str(runs["qlora"] / "adapter" / "adapter_model.safetensors"))
     cfg = json.loads((runs["qlora"] / "adapter" / "adapter_config.json").read_text())

@@ -65,21 +65,23 @@ def gguf_file(lora_run, tmp_path_factory) -> Path:
     writer in f32, as `tunekit export --format gguf --dtype f32` writes it (without the export's
     own checks, which test_export.py covers)."""
     from tunekit.export.gguf import write_gguf
-    from tunekit.runs.run import open_run, run_tokenizer, trained_model
+    from tunekit.runs.load import load_tokenizer_for, load_trained
+    from tunekit.runs.open import open_source
     from tunekit.methods import get_method
 
-    run = open_run(lora_run)
+    src = open_source(lora_run)
     out = tmp_path_factory.mktemp("gguf-file") / "run.gguf"
-    write_gguf(get_method("lora").merge(trained_model(run)), run_tokenizer(run), out, "fp32")
+    write_gguf(get_method("lora").merge(load_trained(src)), load_tokenizer_for(src), out, "fp32")
     return out
 
 
 @pytest.fixture(scope="module")
 def trained(lora_run):
-    from tunekit.runs.run import open_run, run_tokenizer, trained_model
+    from tunekit.runs.load import load_tokenizer_for, load_trained
+    from tunekit.runs.open import open_source
 
-    run = open_run(lora_run)
-    return trained_model(run), run_tokenizer(run)
+    src = open_source(lora_run)
+    return load_trained(src), load_tokenizer_for(src)
 
 
 def task(tok):

@@ -72,7 +72,7 @@ def train_run(recipe: str, model_dir: Path, data: Path, out: Path, *extra: str) 
     return out
 
 
-RECIPES = ["lora", "qlora", "adapter", "bitfit", "prompt_tuning", "full"]
+RECIPES = ["lora", "qlora", "adapter", "bitfit", "prompt_tuning", "ia3", "full"]
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def test_normalize_ignores_case_surrounding_space_and_punctuation():
 
 
 def test_sample_display_drops_the_shared_instruction():
-    from tunekit.train.tracking import distinct_parts
+    from tunekit.infer.report import distinct_parts
 
     shared = "Classify the sentiment of this tweet. Tweet: "
     assert distinct_parts([shared + "I love it", shared + "meh"]) == ["…I love it", "…meh"]
@@ -239,10 +239,11 @@ def test_best_keeper_keeps_the_best_and_survives_resume(tmp_path):
 # ------------------------------------------------------------------ scoring vs oracles
 @pytest.fixture(scope="module")
 def lora_model(runs):
-    from tunekit.runs.run import open_run, run_tokenizer, trained_model
+    from tunekit.runs.load import load_tokenizer_for, load_trained
+    from tunekit.runs.open import open_source
 
-    run = open_run(runs["lora"])
-    return trained_model(run), run_tokenizer(run)
+    src = open_source(runs["lora"])
+    return load_trained(src), load_tokenizer_for(src)
 
 
 def test_scores_match_row_by_row_oracles(lora_model, task_data):
@@ -308,7 +309,8 @@ def test_every_recipe_evaluates_and_generates(recipe, runs, capsys):
     own greedy answer (a no-cache loop over the trained model as export rebuilds it)."""
     from tunekit.infer.decode import encode_prompts, stop_token_ids
     from tunekit.commands.generate import main as generate_main
-    from tunekit.runs.open import load_tokenizer_for, load_trained, open_source
+    from tunekit.runs.load import load_tokenizer_for, load_trained
+    from tunekit.runs.open import open_source
     from tunekit.commands.eval import main as eval_main
 
     run = runs[recipe]
@@ -328,16 +330,40 @@ def test_every_recipe_evaluates_and_generates(recipe, runs, capsys):
     assert got == tok.decode(oracle_greedy(model, ids, 5, stop_token_ids(model, tok)), skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if r != "full"])
+def test_a_standalone_adapter_folder_opens_as_the_run_it_came_from(recipe, runs, scaled_model_dir, tmp_path):
+    """An adapter folder copied out of its run is recognised by the method that wrote it (each method
+    names its adapter kinds) and rebuilds the same trained model: equal logits, bit for bit, since
+    both load the same stored tensors into the same structure over the same base."""
+    import shutil
+
+    from tunekit.runs.load import load_trained
+    from tunekit.runs.open import open_source
+
+    copy = tmp_path / "copy"
+    shutil.copytree(runs[recipe] / "adapter", copy)
+    inside = open_source(runs[recipe])
+    alone = open_source(copy, model=str(scaled_model_dir), quantize=inside.quantize,
+                        dtype={torch.bfloat16: "bf16", torch.float32: "fp32"}[inside.dtype])
+    assert alone.kind == "adapter" and alone.method == inside.method
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        want = load_trained(inside)(input_ids=ids).logits
+        got = load_trained(alone)(input_ids=ids).logits
+    assert torch.equal(got, want)
+
+
 def test_merged_folder_evaluates_with_its_base(runs, scaled_model_dir, tmp_path, capsys):
     from tunekit import TunekitError
-    from tunekit.runs.run import open_run, run_tokenizer, trained_model
+    from tunekit.runs.load import load_tokenizer_for, load_trained
+    from tunekit.runs.open import open_source
     from tunekit.methods import get_method
     from tunekit.commands.eval import main
 
-    r = open_run(runs["lora"])
-    merged = get_method("lora").merge(trained_model(r))
+    r = open_source(runs["lora"])
+    merged = get_method("lora").merge(load_trained(r))
     merged.save_pretrained(tmp_path / "merged")
-    run_tokenizer(r).save_pretrained(tmp_path / "merged")
+    load_tokenizer_for(r).save_pretrained(tmp_path / "merged")
     with pytest.raises(TunekitError, match="--base: the base of the model folder .* --base-model DIR"):
         main([str(tmp_path / "merged"), "--base"])
     main([str(tmp_path / "merged"), "--base", "--base-model", str(scaled_model_dir), "--dtype", "fp32",
@@ -348,6 +374,27 @@ def test_merged_folder_evaluates_with_its_base(runs, scaled_model_dir, tmp_path,
     # the same 9 rows: a merged LoRA (fp32) scores as the adapter does, to fp32 rounding
     assert merged_report["trained"]["loss"] == pytest.approx(run_report["trained"]["loss"], abs=1e-4)
     assert [a["answer"] for a in merged_report["answers"]] == [a["answer"] for a in run_report["answers"]]
+
+
+def test_a_full_fine_tune_opens_as_its_run_and_exports_merged(runs, tmp_path):
+    """A full fine-tune's adapter/ is a whole model folder: it opens as its run (same base, same
+    held-out split) for export as for eval; merged (fp32) it is the trained model, and --format
+    adapter, which has no adapter to ship, is one line before anything loads."""
+    from tunekit import TunekitError
+    from tunekit.commands.export import export
+    from tunekit.runs.open import open_source
+
+    src = open_source(runs["full"])
+    assert src.kind == "run" and src.method == "full" and src.adapter_dir == runs["full"] / "adapter"
+    with pytest.raises(TunekitError, match=r"--format adapter: .* trained every weight .* use --format merged"):
+        export(runs["full"], "adapter", tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+    report = export(runs["full"], "merged", tmp_path / "m", dtype="fp32", eval_batches=1, task_rows=0)
+    # The fp32 export holds the trained fp32 weights bit for bit; trained and reloaded models can
+    # differ only in summation order: fp32 rounding, relative ~1e-6 over 64-wide dot products, of
+    # logits up to ~100 here (std-0.25 projections) gives differences <= 1e-4, and the KL is second
+    # order in them (~1e-8), far below 1e-6.
+    assert report["accepted"] and report["fidelity"]["kl_mean"] < 1e-6, report["fidelity"]
 
 
 def _val_file(run: Path, tmp_path: Path) -> Path:
@@ -379,7 +426,8 @@ def test_mixed_lora_batch_equals_each_row_alone(runs, lora_b, capsys):
     each row's answer is the one that model gives alone."""
     from tunekit.infer.decode import encode_prompts, stop_token_ids
     from tunekit.commands.generate import main
-    from tunekit.runs.open import load_base, load_tokenizer_for, load_trained, open_source
+    from tunekit.runs.load import load_base, load_tokenizer_for, load_trained
+    from tunekit.runs.open import open_source
 
     a, b = runs["lora"], lora_b
     prompts = ["Item 4 is green. Which colour is item 4?"] * 2 + ["Hi"]
@@ -418,7 +466,8 @@ def test_chat_through_the_cli_streams_with_history(runs, tmp_path):
     """`tunekit chat RUN` with piped input: each reply is the model's greedy answer to the whole
     conversation so far (prompt tuning: the soft prompt first); /reset starts over."""
     from tunekit.infer.decode import encode_messages, stop_token_ids
-    from tunekit.runs.open import load_tokenizer_for, load_trained, open_source
+    from tunekit.runs.load import load_tokenizer_for, load_trained
+    from tunekit.runs.open import open_source
 
     run = runs["prompt_tuning"]
     r = run_cli(["chat", str(run), "--max-new-tokens", "5"], tmp_path, input="Hi\nWhat colour?\n/reset\nHi\n")
@@ -499,7 +548,8 @@ def test_adapter_folder_outside_its_run(recipe, runs, scaled_model_dir, tmp_path
 
     from tunekit.infer.decode import encode_prompts
     from tunekit.commands.generate import main
-    from tunekit.runs.open import load_base, load_tokenizer_for, load_trained, open_source
+    from tunekit.runs.load import load_base, load_tokenizer_for, load_trained
+    from tunekit.runs.open import open_source
 
     folder = shutil.copytree(runs[recipe] / "adapter", tmp_path / "moved")
     moved, in_run = open_source(folder, model=str(scaled_model_dir), dtype="fp32"), open_source(runs[recipe])

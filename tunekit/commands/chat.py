@@ -169,7 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str], stdin: TextIO | None = None, stdout: TextIO | None = None) -> None:
     from tunekit.speed.device import command_facts
-    from tunekit.runs.open import base_source, check_memory, load_tokenizer_for, load_trained, open_source
+    from tunekit.runs.load import load_tokenizer_for, load_trained
+    from tunekit.runs.memory import check_memory
+    from tunekit.runs.open import base_source, open_source
 
     args = build_parser().parse_args(argv)
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout

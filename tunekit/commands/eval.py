@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 from tunekit import TunekitError
+from tunekit.runs.heldout import heldout_examples
 from tunekit.commands.parse import Parser, add_device_argument
 
 log = logging.getLogger("tunekit")
-DEFAULT_MAX_LEN = 2048
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,31 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def heldout_examples(cfg, tokenizer, data: str | None) -> tuple[list[dict], str]:
-    """Tokenized held-out examples and a line saying where they come from: `data` (any file
-    `tunekit train` reads), else the run's held-out split (cfg: its TrainConfig), else the default
-    data's."""
-    from tunekit.config import plain
-    from tunekit.data import load_splits, tokenize_rows
-    from tunekit.data.formats import detect_format, read_rows
-
-    max_len = cfg.data.max_seq_len if cfg is not None else DEFAULT_MAX_LEN
-    if data is not None:
-        if not Path(data).is_file():
-            raise TunekitError(f"--data: file not found: {data}")
-        from tunekit.data.tokenize import ensure_chat_template
-
-        ensure_chat_template(tokenizer)
-        rows = read_rows(data)  # its own format, whatever the run trained on
-        return tokenize_rows(rows, detect_format(rows, data), data, tokenizer, max_len), data
-    if cfg is not None:
-        d = cfg.data
-        _, val = load_splits(d.path, d.val_path, plain(d.format), tokenizer, d.max_seq_len, d.val_fraction,
-                             d.max_val_examples, cfg.seed)
-        where = d.val_path or (f"{d.val_fraction:g} of {d.path} (the run's split)" if d.path else "the default data's val split")
-        return val, where
-    _, val = load_splits(None, None, "auto", tokenizer, max_len, 0.05, None, 0)
-    return val, "the default data's val split"
 
 
 def eval_workload(rows, classes, batch_size: int, max_new_tokens: int | None):
@@ -117,7 +92,7 @@ def evaluate(args) -> dict:
     src = open_source(args.source, args.model, args.quantize, args.dtype, args.base_model,
                       facts=None if gguf_file and not args.base else command_facts(args.device))
     if src.kind == "run" and args.data is None:  # its held-out split is re-made from the run's data files
-        from tunekit.runs.run import check_data_unchanged
+        from tunekit.runs.heldout import check_data_unchanged
 
         check_data_unchanged(src.run)
     if args.base and src.kind in ("model", "gguf") and args.base_model is None:
@@ -145,7 +120,8 @@ def _evaluate(args, src, gguf, gguf_load_s: float, start: float) -> dict:
     from tunekit.infer.report import answers_json, difference, sample_lines, table
     from tunekit.infer.rows import closed_set, task_rows
     from tunekit.infer.score import score_rows
-    from tunekit.runs.open import check_memory, load_base, load_tokenizer_for, load_trained
+    from tunekit.runs.load import load_base, load_tokenizer_for, load_trained
+    from tunekit.runs.memory import check_memory
 
     tokenizer = load_tokenizer_for(src)
     examples, where = heldout_examples(src.run.cfg if src.kind == "run" else None, tokenizer, args.data)

@@ -43,7 +43,9 @@ from tunekit.export.fidelity import HalfLinearsInFp32, compare, measure_referenc
 from tunekit.export.gate import (KL_ADAPTER, MIN_GAIN_KEPT, MIN_GAIN_KEPT_LOSSY, TASK_MIN_GAIN_KEPT,
                                  TASK_MIN_GAIN_KEPT_LOSSY, decide, table)
 from tunekit.export.task import DEFAULT_TASK_ROWS, compare_task, scorer_for, task_check
-from tunekit.runs.run import apply_and_load, heldout_batches, load_base, load_original_base, open_run, run_tokenizer
+from tunekit.runs.heldout import heldout_batches
+from tunekit.runs.load import apply_and_load, load_base, load_original_base, load_tokenizer_for
+from tunekit.runs.open import open_source
 from tunekit.export.writing import atomic_file, check_out, report_path
 
 log = logging.getLogger("tunekit")
@@ -65,7 +67,7 @@ MERGE_TARGETS = ("dequantized", "original")
 # against: that reproduces the model `tunekit eval` scored (KL 7e-4 in f16 on the default run).
 # Merged into the original high-precision weights instead, the default run's held-out perplexity
 # even improves (8.37 vs 9.51 trained: SmolLM2-135M loses much to NF4), but it is another model:
-# on the tweet-sentiment task 23 of 150 answers changed (benchmarks/deploy-tweet-sentiment-*.md).
+# on the tweet-sentiment task 23 of 150 answers changed (benchmarks/export/deploy-tweet-sentiment-*.md).
 # A user who evaluated one model must get that model unless they ask for the other; the task
 # check reports what `--merge-into original` trades.
 DEFAULT_MERGE_INTO = "dequantized"
@@ -96,10 +98,10 @@ def _dtypes(fmt: str, dtype: Optional[str], requantize: Optional[str]) -> tuple[
     return (d,)
 
 
-def merge_target(run, merge_into: Optional[str]) -> str:
+def merge_target(src, merge_into: Optional[str]) -> str:
     if merge_into is not None and merge_into not in MERGE_TARGETS:
         raise TunekitError(f"--merge-into: unknown {merge_into!r}; choose dequantized or original")
-    if run.quantize != "nf4":
+    if src.quantize != "nf4":
         return "original"  # the run trained over the high-precision weights: there is only one target
     return merge_into or DEFAULT_MERGE_INTO
 
@@ -134,27 +136,31 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
         raise TunekitError(f"--data: file not found: {data}")
     candidates = _dtypes(fmt, dtype, requantize)
     facts = command_facts(device)
-    run = open_run(run_dir, facts)
+    src = open_source(run_dir, what="RUN_DIR", facts=facts, runs_only=True)
     # The check measures the trained weights' own function: base, adapter and every candidate computed
     # in fp32 (the trainer's bf16 arithmetic is a rounding of that function, as a bf16 export's is, and
     # against an exact fp32 merge it alone reads KL ~4e-3 on the default model, the size of what the
     # KL fallback of the gate must tell apart). What the run computed in goes into a re-quantized
     # export's config.
-    policy_dtype = run.dtype
-    run = dataclasses.replace(run, dtype=torch.float32)
+    policy_dtype = src.dtype
+    src = dataclasses.replace(src, dtype=torch.float32)
     out = Path(out).expanduser().absolute()
-    check_out(fmt, out, run.run_dir.absolute())
+    check_out(fmt, out, src.run.run_dir.absolute())
     if fmt == "gguf-adapter":  # before anything loads: what llama.cpp cannot apply, and llama.cpp itself
-        gguf_adapter.refuse_early(run)
+        gguf_adapter.refuse_early(src)
         why = llamacpp.unavailable()
         if why:  # no other program applies a LoRA GGUF as llama.cpp does: there would be no check
             raise TunekitError(f"--format gguf-adapter is checked by llama.cpp, which is not available: {why}; "
                                "bash scripts/setup.sh builds it")
-    if fmt != "adapter" and not run.method.can_merge:
+    if fmt != "adapter" and not src.method_impl.can_merge:
         from tunekit.methods import cannot_merge
 
-        raise cannot_merge(run.cfg.method.name)
-    target = merge_target(run, merge_into) if fmt not in ("adapter", "gguf-adapter") else None
+        raise cannot_merge(src.method)
+    if fmt == "adapter" and not (src.adapter_dir / "adapter_config.json").is_file():
+        # a full fine-tune saved a whole model folder: there is no adapter to ship apart from it
+        raise TunekitError(f"--format adapter: {src.run.run_dir} trained every weight (method {src.method!r}), so its "
+                           "trained part is a whole model; use --format merged or gguf")
+    target = merge_target(src, merge_into) if fmt not in ("adapter", "gguf-adapter") else None
     checked_by = {"adapter": "peft / tunekit", "merged": "transformers"}.get(fmt)
     if fmt == "gguf":
         why = llamacpp.unavailable()
@@ -180,44 +186,44 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
         timings[name] = round(timings.get(name, 0.0) + now - clock[0], 2)
         clock[0] = now
 
-    tokenizer = run_tokenizer(run)
-    batches = heldout_batches(run, tokenizer, eval_batches)
-    log.info("%s", export_memory_check(run, facts, fmt, target, candidates, batches))
-    batches = [{k: v.to(run.device) for k, v in b.items()} for b in batches]
-    task, task_note = task_check(run.cfg, tokenizer, data, task_rows)
+    tokenizer = load_tokenizer_for(src)
+    batches = heldout_batches(src.run, tokenizer, eval_batches)
+    log.info("%s", export_memory_check(src, facts, fmt, target, candidates, batches))
+    batches = [{k: v.to(src.device) for k, v in b.items()} for b in batches]
+    task, task_note = task_check(src.run.cfg, tokenizer, data, task_rows)
     lap("held_out_data")
-    log.info("exporting %s (method %s, base %s%s) as %s to %s", run.run_dir, run.cfg.method.name, run.model_path,
-             ", 4-bit NF4" if run.quantize == "nf4" else "", fmt, out)
+    log.info("exporting %s (method %s, base %s%s) as %s to %s", src.run.run_dir, src.method, src.base_path,
+             ", 4-bit NF4" if src.quantize == "nf4" else "", fmt, out)
     # Where this CPU emulates a half dtype, every forward of the export (reference and candidates
     # alike) computes its half linears in fp32: one kernel on both sides of each comparison, so an
     # identical adapter still reloads exactly (bf16 kernels alone differ by KL ~4e-3 on SmolLM2).
     emulated = cpu_emulated_dtypes()
     # One load of the base: its loss, then (same storage) the trained model's logits and loss.
     with HalfLinearsInFp32(emulated):
-        base = load_base(run)
+        base = load_base(src)
         if task is not None:
             task.base = task.score(base, tokenizer)
-        ref, trained = measure_reference(base, lambda b: apply_and_load(run, b), batches)
+        ref, trained = measure_reference(base, lambda b: apply_and_load(src, b), batches)
         del base  # its storage is the trained model's now
         if task is not None:
             task.trained = task.score(trained, tokenizer)
     lap("load_and_measure_trained")
     merged, nll_merge_base = None, None
     if fmt == "gguf-adapter":  # the LoRA's tensors, and the base it trained over as a plain fp32 model
-        prepared = gguf_adapter.prepare(run, trained)
+        prepared = gguf_adapter.prepare(src, trained)
         trained = None
         lap("read_adapter")
     elif fmt != "adapter":
-        if run.quantize == "nf4" and target == "dequantized":
-            merged = run.method.merge(trained)  # fp32: dequantized NF4 codes + delta, exact
+        if src.quantize == "nf4" and target == "dequantized":
+            merged = src.method_impl.merge(trained)  # fp32: dequantized NF4 codes + delta, exact
         else:
             trained = None  # the 4-bit model goes before the fp32 original comes
             artifacts.free()
-            base = load_original_base(run)
-            if run.quantize == "nf4":
+            base = load_original_base(src)
+            if src.quantize == "nf4":
                 with HalfLinearsInFp32(emulated):
                     nll_merge_base = token_nll(base, batches)
-            merged = run.method.merge(apply_and_load(run, base))
+            merged = src.method_impl.merge(apply_and_load(src, base))
         trained = None
         lap("merge")
 
@@ -225,7 +231,7 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
         if fmt == "adapter":
             return "adapter"
         if fmt == "gguf-adapter":
-            return f"gguf-adapter {gguf_name(d)} (over the {'dequantized NF4 ' if run.quantize == 'nf4' else ''}base)"
+            return f"gguf-adapter {gguf_name(d)} (over the {'dequantized NF4 ' if src.quantize == 'nf4' else ''}base)"
         into = {"dequantized": "into the dequantized NF4 weights", "original": "into the original weights"}[target]
         if requantize:
             return f"merged nf4 (re-quantized from {d}, {into})"
@@ -234,23 +240,23 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
     def attempt(tmp: Path, d: Optional[str]) -> dict:
         """Write one candidate into tmp, reload it as its consumer does, measure it."""
         if fmt == "adapter":
-            artifacts.write_adapter(run, trained, tokenizer, tmp)
+            artifacts.write_adapter(src, trained, tokenizer, tmp)
             lap("write")
-            exported, exported_tok = artifacts.reload_adapter(run, tmp), artifacts.reload_tokenizer(tmp)
+            exported, exported_tok = artifacts.reload_adapter(src, tmp), artifacts.reload_tokenizer(tmp)
         elif fmt == "merged":
             if requantize:
-                artifacts.write_requantized_nf4(run, merged, tokenizer, tmp, d, policy_dtype)
+                artifacts.write_requantized_nf4(src, merged, tokenizer, tmp, d, policy_dtype)
             else:
                 artifacts.write_merged(merged, tokenizer, tmp, d)
             lap("write")
-            exported, exported_tok = artifacts.reload_merged(tmp, run.device), artifacts.reload_tokenizer(tmp)
+            exported, exported_tok = artifacts.reload_merged(tmp, src.device), artifacts.reload_tokenizer(tmp)
         elif fmt == "gguf-adapter":
             n_ctx = max(int(b["attention_mask"].sum(1).max()) for b in batches)
             model = gguf_adapter.write_and_load(prepared, tokenizer, tmp, out.name, d, n_ctx, _threads(), repack)
             lap("write")
             exported, exported_tok = model.logits, llamacpp.LlamaCppTokenizer(model)
         else:
-            artifacts.write_gguf_file(run, merged, tokenizer, tmp / out.name, d)
+            artifacts.write_gguf_file(src, merged, tokenizer, tmp / out.name, d)
             lap("write")
             if checked_by.startswith("llama.cpp"):
                 n_ctx = max(int(b["attention_mask"].sum(1).max()) for b in batches)
@@ -258,7 +264,7 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
                 exported, exported_tok = model.logits, llamacpp.LlamaCppTokenizer(model)
             else:
                 with artifacts.gguf_parsed_once():
-                    exported = artifacts.reload_gguf_transformers(tmp / out.name, run.device)
+                    exported = artifacts.reload_gguf_transformers(tmp / out.name, src.device)
                     exported_tok = artifacts.reload_tokenizer(tmp, gguf_file=out.name)
         lap("reload")
         with HalfLinearsInFp32(emulated) as half:  # the same numbers up to summation order, ~7x faster
@@ -317,8 +323,8 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
             "dtype_tried": [{"dtype": t["dtype"], "gain_kept": t["fidelity"]["gain_kept"],
                              "kl_mean": t["fidelity"]["kl_mean"], "accepted": t["accepted"]} for t in tried],
             "requantize": requantize, "merge_into": target,
-            "path": str(out), "run_dir": str(run.run_dir.absolute()), "method": run.cfg.method.name,
-            "base_model": run.model_path, "base_quantize": run.quantize, "checked_by": checked_by,
+            "path": str(out), "run_dir": str(src.run.run_dir.absolute()), "method": src.method,
+            "base_model": src.base_path, "base_quantize": src.quantize, "checked_by": checked_by,
             "device": facts.describe(),
             "gate": result["gate"], "accepted": result["accepted"], "forced": bool(force and not result["accepted"]),
             "fidelity": result["fidelity"],
@@ -351,7 +357,7 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
     return result
 
 
-def export_memory_check(run, facts, fmt: str, target: Optional[str], candidates: tuple, batches: list[dict]) -> str:
+def export_memory_check(src, facts, fmt: str, target: Optional[str], candidates: tuple, batches: list[dict]) -> str:
     """The planner's check, before any model loads, that the export fits on its device. It
     computes in fp32 and holds, at its peak, either the trained model beside a reloaded adapter
     (adapter exports) or the merged fp32 model beside one reloaded candidate (merged, gguf), plus
@@ -362,22 +368,22 @@ def export_memory_check(run, facts, fmt: str, target: Optional[str], candidates:
     from tunekit.plan.shape import model_shape
 
     try:
-        shape = model_shape(run.model_path, None)
+        shape = model_shape(src.base_path, None)
     except TunekitError as e:
         return f"memory: not checked ({e})"
     tokens = max(int(b["input_ids"].numel()) for b in batches)
     kept = sum(int(b["attention_mask"].sum()) for b in batches)
     work = Workload(kv_tokens=0, forward_tokens=tokens, logit_rows=tokens, kept_logit_rows=kept)
-    adapter = 2 * sum(f.stat().st_size for f in run.adapter_dir.glob("*.safetensors"))
-    trained = base_weight_bytes(shape, run.quantize, 4) + adapter
+    adapter = 2 * sum(f.stat().st_size for f in src.adapter_dir.glob("*.safetensors"))
+    trained = base_weight_bytes(shape, src.quantize, 4) + adapter
     if fmt == "adapter":
         weights = {"trained model": trained, "reloaded adapter export": trained}
     else:
         widest = max(4 if c in (None, "fp32") or c in llamacpp.QUANT_TYPES else 2 for c in candidates)
         reload = 4 if fmt.startswith("gguf") else widest  # transformers' GGUF reader dequantizes to fp32
         merged = {"merged model (fp32)": shape.total_params * 4, "reloaded export": shape.total_params * reload}
-        weights = merged if target == "original" or run.quantize != "nf4" else {"trained model": trained, **merged}
-    return check_fits({**weights, **activation_terms(shape, 4, work)}, facts, available_memory_bytes(run.device),
+        weights = merged if target == "original" or src.quantize != "nf4" else {"trained model": trained, **merged}
+    return check_fits({**weights, **activation_terms(shape, 4, work)}, facts, available_memory_bytes(src.device),
                       "tunekit export", "--eval-batches 1 keeps fewer reference logits")
 
 

@@ -86,7 +86,9 @@ def batch_model(adapters: list[Optional[str]], model: Optional[str], quantize: O
     """(model to run, tokenizer, per-row soft prompts, per-row peft adapter names or None) for rows
     that use the given adapters (None: the bare base), on the device of `facts` (default the CPU).
     Checks every source, and with `work` the memory it needs there, before loading."""
-    from tunekit.runs.open import base_source, check_memory, load_base, load_tokenizer_for, load_trained, open_source
+    from tunekit.runs.load import load_base, load_tokenizer_for, load_trained
+    from tunekit.runs.memory import check_memory
+    from tunekit.runs.open import base_source, open_source
 
     names = list(dict.fromkeys(a for a in adapters if a is not None))
     sources = {a: open_source(a, model, quantize, dtype, what="--adapter", facts=facts) for a in names}

@@ -19,7 +19,8 @@ import torch
 import torch.nn as nn
 
 from tunekit import TunekitError
-from tunekit.runs.run import Run, load_base
+from tunekit.runs.load import apply_and_load, load_base
+from tunekit.runs.open import Source
 
 log = logging.getLogger("tunekit")
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -31,20 +32,18 @@ def free(*models) -> None:
 
 
 # ---------------------------------------------------------------- adapter
-def write_adapter(run: Run, trained: nn.Module, tokenizer, out_dir: Path) -> None:
+def write_adapter(run: Source, trained: nn.Module, tokenizer, out_dir: Path) -> None:
     """method.save() of the rebuilt trained model + the run's tokenizer (saving does not touch the model)."""
-    run.method.save(trained, out_dir)
+    run.method_impl.save(trained, out_dir)
     tokenizer.save_pretrained(out_dir)
 
 
-def reload_adapter(run: Run, folder: Path) -> nn.Module:
+def reload_adapter(run: Source, folder: Path) -> nn.Module:
     """A peft-format folder (adapter_config.json has peft_type) through peft.PeftModel on a freshly
     loaded base; a tunekit-only format (bottleneck adapters, BitFit) through tunekit's method.load."""
-    from tunekit.runs.run import trained_model
-
     config = json.loads((folder / "adapter_config.json").read_text())
     if "peft_type" not in config:
-        return trained_model(run, adapter_dir=folder)
+        return apply_and_load(run, load_base(run), folder)
     from peft import PeftModel
 
     return PeftModel.from_pretrained(load_base(run), folder).eval()
@@ -107,7 +106,7 @@ def reload_merged(folder: Path, device: torch.device) -> nn.Module:
     return model.eval()
 
 
-def write_requantized_nf4(run: Run, merged: nn.Module, tokenizer, out_dir: Path, dtype: str,
+def write_requantized_nf4(run: Source, merged: nn.Module, tokenizer, out_dir: Path, dtype: str,
                           compute_dtype: torch.dtype) -> None:
     """Merged weights re-quantized to NF4 + double quant (bitsandbytes), as a HF folder with its
     quantization_config. Built the way a consumer would quantize the merged folder: the merged
@@ -131,13 +130,13 @@ def write_requantized_nf4(run: Run, merged: nn.Module, tokenizer, out_dir: Path,
 
 
 # ---------------------------------------------------------------- gguf
-def write_gguf_file(run: Run, merged: nn.Module, tokenizer, path: Path, dtype: str) -> None:
+def write_gguf_file(run: Source, merged: nn.Module, tokenizer, path: Path, dtype: str) -> None:
     """bf16/fp16/fp32: written by tunekit; a llama.cpp quantized type: tunekit writes f16 beside
     `path`, llama.cpp's quantizer turns it into `path`, the f16 file is removed."""
     from tunekit.infer import llamacpp
     from tunekit.export.gguf import write_gguf
 
-    name = f"{Path(run.model_path).name}-{run.cfg.method.name}"
+    name = f"{Path(run.base_path).name}-{run.method}"
     if dtype not in llamacpp.QUANT_TYPES:
         write_gguf(merged, tokenizer, path, dtype, name=name)
         return

@@ -5,7 +5,7 @@ the export keeps (tunekit.export.fidelity.gain_kept). An export is refused when 
 than MIN_GAIN_KEPT of it. Why this figure and not KL(trained || exported): KL mixes two things,
 the format's own rounding of the *whole* model (which the user chose and which a base model
 exported the same way pays too) and the loss of the fine-tune. Measured on the default run
-(SmolLM2-135M, QLoRA, 60 steps, benchmarks/export-cpu.md): a bf16 merge moves the distribution by
+(SmolLM2-135M, QLoRA, 60 steps, benchmarks/export/export-cpu.md): a bf16 merge moves the distribution by
 KL 9e-3 nats/token, mostly bf16 arithmetic in place of the trained weights' exact (fp32) function,
 yet keeps 98% of the gain (perplexity 9.65 vs 9.53 trained, 21.7 base); a merge that rounds the
 adapter away keeps ~0% whatever its KL. 90% is the line between "the export is the fine-tune,
@@ -57,7 +57,7 @@ KL_ADAPTER = 1e-5
 # rows lost and won >= TASK_Z, about 2% one-sided). Exports that only round the trained model
 # (bf16/fp16/f16 of the dequantized merge, the adapter itself) flip a row or two either way and
 # keep ~100%; a merge into other weights that changes answers keeps less (see
-# benchmarks/deploy-*.md for the figures behind these bounds).
+# benchmarks/export/deploy-*.md for the figures behind these bounds).
 TASK_MIN_GAIN_KEPT = 0.95
 TASK_MIN_GAIN_KEPT_LOSSY = 0.80
 TASK_Z = 2.0

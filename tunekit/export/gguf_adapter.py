@@ -60,18 +60,18 @@ def refuse_early(run) -> None:
     from tunekit.methods.saving import read_shapes
     from tunekit.plan.shape import read_config_json
 
-    name = run.cfg.method.name
+    name = run.method
     if name != "lora":
-        if run.method.can_merge:  # bitfit, full: their change lives in the weights themselves
+        if run.method_impl.can_merge:  # bitfit, full: their change lives in the weights themselves
             instead = "use --format gguf (the fine-tune merged into one GGUF) or --format merged"
         else:  # prompt_tuning, bottleneck adapters: no form in the weights at all
             instead = "use --format adapter (it cannot be merged either, so no GGUF can hold it)"
         raise TunekitError(f"{FMT}: method {name!r} has no llama.cpp adapter form (llama.cpp applies LoRA "
                            f"adapters only); {instead}")
-    config = read_config_json(run.model_path)
+    config = read_config_json(run.base_path)
     if config.get("model_type") != "llama":
         raise TunekitError(f"{FMT}: only Llama-architecture bases are supported, this run's base "
-                           f"{run.model_path} is {config.get('model_type')!r}; use --format adapter or merged")
+                           f"{run.base_path} is {config.get('model_type')!r}; use --format adapter or merged")
     tied = bool(config.get("tie_word_embeddings", False))
     keys = sorted(read_shapes(run.adapter_dir))
     for key in keys:  # first what each LoRA adapts: the clearest reason when it is the culprit
@@ -211,7 +211,7 @@ class Prepared:
 def prepare(run, trained: nn.Module) -> Prepared:
     lora = lora_tensors(trained)
     base = unloaded_base(trained).cpu()  # written to a GGUF (numpy) and computed by llama.cpp on the CPU
-    model = run.model_path
+    model = run.base_path
     if run.quantize == "nf4":
         over = (f"the dequantized NF4 weights of {model} that the run trained over, written by tunekit as an f32 "
                 "GGUF for the check and removed after it")

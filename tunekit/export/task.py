@@ -4,7 +4,7 @@ The loss check (tunekit.export.fidelity) measures held-out loss over every respo
 task with short answers most of a fine-tune's loss gain is learning the answer's format, which a
 merge into other weights keeps while the answers themselves change: a QLoRA adapter merged into
 the original high-precision weights keeps ~100% of the loss gain on the tweet-sentiment task
-while 23 of its 150 answers change (benchmarks/deploy-tweet-sentiment-*.md). So where the
+while 23 of its 150 answers change (benchmarks/export/deploy-tweet-sentiment-*.md). So where the
 held-out rows have answers (the rows `tunekit eval` scores: a closed set of answers is scored by
 likelihood, anything else by exact match of the greedy answer), the export is also scored on
 them, exactly as `tunekit eval` scores a model, and compared row by row with the trained model:
@@ -62,7 +62,7 @@ class TaskCheck:
 
 def task_check(cfg, tokenizer, data: Optional[str], max_rows: int) -> tuple[Optional[TaskCheck], str]:
     """The rows of the task check, or (None, why not)."""
-    from tunekit.commands.eval import heldout_examples
+    from tunekit.runs.heldout import heldout_examples
     from tunekit.infer.rows import closed_set, task_rows
 
     if max_rows <= 0:

@@ -42,8 +42,12 @@ def generation_view(model: nn.Module) -> tuple[nn.Module, Optional[torch.Tensor]
 
 
 def stop_token_ids(model: nn.Module, tokenizer) -> list[int]:
-    """EOS of the tokenizer plus the model's generation-config EOS ids (chat models end turns there)."""
-    stop = [tokenizer.eos_token_id]
+    """EOS of the tokenizer, the token its chat template ends a reply with (what a model tuned here
+    learned to stop at: it differs from EOS for a base tokenizer whose EOS is <|end_of_text|>, or for
+    Gemma), plus the model's generation-config EOS ids."""
+    from tunekit.data.tokenize import turn_end_id
+
+    stop = [tokenizer.eos_token_id, turn_end_id(tokenizer)]
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     stop += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
     return sorted({s for s in stop if s is not None})

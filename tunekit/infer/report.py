@@ -72,7 +72,6 @@ def clip(text: str, width: int) -> str:
 
 def sample_lines(tokenizer, rows: list[TaskRow], result: TaskResult, n: int, width: int = 60) -> list[str]:
     """One line per row: [ok]/[x] prompt -> answer (ref reference)."""
-    from tunekit.train.tracking import distinct_parts
 
     pairs = list(zip(rows, result.rows))[:n]
     prompts = distinct_parts([user_text(tokenizer, r.prompt) for r, _ in pairs])
@@ -97,3 +96,19 @@ def answers_json(tokenizer, rows: list[TaskRow], result: TaskResult, base: Optio
                 row["base_predicted"] = base.classes.labels[base.rows[i].predicted]
         out.append(row)
     return out
+
+
+def distinct_parts(texts: list[str], min_shared: int = 16) -> list[str]:
+    """Texts with the start they all share (an instruction repeated in every prompt) replaced by
+    "…", cut at a word boundary, so a one-line display shows what differs."""
+    texts = [" ".join(t.split()) for t in texts]
+    if len(texts) < 2:
+        return texts
+    shared = texts[0]
+    for t in texts[1:]:
+        while not t.startswith(shared):
+            shared = shared[:-1]
+    shared = shared[:shared.rfind(" ") + 1] if " " in shared else ""
+    if len(shared) < min_shared:
+        return texts
+    return ["…" + t[len(shared):] for t in texts]

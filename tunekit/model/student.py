@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from tunekit import TunekitError
-from tunekit.train.checkpoint import atomic_dir
+from tunekit.owned import atomic_dir
 
 log = logging.getLogger(__name__)
 

@@ -74,8 +74,8 @@ def cpu_has_fp16(cpuinfo: Optional[str] = None) -> bool:
 
 
 def cpu_emulated_dtypes(cpuinfo: Optional[str] = None) -> tuple[torch.dtype, ...]:
-    """The half dtypes whose matmuls torch emulates on this CPU: on one thread of an AVX2 EPYC a
-    256x576 @ 576x1536 linear took 62 ms in bf16, 42 ms in fp16, 9 ms in fp32 (the same operands upcast)."""
+    """The half dtypes whose matmuls torch emulates on this CPU: there a half-precision linear runs
+    several times slower than the same operands upcast to fp32 (benchmarks/history/training-speed.md)."""
     cpuinfo = cpuinfo_text() if cpuinfo is None else cpuinfo
     return tuple(d for d, native in ((torch.bfloat16, cpu_has_bf16(cpuinfo)), (torch.float16, cpu_has_fp16(cpuinfo)))
                  if not native)
@@ -155,8 +155,9 @@ def native_bf16(facts: DeviceFacts) -> bool:
     return facts.cpu_bf16
 
 
-def compute_dtype(name: str, facts: DeviceFacts) -> torch.dtype:
-    """model.dtype -> the dtype the frozen base computes in.
+def compute_dtype(name: str, where) -> torch.dtype:
+    """model.dtype -> the dtype the frozen base computes in, on `where`: a device's facts
+    (tunekit.speed.device.DeviceFacts) or a torch.device, whose facts are probed.
 
     auto: bf16 where the device computes it natively (CUDA sm_80+, CPUs with AVX512-BF16/AMX),
     else fp32. fp16 is never chosen on its own: this trainer has no loss scaling, and fp16
@@ -169,6 +170,7 @@ def compute_dtype(name: str, facts: DeviceFacts) -> torch.dtype:
         return torch.bfloat16
     if name != "auto":
         raise ValueError(f"unknown dtype name {name!r}")
+    facts = probe(torch.device(where)) if isinstance(where, (torch.device, str)) else where
     return torch.bfloat16 if native_bf16(facts) else torch.float32
 
 

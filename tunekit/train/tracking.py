@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from tunekit import TunekitError
+from tunekit.infer.report import distinct_parts
 
 
 log = logging.getLogger(__name__)
@@ -119,26 +120,13 @@ def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
-def distinct_parts(texts: list[str], min_shared: int = 16) -> list[str]:
-    """Texts with the start they all share (an instruction repeated in every prompt) replaced by
-    "…", cut at a word boundary, so a one-line display shows what differs."""
-    texts = [" ".join(t.split()) for t in texts]
-    if len(texts) < 2:
-        return texts
-    shared = texts[0]
-    for t in texts[1:]:
-        while not t.startswith(shared):
-            shared = shared[:-1]
-    shared = shared[:shared.rfind(" ") + 1] if " " in shared else ""
-    if len(shared) < min_shared:
-        return texts
-    return ["…" + t[len(shared):] for t in texts]
 
 
 class Tracker:
-    # Drawing loss_curve.png takes 0.1-0.2 s on a 2-core CPU. An evaluation redraws it only when the
-    # last drawing is this old, so a run that evaluates every few seconds does not spend a tenth of
-    # its time on PNGs; the end of a run, finished or stopped, always draws what was logged.
+    # Drawing loss_curve.png costs a noticeable fraction of a second of CPU (matplotlib). An evaluation
+    # redraws it only when the last drawing is this old, so a run that evaluates every few seconds does
+    # not spend a share of its time on PNGs; the end of a run, finished or stopped, always draws what
+    # was logged.
     REDRAW_AFTER_S = 30.0
 
     def __init__(self, output_dir: Path, total_steps: int, start_step: int, tracker: str, project: str,

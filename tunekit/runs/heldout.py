@@ -1,0 +1,104 @@
+"""A run's held-out data, as the run itself split it: checked unchanged, then re-made.
+
+`check_data_unchanged` refuses a run whose data files changed since training started (the split
+would silently be another one); `heldout_batches` rebuilds the first validation micro-batches
+(what `tunekit export` measures fidelity on).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tunekit import TunekitError
+from tunekit.config import plain
+from tunekit.runs.open import Run
+
+DEFAULT_MAX_LEN = 2048  # --data over a model folder or adapter, which records no data.max_seq_len
+
+
+def check_data_unchanged(run: Run) -> None:
+    """Refuse when a data file the run trained on changed since (checksums recorded at its start,
+    tunekit.train.resume.DATA_FINGERPRINT): re-splitting it would give another held-out set, possibly rows
+    the run trained on, and the score would silently measure something else. Runs from before
+    the record are not checked."""
+    from tunekit.data.formats import DEFAULT_DATA_DIR
+    from tunekit.data.sources import data_fingerprint, looks_like_hub_id
+    from tunekit.train.resume import DATA_FINGERPRINT
+
+    record = run.run_dir / DATA_FINGERPRINT
+    if not record.is_file():
+        return
+    try:
+        saved = json.loads(record.read_text())
+    except (OSError, ValueError) as e:
+        raise TunekitError(f"{record}: not readable JSON ({type(e).__name__}); it records the data the run trained on") from None
+    d = run.cfg.data
+    files = {"data.path": Path(d.path) if d.path else DEFAULT_DATA_DIR / "train.jsonl",
+             "data.val_path": Path(d.val_path) if d.val_path else (DEFAULT_DATA_DIR / "val.jsonl" if not d.path else None)}
+    for key, path in files.items():
+        want = saved.get(f"{key}:sha256") if isinstance(saved, dict) else None
+        if path is None or not isinstance(want, str):
+            continue
+        if not path.exists() and not looks_like_hub_id(str(path)):
+            raise TunekitError(f"{key}: {path}, which the run {run.run_dir} trained on, is gone; restore it, or "
+                               "score a file of your choice with --data FILE")
+        if data_fingerprint(path, key) != want:
+            raise TunekitError(f"{key}: {path} changed since the run {run.run_dir} trained on it (its sha256 differs "
+                               "from the one recorded at the start of training): its held-out split would no longer "
+                               "be the run's; restore the file, or score a file of your choice with --data FILE")
+
+
+def heldout_batches(run: Run, tokenizer, n_batches: int) -> list[dict[str, torch.Tensor]]:
+    """The examples of the first n_batches micro-batches of the run's validation split, padded:
+    each {input_ids, attention_mask, labels}: (batch, seq).
+
+    Regrouped by length (same examples, at most micro_batch_size per batch, a new batch when a
+    sequence is 1.5x longer than the batch's first): with right padding and a causal mask the
+    real positions never see the padding, so grouping changes no figure, but it cuts the padded
+    positions every forward pays for. Padded rather than packed even for packed runs: every
+    consumer of an export (peft, transformers, llama.cpp) runs padded/single sequences."""
+    from tunekit.data import collate, eval_batches, load_splits
+
+    d = run.cfg.data
+    _, val = load_splits(d.path, d.val_path, plain(d.format), tokenizer, d.max_seq_len, d.val_fraction,
+                         d.max_val_examples, run.cfg.seed)
+    size = run.cfg.trainer.micro_batch_size
+    chosen = [i for idx in eval_batches(len(val), size, 1, 0)[:n_batches] for i in idx]
+    chosen.sort(key=lambda i: len(val[i]["input_ids"]))
+    groups: list[list[int]] = []
+    for i in chosen:
+        n = len(val[i]["input_ids"])
+        if not groups or len(groups[-1]) == size or n > 1.5 * len(val[groups[-1][0]]["input_ids"]):
+            groups.append([])
+        groups[-1].append(i)
+    return [collate([val[i] for i in idx], tokenizer.pad_token_id) for idx in groups]
+
+
+def heldout_examples(cfg, tokenizer, data: str | None) -> tuple[list[dict], str]:
+    """Tokenized held-out examples and a line saying where they come from: `data` (any file,
+    save_to_disk folder or hub id `tunekit train` reads), else the run's held-out split (cfg: its TrainConfig), else the default
+    data's."""
+    from tunekit.config import plain
+    from tunekit.data import load_splits, tokenize_rows
+    from tunekit.data.formats import detect_format, read_rows
+
+    max_len = cfg.data.max_seq_len if cfg is not None else DEFAULT_MAX_LEN
+    if data is not None:
+        from tunekit.data.tokenize import ensure_chat_template
+
+        ensure_chat_template(tokenizer)
+        rows = read_rows(data, "--data")  # its own format, whatever the run trained on
+        if rows.held_out is not None:  # a saved or hub dataset with a held-out split: score that split
+            rows, data = rows.held_out, f"{data} (its held-out split)"
+        return tokenize_rows(rows, detect_format(rows, data), data, tokenizer, max_len), data
+    if cfg is not None:
+        d = cfg.data
+        _, val = load_splits(d.path, d.val_path, plain(d.format), tokenizer, d.max_seq_len, d.val_fraction,
+                             d.max_val_examples, cfg.seed)
+        where = d.val_path or (f"{d.val_fraction:g} of {d.path} (the run's split)" if d.path else "the default data's val split")
+        return val, where
+    _, val = load_splits(None, None, "auto", tokenizer, max_len, 0.05, None, 0)
+    return val, "the default data's val split"
