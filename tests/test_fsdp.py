@@ -40,14 +40,15 @@ def untied_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
 # micro-batch, accumulated; one process: a running sum in length order) and the clip norm is summed
 # over shards: |dg| <= 3 * 2^-24 * sum_k |g_k| per element, and the next steps' forwards start from
 # weights that differ by such roundings. That needs fp32 compute: in bf16 a weight a few ulps off
-# flips the rounding of some activations (1 bf16 ulp = 4e-3 relative), measured 2e-4 apart after 4
-# steps. In fp32 Adam's update m/(sqrt(v) + eps) moves by about |dg| / (|g| + eps) per step: nothing
-# measurable unless an element's gradient cancels (sum_k |g_k| >> |g|), and eps = 1e-8 bounds even
-# that: over 4 steps at lr 1e-3 a cancellation ratio up to 1e4 gives 4 * 1e-3 * 1.8e-7 * 1e4 = 7e-6
-# < ATOL (measured: 2.5e-7). A real fault (a reduction missed or doubled, a shard not updated)
-# moves updates by O(lr) = 1e-3. A gradient scaled by a wrong divide factor would hardly move
-# Adam's update, so the logged gradient norms are compared too (RTOL_NORM: the same ~33k squares
-# summed in another order; a factor 2 is 1e0) and the losses (the same micro-batch sums, re-added).
+# flips the rounding of some activations (1 bf16 ulp = 4e-3 relative), and the flips compound from
+# step to step far past ATOL. In fp32 Adam's update m/(sqrt(v) + eps) moves by about
+# |dg| / (|g| + eps) per step: nothing measurable unless an element's gradient cancels
+# (sum_k |g_k| >> |g|), and eps = 1e-8 bounds even that: over 4 steps at lr 1e-3 a cancellation
+# ratio up to 1e4 gives 4 * 1e-3 * 1.8e-7 * 1e4 = 7e-6 < ATOL. A real fault (a reduction missed or
+# doubled, a shard not updated) moves updates by O(lr) = 1e-3. A gradient scaled by a wrong divide
+# factor would hardly move Adam's update, so the logged gradient norms are compared too (RTOL_NORM:
+# the same ~33k squares summed in another order; a factor 2 is 1e0) and the losses (the same
+# micro-batch sums, re-added).
 ATOL, RTOL, RTOL_NORM, RTOL_LOSS = 1e-5, 1e-4, 1e-4, 1e-5
 ONE_EXAMPLE = ["method.dropout=0", "trainer.micro_batch_size=1", "trainer.max_steps=4"]
 

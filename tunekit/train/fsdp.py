@@ -9,7 +9,7 @@ input embeddings and output head are a unit each, gathered only while they compu
 else (final norm, a soft prompt, and a head tied to the embeddings) is the root unit, gathered
 for a whole micro-batch. tunekit.plan.memory counts the same ("gathered blocks (FSDP)").
 
-What the recipe calls, at a few points (DDP runs never reach this module):
+What the training loop reaches through tunekit.train.strategy.FSDP2 (DDP runs never reach this module):
 
     shard(model)            after the method is applied: wrap, return the per-rank memory figures
     run(fn)                 run a forward (decoder + loss, an evaluation, the probe) inside the root unit
@@ -34,15 +34,15 @@ Why the pieces are as they are:
   have a sharding strategy registered"); on plain shards every optimizer runs, and its state is
   per rank. 8-bit state is then quantized per shard, not per full tensor.
 * A 4-bit base is loaded with its packed NF4 codes stored as bf16 (bitsandbytes' quant_storage,
-  as in Answer.AI's fsdp_qlora): FSDP1 shards only floating-point tensors, and FSDP2 with torch
-  2.8 failed on uint8 ones (accelerate issue 3983; torch 2.13 here shards them, measured). The
-  quantization state (absmax...) stays a module attribute, replicated, and bitsandbytes re-attaches
-  it to the gathered weight at each forward. Known failure: FSDP2 on CUDA has been reported to
-  canonicalise the NaN bit patterns that packed codes form when read as bf16 (bitsandbytes issue
-  1945), which silently changes the weights (symptoms: loss 0, NaN gradients). Measured here on the
-  CPU (gloo, torch 2.13): all 22,834 such patterns of SmolLM2-135M survive the all-gather. So the
-  first forward compares every gathered 4-bit weight with a checksum taken before sharding, and the
-  first step's loss and gradients are checked; either failure stops the run with one error line.
+  as in Answer.AI's fsdp_qlora): FSDP1 shards only floating-point tensors, and some FSDP2 releases
+  failed on uint8 ones (accelerate issue 3983). The quantization state (absmax...) stays a module
+  attribute, replicated, and bitsandbytes re-attaches it to the gathered weight at each forward.
+  Known failure: FSDP2 on CUDA has been reported to canonicalise the NaN bit patterns that packed
+  codes form when read as bf16 (bitsandbytes issue 1945), which silently changes the weights
+  (symptoms: loss 0, NaN gradients); whether it happens depends on the backend and the release,
+  and gloo on the CPU keeps them. So the first forward compares every gathered 4-bit weight with a
+  checksum taken before sharding, and the first step's loss and gradients are checked; either
+  failure stops the run with one error line.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ import torch
 import torch.nn as nn
 
 from tunekit import TunekitError
+from tunekit.model.layers import decoder_layers, is_4bit
 from tunekit.train.optim import load_state
 
 log = logging.getLogger(__name__)
@@ -78,33 +79,12 @@ def check_config(fused_lora: str, objective: str) -> None:
                            "sharded); use trainer.strategy=ddp")
 
 
-def is_4bit(module: nn.Module) -> bool:
-    return getattr(getattr(module, "weight", None), "quant_state", None) is not None
-
-
 def quant_storage(quantize: str, dtype: torch.dtype) -> Optional[torch.dtype]:
     """The dtype a sharded 4-bit base stores its packed codes in: bf16, as fsdp_qlora does. Any
     float dtype holds the same bytes (bitsandbytes dequantizes to the compute dtype `dtype`
     whatever the storage), and FSDP2, unlike FSDP1's flat parameters, gathers units of mixed
     dtypes, so the storage need not match the compute dtype."""
     return torch.bfloat16 if quantize == "nf4" else None
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one: modules of the classes transformers lists in
-    `_no_split_modules` (what accelerate's FSDP auto-wrap uses), outermost only."""
-    names = set()
-    for m in model.modules():
-        names.update(getattr(m, "_no_split_modules", None) or ())
-    layers: list[nn.Module] = []
-    inside: set[int] = set()
-    for m in model.modules():
-        if id(m) in inside:
-            continue
-        if type(m).__name__ in names:
-            layers.append(m)
-            inside.update(id(x) for x in m.modules())
-    return layers
 
 
 def outer_units(model: nn.Module) -> list[nn.Module]:

@@ -37,7 +37,7 @@ MAY_CHANGE = (
     "model.gradient_checkpointing",               # recomputation, not a different result
 )
 # What a folder holds once a run has started writing into it.
-DATA_FINGERPRINT = "data.sha256.json"  # written beside config.yaml at the start of a run (tunekit.train.loop)
+DATA_FINGERPRINT = "data.sha256.json"  # written beside config.yaml at the start of a run (tunekit.train.build)
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "adapter")
 
 
