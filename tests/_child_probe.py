@@ -1,10 +1,11 @@
 """A stand-in for `tunekit.commands.main` in tests/test_children.py: says what it was given, then ends as told.
 
-    python -m _child_probe exit 3 | exit "a message" | raise | sleep SECONDS
+    python -m _child_probe exit 3 | exit "a message" | raise | sleep SECONDS | read
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -13,7 +14,8 @@ import time
 
 def main(argv: list[str]) -> None:
     print(json.dumps({"argv": argv, "sys_argv_rest": sys.argv[1:], "cwd": os.getcwd(),
-                      "env": {k: v for k, v in os.environ.items() if k.startswith("PROBE_")}}), flush=True)
+                      "env": {k: v for k, v in os.environ.items() if k.startswith("PROBE_")},
+                      "faulthandler": faulthandler.is_enabled(), "uid": os.getuid()}), flush=True)
     print("probe: to stderr", file=sys.stderr, flush=True)
     what = argv[0]
     if what == "sleep":
@@ -22,6 +24,8 @@ def main(argv: list[str]) -> None:
         sys.exit(int(argv[1]) if argv[1].lstrip("-").isdigit() else argv[1])
     elif what == "raise":
         raise RuntimeError("probe: boom")
+    elif what == "read":  # echo stdin
+        print(json.dumps({"stdin": sys.stdin.read()}), flush=True)
 
 
 if __name__ == "__main__":

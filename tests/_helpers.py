@@ -6,6 +6,7 @@ under the module name `conftest`, so `from _helpers import ...` would find which
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
@@ -16,13 +17,15 @@ from pathlib import Path
 
 import pytest
 
+from _cli_forker import CliServer
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_args(model_dir: Path, data: Path, out: Path, *extra: str) -> list[str]:
     """Overrides for a fast run of any recipe on the tiny model. Every evaluation still answers its
     held-out samples through the cached decoding loop, 8 tokens each: the random tiny model never
-    stops early, and 48 tokens (the default) took ~0.2 s of Python per evaluation, to test nothing more."""
+    stops early, so the default 48 tokens would only cost Python time, to test nothing more."""
     return [
         f"model.path={model_dir}", f"data.path={data}", f"output_dir={out}",
         "trainer.max_steps=3", "trainer.micro_batch_size=4", "trainer.grad_accum=2",
@@ -31,74 +34,29 @@ def tiny_args(model_dir: Path, data: Path, out: Path, *extra: str) -> list[str]:
     ]
 
 
-# Environment variables read when torch, triton, transformers or the kernels are imported: a command
-# whose environment differs from the fork server's in one of them gets a process of its own.
-IMPORT_TIME_ENV = ("TRITON_", "OMP_", "MKL_", "CUDA_", "PYTHON", "HF_", "TRANSFORMERS_", "TORCH", "LD_")
+_server: CliServer | None = None
 
 
-class _ForkServer:
-    """tests/_cli_forker.py --serve: tunekit imported once; each command a forked child.
-
-    Saves the ~5 s import of torch, transformers, peft and hydra that every `tunekit` process pays
-    (most of a tiny-model CLI test). The child runs `tunekit.commands.main.main(argv)` in its own process
-    with its own cwd, environment and stdio, and exits as the console script does;
-    test_bad_input.py::test_forker_matches_the_console_script compares the two.
-    """
-
-    def __init__(self):
-        self.env = dict(os.environ)
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_cli_forker.py")), "--serve"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.env)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()  # --serve ends when its stdin closes
-            self.proc.wait(timeout=60)
-
-    def serves(self, env: dict) -> bool:
-        keys = {k for k in {*env, *self.env} if k.startswith(IMPORT_TIME_ENV)}
-        return self.proc.poll() is None and all(env.get(k) == self.env.get(k) for k in keys)
-
-    def run(self, args: list[str], cwd: Path, env: dict, timeout: int, input: str | None = None,
-            ranks: list[dict] | None = None, cmd: list[str] | None = None,
-            signal_when: tuple[Path, int] | None = None) -> subprocess.CompletedProcess:
-        """One command; with `ranks` (each rank's whole environment), one child per rank."""
-        case = {"id": 0, "argv": list(args), "cwd": str(cwd), "env": env, "env_exact": True, "timeout": timeout,
-                "input": input, "ranks": ranks,
-                "signal_when": [str(signal_when[0]), int(signal_when[1])] if signal_when else None}
-        self.proc.stdin.write(json.dumps(case) + "\n")
-        self.proc.stdin.flush()
-        result = json.loads(self.proc.stdout.readline())
-        cmd = cmd or [str(Path(sys.executable).with_name("tunekit")), *args]
-        if result["code"] == "timeout":
-            raise subprocess.TimeoutExpired(cmd, timeout, result["stdout"], result["stderr"])
-        return subprocess.CompletedProcess(cmd, result["code"], result["stdout"], result["stderr"])
-
-    def batch(self, request: dict) -> list[dict]:
-        """A whole _cli_forker request (the bad-input catalogue), run by this server: no import of its own."""
-        self.proc.stdin.write(json.dumps({"batch": request}) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the fork server ended (exit {self.proc.wait()}) during a batch")
-        return json.loads(line)
-
-
-_server: _ForkServer | None = None
-
-
-def fork_server() -> _ForkServer | None:
-    """This process's fork server (None where TUNEKIT_TEST_FRESH_CLI=1 asks for real processes)."""
+def fork_server() -> CliServer | None:
+    """This process's fork server (tests/_cli_forker.py over tunekit.commands.forkserver); None where
+    TUNEKIT_TEST_FRESH_CLI=1 asks for real processes, or where a GPU is visible (the product's rule:
+    CUDA state does not survive a fork, so children start fresh)."""
     global _server
     if os.environ.get("TUNEKIT_TEST_FRESH_CLI") == "1":
         return None
-    # A new server where this process's own environment moved since the server started (an
-    # in-process `tunekit.commands.main.main` sets HF_HUB_DISABLE_PROGRESS_BARS, for one): otherwise every
-    # later command would miss the server and pay a fresh import.
+    from tunekit.commands.forkserver import start_method
+    from tunekit.speed.device import cuda_device_count
+
+    if start_method(cuda_device_count()) != "forkserver":
+        return None
+    # A new server where this process's own environment moved since the server started (a test that
+    # sets an import-time variable for itself): otherwise every later command would miss the server
+    # and pay a fresh import.
     if _server is None or not _server.serves(dict(os.environ)):
         if _server is not None:
             _server.close()
-        _server = _ForkServer()
+        _server = CliServer(dict(os.environ))
+        atexit.register(_server.close)  # its folder of output files goes with it
     return _server
 
 
@@ -111,7 +69,7 @@ def run_cli(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 
     without a variable); `input` is the command's stdin (none by default); `signal_when=(path,
     signum)` sends the command that signal once `path` exists (a scheduler stopping a job, as soon
     as it has a checkpoint), and not at all if it ends first. By default the process
-    is a fork of one that imported tunekit already (_ForkServer); fresh=True, or
+    is a fork of one that imported tunekit already (fork_server()); fresh=True, or
     TUNEKIT_TEST_FRESH_CLI=1 for the whole suite, starts the installed console script.
     """
     full_env = dict(env or {}) if whole_env else {**os.environ, **(env or {})}
@@ -146,9 +104,8 @@ def run_cli(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 
 # --multi_gpu runs gloo ranks).
 LAUNCH_FLAGS = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
                 "--dynamo_backend", "no"]
-# PYTHONFAULTHANDLER: a rank that dies on a signal prints every thread's Python stack. Seen once in
-# a full suite run (2026-11-22), never alone (0 of 33 launches beside CPU hogs): rank 1 of an FSDP
-# run aborting at its very end ("terminate called without an active exception", exit -6).
+# PYTHONFAULTHANDLER: a rank that dies on a signal prints every thread's Python stack (a rank that
+# aborts, exit -6, would otherwise leave only "terminate called without an active exception").
 LAUNCH_ENV = {"ACCELERATE_USE_CPU": "true", "PYTHONFAULTHANDLER": "1"}
 DUMP_ENV = "import json, os, sys; json.dump(dict(os.environ), open(sys.argv[1] + os.environ['RANK'], 'w'))"
 _rank_env: list[dict] | None = None
@@ -157,7 +114,7 @@ _rank_env: list[dict] | None = None
 def launcher_rank_env() -> list[dict]:
     """What `accelerate launch LAUNCH_FLAGS` adds to or changes in each rank's environment.
 
-    Read from a real launch of a script that only writes its environment (~4 s, once per process),
+    Read from a real launch of a script that only writes its environment (once per process),
     so that a forked rank gets exactly what this accelerate and torch give a launched one: RANK,
     LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, ACCELERATE_* (mixed precision, dynamo), TORCHELASTIC_*.
     """
@@ -191,7 +148,7 @@ def launch_two_ranks(args: list[str], cwd: Path, port: int, timeout: int = 300,
 
     By default each rank is a fork of the fork server (as run_cli's commands are) with the
     environment the real launcher gives that rank (launcher_rank_env), both writing to one stdout
-    and stderr: the same two `tunekit.commands.main.main` processes without two ~8 s imports of torch,
+    and stderr: the same two `tunekit.commands.main.main` processes without two fresh imports of torch,
     transformers, peft and bitsandbytes. One difference, on purpose: no launcher process, so rank 0
     hosts the rendezvous store itself (TORCHELASTIC_USE_AGENT_STORE dropped), as in any launch
     without torchrun's agent. real=True (one test does), or TUNEKIT_TEST_FRESH_CLI=1, runs the

@@ -10,7 +10,7 @@ import os
 
 # One intra-op thread for the test process and every `tunekit` it starts: the tiny model's ops are
 # far too small to split, and two processes each spinning 2 OpenMP threads on a 2-core machine
-# slowed a 15 s run to ~5 min. Set before torch is imported anywhere.
+# wait for each other's cores many times over. Set before torch is imported anywhere.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import gc  # noqa: E402
@@ -25,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # What `tunekit.commands.main.main` sets for itself: set here, so that a test calling main in-process leaves
 # os.environ as it found it, and the fork server (tests/_helpers.py) keeps serving instead of being
-# restarted (~8-10 s of imports) for an environment that moved.
+# restarted (a fresh import of the stack) for an environment that moved.
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
@@ -35,14 +35,11 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
-# The longest modules, longest first (serial seconds measured in a warm run on the 2-core AVX2 VM,
-# 2026-11-23: export ~208, plan_measured ~80, fsdp ~63, taskeval ~52, bad input ~52, doctor ~44,
-# default_model ~41, bench_train ~40, resume ~38, distributed ~36, methods ~23, recipes ~21; and on
-# the Ice Lake VM of 2026-11-24, test_compile ~48 with inductor's cache empty, as on a CI machine,
-# ~30 warm; 2026-11-25 on the AMD EPYC VM: kernel_ops/test_fit ~45-57 in one test, gguf_adapter ~25,
-# gguf_eval ~15). Workers take whole modules in this order (pyproject.toml turns off xdist's own
-# reordering, which sorts modules by their number of tests), so the long ones start first and the
-# short ones fill in after them instead of one worker finishing a long module alone at the end.
+# The longest modules, longest first (their serial times: benchmarks/history/test-suite-2026-11-25.md;
+# test_compile's with inductor's cache empty, as on a CI machine). Workers take whole modules in
+# this order (pyproject.toml turns off xdist's own reordering, which sorts modules by their number
+# of tests), so the long ones start first and the short ones fill in after them instead of one
+# worker finishing a long module alone at the end.
 LONGEST_FIRST = ("test_export.py", "kernel_ops/test_fit.py", "test_plan_measured.py", "test_compile.py", "test_fsdp.py",
                  "test_taskeval.py", "test_bad_input.py", "kernel_ops/test_doctor.py", "test_default_model.py",
                  "test_bench_train.py", "test_resume.py", "test_distributed.py", "test_gguf_adapter.py",
@@ -58,14 +55,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Python's cyclic collector walks every object the process holds at each full collection. A worker
-# holds 500-640k of them (torch, transformers, peft, tokenizers, fixtures' caches), so one full
-# collection took 0.3-0.5 s here, and the two workers spent 37-47 s of a suite in them (timed with
-# gc.callbacks; 9-11 s after this): the explicit gc.collect() of export and eval freeing a model, and
-# the millions of objects gguf's reader builds. So before each test what is left over is collected,
+# holds hundreds of thousands of them (torch, transformers, peft, tokenizers, fixtures' caches), so
+# every full collection is slow, and a suite runs many (timed with gc.callbacks: most of them gone
+# after this): the explicit gc.collect() of export and eval freeing a model, and the millions of
+# objects gguf's reader builds. So before each test what is left over is collected,
 # then everything that lives on is frozen (gc.freeze: left out of every later collection, never freed
 # by one). A test's own objects stay collectable; what is frozen is what later tests share anyway.
 # Cost: a cyclic structure alive before a test that dies later (a module fixture's model) is not
-# reclaimed: the workers' peak RSS stayed 2.0-2.8 GiB, as before.
+# reclaimed; the workers' peak memory did not grow.
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     gc.collect()

@@ -4,11 +4,11 @@ Each row is one command line and the culprit its error must name. Every case mus
 code 2, stderr exactly one `tunekit: error: <culprit>: ...` line (no traceback, no log lines),
 and nothing written: not the run's output_dir, not the working directory.
 
-Speed: one `tunekit` process start costs 5-10 s of imports on 2 cores, so the catalogue runs in
-one interpreter that imports tunekit once and forks a child per row (tests/_cli_forker.py): the
-child runs `tunekit.commands.main.main(argv)` with its own stdout/stderr, cwd and exit status, which is the
-real CLI path. `test_forker_matches_the_console_script` checks a few rows through the installed
-`tunekit` script too.
+Speed: every `tunekit` process start pays the import of torch, transformers, peft and hydra, so
+the catalogue runs in forks of one server that imported tunekit once (tests/_cli_forker.py over
+tunekit.commands.forkserver): each child runs `tunekit.commands.main.main(argv)` with its own
+stdout/stderr, cwd and exit status, which is the real CLI path. `test_forker_matches_the_console_script`
+checks a few rows through the installed `tunekit` script too.
 
 Adding a case is one line in CASES: train(id, overrides, culprit) / export(...) / generate(...).
 Placeholders: {tiny} the tiny model folder, {data} a good data file, {w} the folder of fixture
@@ -31,11 +31,10 @@ from pathlib import Path
 
 import pytest
 
+from _cli_forker import CliServer
 from _helpers import fork_server, run_cli, snapshot
 from tunekit.train.checkpoint import sha256_file
 from tunekit.train.runlock import RunLock
-
-HERE = Path(__file__).resolve().parent
 
 
 @dataclass
@@ -234,6 +233,9 @@ CASES = [
     train("val-missing", "data.val_path={w}/nope.jsonl", "data.val_path: file not found: {w}/nope.jsonl"),
     train("val-bad-row", f"data.val_path={D}/no_output.jsonl", "{w}/data/no_output.jsonl: row 2: 'output' must be"),
     train("val-empty", f"data.val_path={D}/empty.jsonl", "{w}/data/empty.jsonl: no rows"),
+    train("data-hub-unreachable", "data.path=tunekit-tests/no-such-dataset",
+          "data.path: 'tunekit-tests/no-such-dataset' is not a local file or folder (no {cwd}/tunekit-tests/"
+          "no-such-dataset), and the Hugging Face hub could not be reached to load it as a dataset id"),
     # ---- model folders
     train("model-missing", "model.path={w}/nope", "model.path: no model folder at {w}/nope"),
     train("model-is-file", f"model.path={D}/alpaca.jsonl", "model.path: {w}/data/alpaca.jsonl is a file"),
@@ -657,15 +659,13 @@ def results(world):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     # Two single-threaded children at a time: CI machines have 2 cores (TUNEKIT_CATALOGUE_JOBS overrides).
     jobs = int(os.environ.get("TUNEKIT_CATALOGUE_JOBS", min(2, len(os.sched_getaffinity(0)))))
-    request = {"cases": cases, "warmup": warmup, "timeout": 180, "jobs": jobs}
     server = fork_server()  # this worker's, where it has one that serves this environment: no import of its own
-    if server is not None and server.serves(env):
-        rows = server.batch(request)
-    else:
-        proc = subprocess.run([sys.executable, str(HERE / "_cli_forker.py")], input=json.dumps(request),
-                              capture_output=True, text=True, env=env, cwd=world["w"], timeout=1200)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        rows = json.loads(proc.stdout)
+    own = None if server is not None and server.serves(env) else CliServer(env)
+    try:
+        rows = (own or server).batch(cases, jobs, timeout=180, warmup=warmup)
+    finally:
+        if own is not None:
+            own.close()
     print(f"{len(rows)} cases in {rows[0]['batch_seconds']} s ({jobs} at a time)")  # shown with -s
     if os.environ.get("TUNEKIT_CATALOGUE_DUMP"):  # for reading every message at once
         Path(os.environ["TUNEKIT_CATALOGUE_DUMP"]).write_text(json.dumps(rows))

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from _helpers import run_cli
+from _helpers import REPO, run_cli
 from tunekit.commands.main import main
+
+# Every recipe of the config tree, as the folder holds them (not as tunekit lists them)
+RECIPES = ", ".join(sorted(p.stem for p in (REPO / "recipes" / "recipe").glob("*.yaml")))
 
 
 def run_main(args, capsys) -> tuple[int, str]:
@@ -17,7 +20,7 @@ def run_main(args, capsys) -> tuple[int, str]:
 @pytest.mark.parametrize(
     "args, culprit",
     [
-        (["recipe=nope"], "Could not find 'recipe/nope'; available: adapter, bitfit, distill, full, lora, prompt_tuning, qlora"),
+        (["recipe=nope"], f"Could not find 'recipe/nope'; available: {RECIPES}"),
         (["trainer.max_steps=abc"], "trainer.max_steps: Value 'abc'"),
         (["trainer.nope=1"], "trainer.nope: unknown config key"),
         (["trainer.optimizer=sgd"], "trainer.optimizer: Invalid value 'sgd'"),

@@ -126,7 +126,7 @@ def test_every_offered_config_compiles_within_the_limit(tmp_path):
 
 
 def test_the_table_script_refuses_to_interpret():
-    """scripts/kernel_fit.py (the before/after table in benchmarks/kernel-fit.md) must compile."""
+    """scripts/kernel_fit.py (the before/after table in benchmarks/kernels/kernel-fit.md) must compile."""
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[2] / "scripts" / "kernel_fit.py"

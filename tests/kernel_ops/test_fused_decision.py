@@ -80,6 +80,32 @@ def test_a_wrong_kernel_still_fails_under_on_even_when_fast(tiny_model_dir, fake
         choose_lora_path(model, "on", H100, torch.float32)
 
 
+# The kernel's proof in fp32 (the doctor below checks in fp32): each compared tensor (y, dx, dA, dB)
+# is at most two chained fp32 reductions over K <= 128 terms (in/out features <= 128, 64 tokens, rank
+# 16) of random-sign products, computed in another order than the twin's. Each reduction's error grows
+# as sqrt(K) * 2^-24 ~ 6.7e-7 of the result's scale; 1e-5 leaves 7x over two of them. A wrong kernel
+# (the 1% fault below, a dropped term) is off by >= 1e-2.
+FP32_PROOF_TOL = 1e-5
+
+
+def test_a_kernel_with_the_right_output_and_wrong_gradients_fails_its_proof(tiny_model_dir, fake_h100, monkeypatch):
+    """The proof compares dx, dA and dB too, in fp32 as in bf16 (in fp32 the fused run and the twin's
+    inputs must be separate leaves, or both runs' gradients land in the same tensors): a kernel whose
+    output is exact and whose every gradient is half what it should be differs by exactly 5e-1."""
+    import tunekit_kernels
+    from tunekit_kernels.reference import lora_linear_reference
+
+    def half_gradients(x, quant, A, B, scaling, **kw):
+        y = lora_linear_reference(x, quant, A, B, scaling)
+        return y.detach() + 0.5 * (y - y.detach())  # y's values, half its gradient
+
+    model = _qlora_tiny(tiny_model_dir)
+    monkeypatch.setattr("tunekit.speed.lora_path.time_layer", lambda layer, dtype, **kw: (1.0, 2.0))
+    monkeypatch.setattr(tunekit_kernels, "fused_lora_linear", half_gradients)
+    with pytest.raises(TunekitError, match=r"differs from its reference by 5\.00e-01"):
+        choose_lora_path(model, "on", H100, torch.float32)
+
+
 def _doctor(tmp_path, tiny_model_dir):
     from tunekit.commands.doctor import Doctor
 
@@ -113,6 +139,9 @@ def test_doctor_passes_a_correct_kernel_that_is_slower(tiny_model_dir, tmp_path,
     assert (c["fused_ms"], c["peft_ms"]) == (12.0, 8.0)
     assert c["note"] == "slower than peft (12.00 ms vs 8.00 ms): training keeps peft under auto"
     assert "correct but slower" in c["detail"] and len(c["shapes"]) == 4
+    # one per weight shape: q/o, k/v, gate/up, down
+    assert {tuple(sh["shape"]) for sh in c["shapes"]} == {(64, 64), (32, 64), (128, 64), (64, 128)}
+    assert all(0 <= sh["max_rel_err"] <= FP32_PROOF_TOL for sh in c["shapes"]), c["shapes"]
 
     monkeypatch.setattr("tunekit.speed.lora_path.time_layer", lambda layer, dtype, **kw: (1.0, 2.0))
     d.kernels()  # faster: ok, no note
@@ -142,6 +171,11 @@ def test_doctor_fails_a_wrong_kernel_and_a_changed_adapter(tiny_model_dir, tmp_p
     d.kernels()
     c = d.report["checks"]["kernels"]
     assert c["ok"] is False and "differs from its reference" in c["detail"] and c["note"] is None
+    # the first shape already fails, by the whole fault: it scales dA and dB by 1.01, a relative error
+    # of 1e-2 up to fp32 rounding (FP32_PROOF_TOL: 1e-3 of it), and the maximum over y, dx, dA and dB
+    # can only be larger
+    (first,) = c["shapes"]
+    assert first["max_rel_err"] >= 1e-2 - FP32_PROOF_TOL, first
 
 
 # ------------------------------------------------------------------ several ranks

@@ -73,7 +73,7 @@ def test_fused_model_matches_peft(tiny_model_dir, dtype):
         # (K <= 128 here: 7.6e-6), and a lora_B gradient in block 0 carries the errors of every
         # later forward layer and backward dx product (2 x 14 of them): 28 * 7.6e-6 ~ 2e-4 in the
         # worst case. A wrong kernel (a missed term, a transposed operand) is off by O(1).
-        # (A 1e-5 bound, one op's typical error, failed on a CI machine at 1.18e-5.)
+        # (One op's typical error, ~1e-5, is no bound here: the 28 add up.)
         for name, got, want in [("logits", logits, ref_logits), *((n, grads[n], ref_grads[n]) for n in grads)]:
             err = ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
             assert err <= 2e-4, f"{name}: relative error {err:.3g}"
@@ -254,7 +254,10 @@ def test_auto_proves_the_kernel_and_falls_back(tiny_model_dir, monkeypatch, kind
     ok = choose_lora_path(model, "auto", h100, torch.float32)
     assert ok.path == "fused" and ok.layers == 14 and len(ok.checks) == 4  # 4 distinct weight shapes
     assert "0.50" not in ok.reason and "2.00x peft's speed" in ok.reason
-    assert all(c.max_rel_err <= 1e-4 for c in ok.checks)
+    # each check: y, dx, dA, dB of one layer, each at most two chained fp32 reductions over K <= 128
+    # random-sign terms in another order than the twin's, ~sqrt(K) * 2^-24 ~ 6.7e-7 of their scale
+    # each: 1e-5 leaves 7x, and the 1% fault below is 1e3 times that
+    assert all(0 <= c.max_rel_err <= 1e-5 for c in ok.checks), [c.max_rel_err for c in ok.checks]
 
     monkeypatch.setattr(tunekit_kernels, "fused_lora_linear", _broken(kind))
     fallback = choose_lora_path(model, "auto", h100, torch.float32)

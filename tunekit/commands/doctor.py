@@ -20,7 +20,7 @@ On a CPU the same flow runs under Triton's interpreter (TRITON_INTERPRET=1): a f
 every step (the test suite runs it on a tiny model), with no meaning for speed.
 
 Each command of a check runs in a child process of its own (tunekit.commands.forkserver): a fresh interpreter
-where a GPU is visible; on a CPU-only machine a fork of one process that imported the stack once.
+where a GPU is visible; on a CPU-only machine a fork of one server process that imported the stack once.
 
     tunekit doctor                          # default model and data, 20 steps
     tunekit doctor --model DIR --data F.jsonl --steps 10 --out doctor-report trainer.micro_batch_size=4
@@ -373,11 +373,14 @@ def main(argv: list[str]) -> None:
               "speed figures mean nothing)", flush=True)
     doctor = Doctor(args.model, args.data, args.steps, out, env, args.overrides,
                     start=start_method(dev.cuda_device_count()))
-    doctor.environment()
-    doctor.kernels()
-    doctor.training()
-    doctor.resume()
-    doctor.export()
-    doctor.two_ranks()
+    try:
+        doctor.environment()
+        doctor.kernels()
+        doctor.training()
+        doctor.resume()
+        doctor.export()
+        doctor.two_ranks()
+    finally:
+        doctor.children.close()  # the fork server, where there is one
     if not doctor.write():
         sys.exit(1)

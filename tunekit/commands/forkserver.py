@@ -1,36 +1,57 @@
-"""Run `tunekit` command lines as child processes, as `tunekit doctor` does for each of its checks.
+"""Run command lines as child processes: fresh interpreters, or forks of one server that imported the stack once.
 
-A child process keeps each check apart: a crash, a CUDA fault or a SIGKILL takes down that check,
-not the report. How the child starts is the choice here (`start_method`):
+A child process keeps each command apart: a crash, a CUDA fault or a SIGKILL takes down that
+command, not its caller. How the child starts (`start_method`):
 
-- "fresh": `python -m tunekit.commands.main ...`, a new interpreter. Every child pays the import of torch,
-  transformers, peft, bitsandbytes and hydra (measured ~10 s per child on a 2-core CPU VM).
-- "forkserver": Python's forkserver start method. One server process is started fresh, imports
-  that stack once and nothing else (no tensor is ever computed there, so no OpenMP pool or CUDA
-  context exists to be copied), and each child is a fork of it that runs `tunekit.commands.main.main`.
-  The child has its own stdout/stderr files, environment and exit status, as a fresh process has.
+- "fresh": `python -m tunekit.commands.main ...`, a new interpreter. Every child pays the import of
+  torch, transformers, peft, bitsandbytes and hydra, most of a short command's time on a small CPU
+  (benchmarks/history/test-suite-2026-11-25.md).
+- "forkserver": a `Server`, one process started fresh with the caller's environment, imports that
+  stack once (PRELOAD) and computes nothing (no tensor, so no OpenMP pool or CUDA context exists to
+  be copied); each command is a fork of it that runs `<module>.main(argv)` with its own working
+  directory, environment, stdin, stdout and stderr, and exits with the status the interpreter
+  would give it (SystemExit as Python maps it; an uncaught exception prints its traceback, 1).
 
 On a machine with a GPU the children start fresh: importing that stack may initialise the CUDA
 driver (bitsandbytes probes for it), and CUDA does not survive a fork. Where no GPU is visible,
 nothing in the server can hold CUDA state, and forking is safe.
+
+`tunekit doctor` runs each command of its checks through a `Launcher`; the test suite runs every
+CLI test through a `Server` (tests/_cli_forker.py). The server answers one JSON line per request
+line on its stdin, and ends when its stdin closes:
+
+    {"op": "start", "module", "argv", "cwd", "env", "out", "err", "stdin", "user"} -> {"pid"}
+    {"op": "poll", "pid"}             -> {"code": the exit status, null while it runs}
+    {"op": "signal", "pid", "signum"} -> {"sent": false once the child has ended}
+    {"op": "call", "target": "module:function", "args"} -> {}   (caches the children then inherit)
+    anything that fails               -> {"error": "..."}
 """
 
 from __future__ import annotations
 
 import atexit
 import importlib
-import multiprocessing
+import importlib.util
+import json
+import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 
-# Imported once by the fork server (what `tunekit train` and `tunekit export` import on their way;
-# matplotlib.pyplot: the loss curve every run draws, ~0.6 s of imports and fonts).
-PRELOAD = ["torch", "transformers", "peft", "accelerate", "bitsandbytes", "hydra", "tunekit.commands.main", "tunekit.commands.train", "tunekit.train.loop",
-           "tunekit.config", "tunekit.data", "tunekit.methods", "tunekit.model", "tunekit.commands.export", "tunekit.speed.lora_path",
-           "matplotlib.pyplot"]
+CLI = "tunekit.commands.main"
+# What the server imports or calls ("module:function"), in order, before its first fork: what
+# `tunekit train`, `export` and `doctor` import on their way, then warm_cli.
+PRELOAD = ["torch", "transformers", "peft", "accelerate", "bitsandbytes", "hydra", CLI, "tunekit.commands.compose",
+           "tunekit.commands.train", "tunekit.commands.export", "tunekit.train.loop", "tunekit.config",
+           "tunekit.data", "tunekit.methods", "tunekit.model", "tunekit.model.folder", "tunekit.infer.decode",
+           "tunekit.speed.lora_path", "tunekit.commands.forkserver:warm_cli"]
+# The server is started by this line (no working directory on sys.path, as the console script has none).
+_SERVE = ("import sys; sys.path[:1] = [] if sys.path[:1] == [''] else sys.path[:1]; "
+          "from tunekit.commands.forkserver import serve; serve(sys.argv[1:])")
 
 
 def start_method(cuda_devices: int) -> str:
@@ -49,12 +70,121 @@ def exit_status(e: SystemExit) -> int:
     return 1
 
 
-def _own_resource_tracker() -> None:
-    """Let this child start its own multiprocessing resource tracker, as a fresh process does.
+# ------------------------------------------------------------------ the server process
+def warm_cli() -> None:
+    """What every `tunekit` child would otherwise set up for itself, done once in the server: the
+    loss curve's plotting library, the tokenizer classes (through the default model's tokenizer,
+    where it is converted), transformers' table of checkpoint renamings (built at a process's first
+    from_pretrained). Each is a speed-up only: whatever a library lacks is skipped."""
+    import matplotlib
 
-    A forkserver child inherits its parent's tracker, so a semaphore of a child killed with SIGKILL
-    (tqdm makes one for its progress bars) is reported as leaked on the *parent's* stderr when the
-    parent exits. With a tracker of its own, that warning and the cleanup land in the child's log.
+    matplotlib.use("Agg")  # as tunekit.train.tracking sets it
+    import matplotlib.pyplot  # noqa: F401
+
+    from tunekit.model import load_tokenizer
+    from tunekit.model.default import converted_default_dir
+
+    if (folder := converted_default_dir()) is not None:
+        load_tokenizer(str(folder))
+    try:
+        importlib.import_module("transformers.conversion_mapping").get_checkpoint_conversion_mapping("llama")
+    except (ImportError, AttributeError):
+        pass
+    _no_torch_library_teardown_at_exit()
+
+
+def _no_torch_library_teardown_at_exit() -> None:
+    """torch keeps a weakref.finalize per operator library (hundreds once bitsandbytes and triton
+    are imported) that deregisters the library's operators at interpreter exit: most of a child's
+    exit time, spent tidying a process that ends right after. Those finalizers
+    (torch.library._del_library) no longer run at exit; every other exit function does (wandb,
+    logging, tempfile's finalizers), as in the console script."""
+    import weakref
+
+    import torch.library
+
+    del_library = getattr(torch.library, "_del_library", None)  # private: a later torch may drop it
+    if del_library is None:
+        return
+    for finalizer in list(weakref.finalize._registry):  # noqa: SLF001 - no public way to list finalizers
+        info = finalizer.peek()
+        if info is not None and info[1] is del_library:
+            finalizer.atexit = False
+
+
+def _load(entry: str, args: list | None = None) -> None:
+    module, _, function = entry.partition(":")
+    loaded = importlib.import_module(module)
+    if function:
+        getattr(loaded, function)(*(args or []))
+
+
+def serve(argv: list[str]) -> None:
+    """The server's body: argv[0] is the JSON list of what to preload (PRELOAD's form). An entry that
+    fails is skipped, as multiprocessing's forkserver skips a preload it cannot import: a child that
+    needs it then fails on its own, with its own traceback."""
+    from tunekit.speed.threads import openmp_env
+
+    # The channel keeps stdin and stdout; fd 1 becomes stderr, so that what an import prints cannot
+    # land in an answer, and fd 0 /dev/null.
+    channel_in, channel_out = os.fdopen(os.dup(0), "r"), os.fdopen(os.dup(1), "w")
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(2, 1)
+    # What `tunekit.commands.main.main` sets before torch loads (libgomp reads it at that import)
+    os.environ.update(openmp_env(os.environ, torch_loaded="torch" in sys.modules))
+    for entry in json.loads(argv[0]):
+        try:
+            _load(entry)
+        except Exception:  # noqa: BLE001 - a speed-up only: a child that needs it fails there, saying why
+            pass
+    logging.root.handlers.clear()  # whatever an import configured: each child's own logging set-up applies
+    channels = (channel_in.fileno(), channel_out.fileno())
+    ended: dict[int, int | None] = {}  # pid -> exit status (None while it runs)
+    for line in channel_in:
+        request = json.loads(line)
+        try:
+            answer = _answer(request, ended, channels)
+        except Exception as e:  # noqa: BLE001 - the client gets it, the server serves on
+            answer = {"error": f"{type(e).__name__}: {e}"}
+        channel_out.write(json.dumps(answer) + "\n")
+        channel_out.flush()
+    os._exit(0)  # nothing to tidy: the server computed nothing
+
+
+def _answer(request: dict, ended: dict, channels: tuple[int, int]) -> dict:
+    op = request["op"]
+    if op == "start":
+        pid = os.fork()
+        if pid == 0:
+            _child(request, channels)  # never returns
+        ended[pid] = None
+        return {"pid": pid}
+    if op == "poll":
+        pid = request["pid"]
+        if ended[pid] is None:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                ended[pid] = os.waitstatus_to_exitcode(status)
+        return {"code": ended[pid]}
+    if op == "signal":
+        # Only a child not yet reaped: its pid cannot have been reused (a zombie takes the signal harmlessly)
+        running = ended[request["pid"]] is None
+        if running:
+            os.kill(request["pid"], request["signum"])
+        return {"sent": running}
+    if op == "call":
+        _load(request["target"], request.get("args"))
+        logging.root.handlers.clear()  # as after the preload
+        return {}
+    raise ValueError(f"unknown op {op!r}")
+
+
+def _own_resource_tracker() -> None:
+    """Let this child start its own multiprocessing resource tracker, as a fresh process does: with
+    an inherited one, a semaphore of a child killed with SIGKILL (tqdm makes one for its progress
+    bars) would be reported as leaked by the server's tracker instead of in the child's own log.
     (CPython keeps the tracker's pipe in a private attribute; where it differs, nothing changes.)"""
     from multiprocessing import resource_tracker
 
@@ -64,23 +194,51 @@ def _own_resource_tracker() -> None:
         tracker._fd, tracker._pid = None, None
 
 
-def _forked_main(module: str, args: list[str], env: dict, cwd: str, out: str, err: str) -> None:
-    """The body of a forked child: `<module>.main(args)` as `python -m <module> args` would run it."""
+def _child(request: dict, channels: tuple[int, int]) -> None:
+    """A forked child: `<module>.main(argv)` as `python -m <module> argv` would run it."""
     code = 1
     try:
-        for fd, path in ((1, out), (2, err)):
-            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            os.dup2(target, fd)
-            os.close(target)
-        sys.stdout = open(1, "w", closefd=False, buffering=1)
-        sys.stderr = open(2, "w", closefd=False, buffering=1)
-        os.chdir(cwd)  # the caller's, as a fresh process would have (the server's may differ)
-        os.environ.clear()
-        os.environ.update(env)
-        sys.argv = [module, *args]
-        _own_resource_tracker()
         try:
-            importlib.import_module(module).main(args)
+            for fd in channels:
+                os.close(fd)
+            stdin = os.open(request.get("stdin") or os.devnull, os.O_RDONLY)
+            os.dup2(stdin, 0)
+            os.close(stdin)
+            for fd, path in ((1, request["out"]), (2, request["err"])):
+                target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                os.dup2(target, fd)
+                os.close(target)
+            sys.stdin = open(0, "r", closefd=False)
+            sys.stdout = open(1, "w", closefd=False, buffering=1)
+            sys.stderr = open(2, "w", closefd=False, buffering=1)
+            os.chdir(request["cwd"])
+            os.environ.clear()
+            os.environ.update(request["env"])
+            module = request["module"]
+            if module == CLI:  # what its main() sets before torch loads, had torch not been loaded yet
+                from tunekit.speed.threads import openmp_env
+
+                os.environ.update(openmp_env(os.environ, torch_loaded=False))
+            if os.environ.get("PYTHONFAULTHANDLER"):  # read at interpreter start, which a fork skips
+                import faulthandler
+
+                faulthandler.enable()
+            _own_resource_tracker()
+            spec = importlib.util.find_spec(module)
+            sys.argv = [spec.origin if spec and spec.origin else module, *request["argv"]]  # as `python -m`
+            main = importlib.import_module(module).main
+            if request.get("user"):  # as subprocess.Popen(user=...): the caller must be root. Last, once
+                import pwd  # the files the child needs to start are open and imported as the caller
+
+                user = pwd.getpwnam(request["user"])
+                os.setgroups([])
+                os.setgid(user.pw_gid)
+                os.setuid(user.pw_uid)
+        except BaseException:  # noqa: BLE001 - a child that could not start: say why, exit 1
+            traceback.print_exc()
+            return
+        try:
+            main(list(request["argv"]))
             code = 0
         except SystemExit as e:
             code = exit_status(e)
@@ -96,74 +254,135 @@ def _forked_main(module: str, args: list[str], env: dict, cwd: str, out: str, er
             os._exit(code)
 
 
+# ------------------------------------------------------------------ the caller's side
 class Child:
-    """One running command: poll() -> exit status or None, kill() (SIGKILL), wait() -> exit status."""
+    """One running command, started fresh: pid, poll() -> exit status or None, send_signal(),
+    kill() (SIGKILL), wait() -> exit status."""
 
-    def __init__(self, proc):
+    def __init__(self, proc: subprocess.Popen):
         self._proc = proc
+        self.pid = proc.pid
 
     def poll(self) -> int | None:
-        if isinstance(self._proc, subprocess.Popen):
-            return self._proc.poll()
-        return self._proc.exitcode
+        return self._proc.poll()
+
+    def send_signal(self, signum: int) -> None:
+        if self._proc.poll() is None:
+            self._proc.send_signal(signum)
 
     def kill(self) -> None:
-        self._proc.kill()
+        self.send_signal(9)
 
-    def wait(self, timeout: float | None = None) -> int | None:
+    def wait(self, timeout: float | None = None) -> int:
         """Exit status; on timeout the child is killed (SIGKILL) and -9 returned."""
-        if isinstance(self._proc, subprocess.Popen):
+        try:
+            return self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            return self._proc.wait()
+
+
+class ForkedChild(Child):
+    """One running command, a fork of `server`."""
+
+    def __init__(self, server: Server, pid: int):
+        self._server, self.pid, self._code = server, pid, None
+
+    def poll(self) -> int | None:
+        if self._code is None:
+            self._code = self._server.ask({"op": "poll", "pid": self.pid})["code"]
+        return self._code
+
+    def send_signal(self, signum: int) -> None:
+        self._server.ask({"op": "signal", "pid": self.pid, "signum": int(signum)})
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline, pause = None if timeout is None else time.monotonic() + timeout, 0.002
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                self.kill()
+                deadline = None
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)  # a short command's end seen at once, a long one's cheaply
+        return code
+
+
+class Server:
+    """A fork server: a process started now with `env` as its environment (what is read at import,
+    thread counts and TRITON_INTERPRET, is read there once for every child) that imports `preload`
+    (PRELOAD by default) while the caller goes on, then forks one child per start().
+    Ends with close(), or when the caller's process ends."""
+
+    def __init__(self, env: dict, preload: list[str] | None = None):
+        self.env, self.preload = dict(env), list(PRELOAD if preload is None else preload)
+        self._lock, self._asked = threading.Lock(), False
+        self._proc = subprocess.Popen([sys.executable, "-c", _SERVE, json.dumps(self.preload)], env=self.env,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def ask(self, request: dict) -> dict:
+        """One request, its answer (RuntimeError for an error or a server that has ended)."""
+        with self._lock:
+            self._asked = True
             try:
-                return self._proc.wait(timeout)
+                self._proc.stdin.write(json.dumps(request) + "\n")
+                self._proc.stdin.flush()
+                line = self._proc.stdout.readline()
+            except (BrokenPipeError, ValueError):  # ValueError: closed already
+                line = ""
+        if not line:
+            raise RuntimeError(f"the fork server has ended (exit status {self._proc.wait()}); its stderr says why")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(f"fork server: {answer['error']}")
+        return answer
+
+    def call(self, target: str, *args) -> None:
+        """`module:function(*args)` in the server (JSON arguments), before the children it then forks:
+        caches they inherit. It must compute no tensor (no thread pool may exist at a fork)."""
+        self.ask({"op": "call", "target": target, "args": list(args)})
+
+    def start(self, module: str, argv: list[str], out: Path, err: Path, env: dict | None = None,
+              cwd: Path | None = None, stdin: Path | None = None, user: str | None = None) -> ForkedChild:
+        """`python -m <module> argv` as a fork: `env` its whole environment (the server's by default),
+        `cwd` the caller's by default, stdin read from the file `stdin` (none by default), stdout and
+        stderr appended to `out` and `err` (may be the same file; both exist once this returns),
+        running as `user` where given (as subprocess.Popen's user=; the caller must be root)."""
+        for path in (out, err):
+            open(path, "ab").close()
+        pid = self.ask({"op": "start", "module": module, "argv": list(argv), "cwd": str(cwd or os.getcwd()),
+                        "env": dict(self.env if env is None else env), "out": str(out), "err": str(err),
+                        "stdin": str(stdin) if stdin else None, "user": user})["pid"]
+        return ForkedChild(self, pid)
+
+    def close(self) -> None:
+        """End the server; children still running go on by themselves. One never asked anything (a
+        caller that failed before its first child) is killed, maybe mid-import: it holds nothing."""
+        with self._lock:
+            if not self._asked:
+                self._proc.kill()
+            if not self._proc.stdin.closed:
+                self._proc.stdin.close()  # a server waiting for requests ends at once
+            try:
+                self._proc.wait(10)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
-                return self._proc.wait()
-        self._proc.join(timeout)
-        if self._proc.exitcode is None:
-            self._proc.kill()
-            self._proc.join()
-        return self._proc.exitcode
-
-
-# A process has one fork server: (environment, preload) of the first Launcher that started it.
-_server: tuple[dict, list[str]] | None = None
+                self._proc.wait()
+            self._proc.stdout.close()
 
 
 class Launcher:
-    """Starts `python -m <module> args` (a module with `main(argv)`; `tunekit.commands.main` unless told) with
-    `env` as the child's whole environment, by `method` (see above); `preload` is what the fork
-    server imports once."""
+    """Starts `python -m <module> args` (a module with `main(argv)`; tunekit's CLI unless told) with
+    `env` as the child's whole environment and the caller's working directory, by `method` (see
+    above); `preload` is what a fork server imports once. close() ends its server."""
 
-    def __init__(self, env: dict, method: str, module: str = "tunekit.commands.main", preload: list[str] | None = None):
-        global _server
+    def __init__(self, env: dict, method: str, module: str = CLI, preload: list[str] | None = None):
         if method not in ("fresh", "forkserver"):
             raise ValueError(f"start method {method!r}: choose fresh or forkserver")
         self.env, self.method, self.module = dict(env), method, module
-        self._ctx = None
-        if method == "forkserver":
-            preload = list(PRELOAD if preload is None else preload)
-            if _server is not None and _server != (self.env, preload):
-                raise RuntimeError("this process's fork server already runs with another environment or preload")
-            self._ctx = multiprocessing.get_context("forkserver")
-            if _server is None:
-                self._ctx.set_forkserver_preload(preload)
-                self._start_server()
-                _server = (self.env, preload)
-
-    def _start_server(self) -> None:
-        """Start the fork server now, with `env` as its environment: what is read at import (thread
-        counts, TRITON_INTERPRET) is read there, once, for every child. Started here, its imports
-        overlap whatever the caller does before its first child."""
-        from multiprocessing import forkserver
-
-        saved = dict(os.environ)
-        os.environ.clear()
-        os.environ.update(self.env)
-        try:
-            forkserver.ensure_running()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
+        self.server = Server(self.env, preload) if method == "forkserver" else None
 
     def command(self, args: list[str]) -> list[str]:
         """The equivalent shell command (for logs)."""
@@ -171,16 +390,16 @@ class Launcher:
 
     def start(self, args: list[str], out: Path, err: Path) -> Child:
         """Start the command, its stdout appended to `out` and stderr to `err` (may be the same file)."""
-        with open(out, "ab") as o, open(err, "ab") as e:  # both files exist once start() returns
-            if self._ctx is None:
-                return Child(subprocess.Popen(self.command(args), env=self.env, stdout=o, stderr=e,
-                                              stdin=subprocess.DEVNULL))
-        # not a daemon: a daemonic process may not start processes of its own (DataLoader workers)
-        proc = self._ctx.Process(target=_forked_main, name=" ".join([self.module, *args[:1]]),
-                                 args=(self.module, list(args), self.env, os.getcwd(), str(out), str(err)))
-        proc.start()
-        return Child(proc)
+        if self.server is not None:
+            return self.server.start(self.module, args, out, err)
+        with open(out, "ab") as o, open(err, "ab") as e:
+            return Child(subprocess.Popen(self.command(args), env=self.env, stdout=o, stderr=e,
+                                          stdin=subprocess.DEVNULL))
 
     def run(self, args: list[str], out: Path, err: Path, timeout: float | None = None) -> int:
         """Run to completion; the exit status (-9 where the timeout killed it)."""
         return self.start(args, out, err).wait(timeout)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()

@@ -1,4 +1,9 @@
-"""datasets -> format -> chat template -> tokenize -> mask prompt -> batch."""
+"""Training rows: files, save_to_disk folders or hub ids -> format (alpaca, chat, ShareGPT,
+prompt/completion, text) -> chat template -> tokenize -> mask all but the replies -> batches.
+
+Owns reading and checking rows (one error line naming file and row), the masking rule, packing
+and the batch schedule. May import tunekit.model (the tokenizer) and nothing above it.
+"""
 
 from __future__ import annotations
 

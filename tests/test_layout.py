@@ -1,0 +1,73 @@
+"""The direction of imports between tunekit's packages (each package's docstring says what it owns
+and what it may import). Read from the source with `ast`, so lazy imports inside functions count
+as much as those at the top of a module."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "tunekit"
+
+# A package may not import the ones listed against it: the parts below use no trained run, no
+# training loop and no command; the loop opens no run and exports nothing; opening a run exports
+# nothing; nothing but a command imports a command.
+UPWARD = {"train", "runs", "export", "commands"}
+FORBIDDEN = {
+    "model": UPWARD, "data": UPWARD, "losses": UPWARD, "methods": UPWARD, "speed": UPWARD, "plan": UPWARD,
+    "infer": UPWARD, "train": {"runs", "export", "commands"}, "runs": {"export", "commands"},
+    "export": {"commands"},
+}
+
+
+def _imports(path: Path) -> list[str]:
+    """Every module a file imports (`from tunekit import x` counts as tunekit.x)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [f"{node.module}.{a.name}" for a in node.names] if node.module == "tunekit" else [node.module]
+    return found
+
+
+def _package(path: Path) -> str:
+    rel = path.relative_to(PACKAGE).parts
+    return rel[0] if len(rel) > 1 else rel[0].removesuffix(".py")
+
+
+def _sources() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+@pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_run_one_way(path):
+    mine = _package(path)
+    bad = [m for m in _imports(path) if m.startswith("tunekit.")
+           and m.split(".")[1] in FORBIDDEN.get(mine, set()) | ({"commands"} if mine != "commands" else set())]
+    assert not bad, f"{path.relative_to(REPO)} ({mine}) imports {bad}"
+
+
+def test_kernels_import_only_torch_and_triton():
+    allowed = {"torch", "triton", "numpy", "tunekit_kernels", *sys.stdlib_module_names}
+    for path in sorted((REPO / "kernels").rglob("*.py")):
+        for m in _imports(path):
+            assert m.split(".")[0] in allowed | {""}, f"{path.relative_to(REPO)} imports {m}"
+
+
+def test_the_planted_upward_import_is_caught(tmp_path):
+    """The rule's own check: a model module that imports the loop is named."""
+    planted = tmp_path / "x.py"
+    planted.write_text("def f():\n    from tunekit.train.loop import TrainRecipe\n")
+    assert "tunekit.train.loop" in _imports(planted)
+    assert "train" in FORBIDDEN["model"]
+
+
+@pytest.mark.parametrize("init", sorted(PACKAGE.glob("*/__init__.py")), ids=lambda p: p.parent.name)
+def test_every_package_says_what_it_owns(init):
+    doc = ast.get_docstring(ast.parse(init.read_text()))
+    assert doc and len(doc.split()) >= 12, f"{init.relative_to(REPO)}: a docstring saying what the package owns"
