@@ -3,9 +3,10 @@
     y = base(x) + scaling * (dropout(x) A^T) B^T       x (tokens, in), A (r, in), B (out, r)
 
 peft computes the LoRA branch in the adapter's fp32 (it casts x up to fp32, then the product back
-down to the base's dtype). On a CPU, fp32 matrix work runs at about a quarter of bf16's speed
-(~210 vs ~830 GFLOP/s on AVX512-BF16), and the rank-r products are the skinny kind that suffer
-most: measured on the default model, the LoRA branches took a quarter of a training step.
+down to the base's dtype). On a CPU with native bf16, fp32 matrix work runs several times slower
+than bf16, and the rank-r products are the skinny, memory-bound kind that suffer most, so on a
+small model the fp32 LoRA branches are a large share of a training step
+(benchmarks/history/training-speed.md).
 
 Here x, A and B are rounded to the compute dtype once and every product accumulates in fp32 inside
 the bf16 GEMM, which is what autocast and the Triton kernel in kernels/ do; A and B stay fp32
@@ -16,9 +17,9 @@ added in x's dtype, as peft adds them. At initialisation (B = 0) the output is b
 peft's; afterwards the LoRA term itself differs by bf16 rounding (a few 2^-9, relative to the term).
 
 With an fp32 base (a CPU without native bf16, where model.dtype=auto computes in fp32) the same
-code is peft's fp32 math; what it buys there is the dense cache below (measured on a 2-core AVX2
-EPYC, default model, bench_train's cpu config padded: 188-192 -> 204-217 tokens/s, peak RSS
-+220-250 MiB, the same losses).
+code is peft's fp32 math; what it buys there is the dense cache below: the base is not dequantized
+twice per layer per micro-batch, at the price of one dense copy of it in memory, with the same
+losses.
 """
 
 from __future__ import annotations

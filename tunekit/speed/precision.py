@@ -35,11 +35,12 @@ Methods whose trained weights make up the model itself (`full`) keep an fp32 mas
 weight and compute under bf16 autocast (`autocast` below): matmuls in bf16, everything else in the
 weights' fp32.
 
-Elsewhere: a CPU without native bf16 emulates it at ~7x fp32's cost, so `auto` is fp32 there. A
-GPU older than sm_80 (T4, V100) has fp16 but no bf16 tensor cores; fp16 activations of a 4-bit base
-overflow on long sequences without a loss scaler, which this trainer does not have, so `auto` is
-fp32 there too (TF32 needs sm_80 as well). `model.dtype=fp32` keeps strict fp32 everywhere, TF32
-off; `model.dtype=bf16` is obeyed even where bf16 is emulated (slow, but the same numbers).
+Elsewhere: a CPU without native bf16 emulates it at several times fp32's cost, so `auto` is fp32
+there. A GPU older than sm_80 (T4, V100) has fp16 but no bf16 tensor cores; fp16 activations of a
+4-bit base overflow on long sequences without a loss scaler, which this trainer does not have, so
+`auto` is fp32 there too (TF32 needs sm_80 as well). `model.dtype=fp32` keeps strict fp32
+everywhere, TF32 off; `model.dtype=bf16` is obeyed even where bf16 is emulated (slow, but the same
+numbers).
 """
 
 from __future__ import annotations

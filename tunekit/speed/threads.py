@@ -8,14 +8,12 @@ one: libgomp only shortens the spin when its own process has more threads than c
 busy process (another run, `tunekit eval` beside training, a compiler, a browser) is invisible to
 it, and a thread that has work waits for a core that the other process's spinning threads hold.
 
-Measured on the 2-core Ice Lake VM, default model, qlora (benchmarks/threads-cpu-icelake.md,
-`scripts/bench_threads.py`): two runs started together took 388-497 s each with libgomp's default
-and 104-144 s with GOMP_SPINCOUNT=10000 (tokens/s x4.2); beside a one-core CPU burner x1.10. Alone,
-the two read within the VM's drift of each other: x0.92 in that benchmark's two pairs of runs, x1.04
-(mean) over five earlier interleaved pairs, x0.96 on the tiny model. Spinning less costs more:
-OMP_WAIT_POLICY=PASSIVE (no spin) was 30-40% slower alone and 1,000 rounds 15-20%, since a thread
-that sleeps at once pays a wake-up at each of a step's thousands of parallel regions, while ~0.2-0.5
-ms of spinning covers the gap between one op and the next. The losses are the same bit for bit.
+10,000 rounds (~0.2-0.5 ms) still cover the gap between one op and the next, so a run alone keeps
+its speed, while beside another busy process the working threads get their cores back. Spinning much
+less costs speed alone: a thread that sleeps at once (OMP_WAIT_POLICY=PASSIVE, or ~1,000 rounds) pays
+a wake-up at each of a step's thousands of parallel regions. The wait changes no arithmetic: the
+losses are the same bit for bit. `scripts/bench_threads.py` measures it (alone, beside a second run,
+beside a CPU burner; benchmarks/training/threads-cpu-icelake.md).
 
 So the CLI sets GOMP_SPINCOUNT=10000 unless the user chose a wait behaviour themselves
 (OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment: theirs is kept, GOMP_SPINCOUNT=300000

@@ -1,15 +1,12 @@
 """`kernels.compile=true`: the decoder layers' training forward through torch.compile, checked first.
 
-What it buys (benchmarks/cpu-speed.md): inductor fuses the elementwise chains between the matmuls
-(the fp32 residual stream, RMSNorm, rotary, SiLU and the gate product, the LoRA sums), which eager
-PyTorch runs as separate passes over memory. On a 2-core Ice Lake VM (fp32 compute) a qlora step of
-the default model ran 1.00-1.33x faster through this module (four eager/compiled pairs on a noisy
-VM) at 13-16% less peak memory, after 22-25 s of checking and compiling (56 s on a machine's first
-compiled run, inductor's cache in /tmp/torchinductor_$USER empty); an earlier probe of the same ops
-on a bf16 CPU read 1.16-1.32x. The default 60-step run, in two interleaved pairs: 5 m 30 s and
-5 m 46 s compiled against 6 m 36 s and 6 m 1 s eager, and 6 m 15 s compiled with the cache empty,
-so it about breaks even on a machine's first compiled run and gains from then on. It stays off by
-default: untried on a GPU, and every run would need a working C++ compiler.
+What it buys: inductor fuses the elementwise chains between the matmuls (the residual stream,
+RMSNorm, rotary, SiLU and the gate product, the LoRA sums), which eager PyTorch runs as separate
+passes over memory, so a step gets cheaper and keeps fewer intermediate tensors. What it costs: the
+check and the compile at start, longer on a machine's first compiled run (inductor's cache in
+/tmp/torchinductor_$USER empty), so it pays off only past some number of steps, which depends on
+how much of the step the fused work was (measured per machine: benchmarks/README.md). It stays off
+by default: untried on a GPU, and every run would need a working C++ compiler.
 
 How:
 
@@ -38,17 +35,15 @@ the largest magnitude leaves 50x headroom. For bf16/fp16 storage each skipped ro
 2^-9 / 2^-12 relative, and a gradient passes many of them (attention, rotary, the norm: ~10 eager
 roundings on the way to q_proj's LoRA A); a LoRA A gradient is also a sum over tokens whose terms
 cancel, which multiplies each term's rounding error relative to the result by Σ|term| / |Σ term|,
-a factor no bound on the roundings fixes. Measured on the default model in bf16 (emulated on an Ice
-Lake CPU): the largest difference was 1.0e-2 with a 4-bit base (qlora) and 2.8e-2 with a bf16 base
-(lora), against the 3e-2 the fused kernel's check uses (tunekit/speed/lora_path.py). So in half precision a
-tensor that differs from eager by more than that tolerance is judged against the layer run in fp32
-(the same weights and inputs, every op in fp32): the compiled result passes if it is within the
-tolerance of that, or no further from it than twice eager's own distance, i.e. the compiler skipped
-roundings rather than computed something else. Measured in the two runs above, over every
-compared tensor: compiled and eager were about equally far from fp32 (1.8e-3 to 3.1e-2), the
-compiled one at most 1.9x eager's where eager's was small (2.5e-3), and 0.5x on the tensor that
-differed by 2.8e-2. Any real fault (a dropped or doubled term) is O(1) of the trained branch, which
-the random B keeps comparable to the layer's output, far beyond either test.
+a factor no bound on the roundings fixes. On the default model in bf16 the largest difference comes
+close to the 3e-2 the fused kernel's check uses (tunekit/speed/lora_path.py) over a bf16 base, with
+nothing wrong (benchmarks/training/compile-check-*.md). So in half precision a tensor that differs
+from eager by more than that tolerance is judged against the layer run in fp32 (the same weights and
+inputs, every op in fp32): the compiled result passes if it is within the tolerance of that, or no
+further from it than twice eager's own distance, i.e. the compiler skipped roundings rather than
+computed something else; compiled and eager come out about equally far from fp32. Any real fault (a
+dropped or doubled term) is O(1) of the trained branch, which the random B keeps comparable to the
+layer's output, far beyond either test.
 """
 
 from __future__ import annotations
@@ -64,7 +59,7 @@ import torch.nn as nn
 
 from tunekit import TunekitError
 from tunekit.speed.lora_path import CHECK_TOL, rel_err
-from tunekit.methods.adapter import decoder_layers
+from tunekit.model.layers import decoder_layers
 
 log = logging.getLogger(__name__)
 
@@ -281,14 +276,12 @@ def compile_layers(layers) -> None:
     The input condition leaves out the first decoder layer of a method that trains nothing below
     it (LoRA, adapters, BitFit over a frozen embedding). Its graph differs from the other layers'
     (no input gradient), so dynamo compiled it separately, twice over in the first step (a
-    micro-batch of one row, unpadded and so without a mask, is a variant of its own). Measured on
-    the default model, qlora fp32, 2-core Ice Lake VM (benchmarks/cpu-speed.md): the first step's
-    recompiles went from 3 to 1 and its time from 48.0 s to 20.2 s with inductor's cache empty,
-    20.5 s to 8.5 s with it warm (eager's: ~4.5 s); the one left, the one-row graph, is now
-    compiled and checked by check() instead. Eager, that layer forgoes 1/30 of the compiled step's
-    gain (~0.02 s a step there), which adds up to the saving only after 600 (warm) to 1400 (cold)
-    steps. A method that trains below the first layer (prompt tuning's soft prompt) gives it an
-    input that needs a gradient, and it is compiled."""
+    micro-batch of one row, unpadded and so without a mask, is a variant of its own): leaving it
+    eager drops the first step's recompiles from 3 to 1, and the one left, the one-row graph, is
+    compiled and checked by check() instead. Eager, that layer forgoes 1/L of the compiled step's
+    gain for L layers, which adds up to the compile time saved only after many hundreds of steps
+    (benchmarks/history/training-speed.md). A method that trains below the first layer (prompt
+    tuning's soft prompt) gives it an input that needs a gradient, and it is compiled."""
     compiled = compile_fn(_forward_of)
     for layer in layers:
         eager = layer.forward
