@@ -298,23 +298,37 @@ def main(argv=None) -> int:
                      "dir": str(job["dir"]),
                      "trained": {k: v for k, v in e["trained"].items()}, "base": bases[job["base_kind"]],
                      "train_s": train_seconds(job["dir"]), "eval_s": e["timings"]["load_s"] + e["timings"]["score_s"]})
-    import torch
-
     result = {"data": {k: data[k] for k in ("task", "labels", "source", "license", "train_rows", "val_rows",
                                             "usable_per_label", "prompt")},
               "settings": {k: getattr(args, k) for k in ("steps", "micro_batch_size", "grad_accum", "seq_len",
                                                          "warmup_steps", "lr_factors", "seeds", "more_seeds_for", "set",
                                                          "baseline")}
               | {"model": args.model or "SmolLM2-135M-Instruct (embedded default)"},
-              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores)",
+              "device": device_name(),
               "command": "python scripts/bench_task.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "runs": runs}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{args.out}.json").write_text(json.dumps(result, indent=2) + "\n")
-    Path(f"{args.out}.md").write_text(markdown(result))
-    print(markdown(result))
-    print(f"wrote {args.out}.json and {args.out}.md")
+    write_result(args.out, result, markdown)
     return 0
+
+
+def device_name() -> str:
+    """The GPU's name, or the CPU's with its core count."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def write_result(out: Path, result: dict, render) -> None:
+    """out.json (the raw result) and out.md (render(result)), printed as well."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.json").write_text(json.dumps(result, indent=2) + "\n")
+    Path(f"{out}.md").write_text(render(result))
+    print(render(result))
+    print(f"wrote {out}.json and {out}.md")
 
 
 if __name__ == "__main__":

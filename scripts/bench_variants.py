@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import shutil
 import sys
 from pathlib import Path
@@ -28,7 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-from bench_task import evaluate, fail, pct, run_logged, train_seconds, tunekit_exe  # noqa: E402
+from bench_task import (device_name, evaluate, fail, pct, run_logged, train_seconds, tunekit_exe,  # noqa: E402
+                        write_result)
 
 # name -> (recipe, overrides). The plain arm of each base comes first: the others are read against it.
 VARIANTS = {
@@ -139,21 +139,14 @@ def main(argv=None) -> int:
         runs.append({"method": job["method"], "recipe": job["recipe"], "dir": str(job["dir"]),
                      "accuracy": t.get("accuracy"), "exact_match": t.get("exact_match"), "loss": t["loss"],
                      "tokens_per_s": tokens_per_s(job["dir"]), "train_s": train_seconds(job["dir"])})
-    import torch
-
     result = {"data": {k: data[k] for k in ("task", "labels", "source", "train_rows", "val_rows")},
               "settings": {k: getattr(args, k) for k in ("steps", "micro_batch_size", "seq_len", "warmup_steps",
                                                          "seed", "lr")}
               | {"model": args.model or "SmolLM2-135M-Instruct (embedded default)"},
-              "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-              else f"CPU ({platform.processor() or platform.machine()})",
+              "device": device_name(),
               "command": "python scripts/bench_variants.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "runs": runs}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{args.out}.json").write_text(json.dumps(result, indent=2) + "\n")
-    Path(f"{args.out}.md").write_text(markdown(result))
-    print(markdown(result))
-    print(f"wrote {args.out}.json and {args.out}.md")
+    write_result(args.out, result, markdown)
     return 0
 
 
