@@ -176,11 +176,12 @@ def test_a_hub_that_has_no_such_dataset_says_so(tmp_path, monkeypatch):
 def test_data_fingerprint_tracks_the_rows_behind_a_path(tmp_path, monkeypatch):
     """What resume compares: a file's SHA-256 as before (old checkpoints still match), and a digest
     of a saved folder's files or a hub dataset's splits that moves when the rows do."""
+    import hashlib
+
     from tunekit.data.sources import data_fingerprint
-    from tunekit.train.checkpoint import sha256_file
 
     path = _jsonl(tmp_path / "rows.jsonl", [qa(1)])
-    assert data_fingerprint(path) == sha256_file(path)
+    assert data_fingerprint(path) == hashlib.sha256(path.read_bytes()).hexdigest()  # what checkpoints record
     folder = tmp_path / "saved"
     datasets.Dataset.from_list([qa(1), qa(2)]).save_to_disk(str(folder))
     before = data_fingerprint(folder)

@@ -18,6 +18,7 @@ which is better than guessing.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -204,3 +205,12 @@ def cleanup_leftovers(output_dir: Path) -> list[str]:
             if remove_scratch(p):
                 done.append(f"removed {p}")
     return done
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB blocks (what checkpoints and data fingerprints record)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -23,6 +23,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from tunekit.data.formats import SUFFIXES, DataError, Rows
+from tunekit.owned import sha256_file
 
 SAVED_MARKERS = ("dataset_dict.json", "state.json")  # DatasetDict / Dataset .save_to_disk
 TRAIN_SPLIT = "train"
@@ -113,26 +114,18 @@ def read_hub(name: str, key: str) -> Rows:
     return rows_of(_load_hub(name, key), name, key)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def data_fingerprint(path: str | Path, key: str = "data.path") -> str:
     """A hex digest that changes when the rows behind a data path change (what resume compares):
     a file's SHA-256 (as checkpoints have always recorded it); over a save_to_disk folder's file
     names and contents; over a hub dataset's id and its splits' `datasets` fingerprints."""
     p = Path(path)
     if p.is_file():
-        return _sha256(p)
+        return sha256_file(p)
     h = hashlib.sha256()
     if p.is_dir():
         for f in sorted(p.rglob("*")):
             if f.is_file():
-                h.update(f"{f.relative_to(p)}\0{_sha256(f)}\0".encode())
+                h.update(f"{f.relative_to(p)}\0{sha256_file(f)}\0".encode())
         return h.hexdigest()
     ds = _load_hub(str(path), key)
     h.update(str(path).encode())

@@ -61,7 +61,9 @@ def seeded(on: bool):
         return
     import torch
 
-    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []):
+    from tunekit.speed.device import cuda_device_count
+
+    with torch.random.fork_rng(devices=list(range(cuda_device_count()))):
         torch.manual_seed(SEED)
         yield
 

@@ -16,7 +16,6 @@ and renamed into place, so a crash leaves the old set of checkpoints or the new 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -31,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from tunekit import TunekitError
 from tunekit.train.optim import load_state
 # The atomic writes live in tunekit.owned (what tunekit may delete); imported from here by older callers.
-from tunekit.owned import atomic_dir, atomic_write_text, cleanup_leftovers  # noqa: F401
+from tunekit.owned import atomic_dir, atomic_write_text, cleanup_leftovers, sha256_file  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -111,15 +110,6 @@ def decode_tree(obj, tensors: dict[str, torch.Tensor]):
     if "__items__" in obj:
         return {decode_tree(k, tensors): decode_tree(v, tensors) for k, v in obj["__items__"]}
     return {k: decode_tree(v, tensors) for k, v in obj.items()}
-
-
-def sha256_file(path: Path) -> str:
-    """Hex SHA-256 of a file, read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _file_digests(folder: Path) -> dict[str, str]:
