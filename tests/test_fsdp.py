@@ -147,7 +147,7 @@ def test_lora_over_bf16_two_fsdp_ranks_match_one_process(untied_model_dir, tiny_
 
 # ---------------------------------------------------------------- without launching
 def test_checksum_catches_nan_canonicalisation_of_packed_codes():
-    """bitsandbytes issue 1945: FSDP2 on CUDA rewrote every bf16 NaN pattern of packed NF4 codes to
+    """github.com/bitsandbytes-foundation/bitsandbytes/issues/1945: FSDP2 on CUDA rewrote every bf16 NaN pattern of packed NF4 codes to
     0x7FFF. The first-forward check compares checksums of the gathered weight with the original."""
     import bitsandbytes.functional as bnbf
 
@@ -171,7 +171,7 @@ def test_first_forward_check_stops_on_a_changed_weight_and_then_steps_aside():
     layer(x)
     assert not sh._checks and not layer._forward_pre_hooks  # checked once, then removed
     sh._checks["layers.0.q_proj"] = layer.register_forward_pre_hook(sh._checksum_hook("layers.0.q_proj", (0, 0)))
-    with pytest.raises(TunekitError, match=r"fsdp: the 4-bit weight of layers.0.q_proj differs .*issue 1945"):
+    with pytest.raises(TunekitError, match=r"fsdp: the 4-bit weight of layers.0.q_proj differs .*issues/1945"):
         layer(x)
 
 
@@ -181,7 +181,7 @@ def test_first_step_symptoms_stop_with_one_line():
     sh.check_first_step(0, 10.8, 1.2)  # a real first step passes
     for loss, norm, what in [(0.0, 0.0, "exactly 0"), (10.8, float("nan"), "gradient norm nan"),
                              (float("inf"), 1.0, "loss is inf")]:
-        with pytest.raises(TunekitError, match=f"trainer.strategy=fsdp: step 1: .*{what}.*issue 1945") as e:
+        with pytest.raises(TunekitError, match=f"trainer.strategy=fsdp: step 1: .*{what}.*issues/1945") as e:
             sh.check_first_step(0, loss, norm)
         assert "\n" not in str(e.value) and "trainer.strategy=ddp" in str(e.value)
 

@@ -82,7 +82,8 @@ def weight_repacking(cpuinfo: str) -> tuple[bool, str]:
     Repacking only changes the layout the CPU kernels read (interleaved blocks for AVX2/AVX512, AMX
     tiles). On a CPU with AMX, ggml puts Q8_0 and K-quant weights into its AMX buffer, and its AMX
     matmul (ggml_backend_amx_mul_mat) segfaults on the first decode of Q8_0 and K-quant files with
-    llama-cpp-python 0.3.36 (llama.cpp issue 20824 reports the crash; docs/pitfalls.md). A segfault ends `tunekit export` with no message, so where the
+    llama-cpp-python 0.3.36 (github.com/ggml-org/llama.cpp/issues/20824; docs/pitfalls.md). A
+    segfault ends `tunekit export` with no message, so where the
     CPU has AMX the weights stay in the GGUF's own layout, the file is computed by ggml's plain
     kernels, and the check is as complete (llama.cpp's `--no-repack` does the same)."""
     if "amx_int8" in cpuinfo.split():

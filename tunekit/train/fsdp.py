@@ -35,10 +35,10 @@ Why the pieces are as they are:
   per rank. 8-bit state is then quantized per shard, not per full tensor.
 * A 4-bit base is loaded with its packed NF4 codes stored as bf16 (bitsandbytes' quant_storage,
   as in Answer.AI's fsdp_qlora): FSDP1 shards only floating-point tensors, and some FSDP2 releases
-  failed on uint8 ones (accelerate issue 3983). The quantization state (absmax...) stays a module
+  failed on uint8 ones (github.com/huggingface/accelerate/issues/3983). The quantization state (absmax...) stays a module
   attribute, replicated, and bitsandbytes re-attaches it to the gathered weight at each forward.
   Known failure: FSDP2 on CUDA has been reported to canonicalise the NaN bit patterns that packed
-  codes form when read as bf16 (bitsandbytes issue 1945), which silently changes the weights
+  codes form when read as bf16 (github.com/bitsandbytes-foundation/bitsandbytes/issues/1945), which silently changes the weights
   (symptoms: loss 0, NaN gradients); whether it happens depends on the backend and the release,
   and gloo on the CPU keeps them. So the first forward compares every gathered 4-bit weight with a
   checksum taken before sharding, and the first step's loss and gradients are checked; either
@@ -62,7 +62,7 @@ from tunekit.train.optim import load_state
 
 log = logging.getLogger(__name__)
 
-ISSUE = "FSDP2 over 4-bit weights stored as floats (bitsandbytes issue 1945)"
+ISSUE = "FSDP2 over 4-bit weights stored as floats (github.com/bitsandbytes-foundation/bitsandbytes/issues/1945)"
 CHECKSUM_CHUNK = 1 << 24  # bytes per slice of the first-forward checksum (an int64 copy of 128 MB at most)
 
 
