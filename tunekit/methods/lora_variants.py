@@ -6,7 +6,7 @@ start: the saved adapter must load over the original base, and peft's conversion
 weight to W - s B0 A0; over a 4-bit base that residual would be requantized (quant(W_res) + s B0 A0
 != W, so the start is no longer the base's function, and the adapter saved as a LoRA over the
 original base would not apply over quant(W) either). tunekit refuses them there: a start fitted to
-the 4-bit base is LoftQ's job (tunekit.methods.loftq).
+the 4-bit base is LoftQ's job (tunekit/methods/loftq.py, not yet a method.init value).
 
 PiSSA/OLoRA saving. Training changes B0 A0 into B A over W_res = W - s B0 A0, which equals
 W + s (B A - B0 A0) = W + s [B, -B0] [A; A0]: a standard LoRA of rank 2r over the original W, with
@@ -46,8 +46,8 @@ def check_combination(c, quantize: str) -> None:
     """One error line for a variant that does not combine with the others or with the base."""
     if c.init != "default" and quantize == "nf4":
         raise TunekitError(f"method.init={c.init}: rewrites the base weight as W - (principal part), which a "
-                           "4-bit base cannot hold exactly; over model.quantize=nf4 use method.init=default, or LoftQ's start "
-                           "(tunekit.methods.loftq), fitted to the 4-bit base")
+                           "4-bit base cannot hold exactly; over model.quantize=nf4 use method.init=default, or "
+                           "train over the bf16 base (model.quantize=none)")
     if c.init != "default" and c.use_dora:
         raise TunekitError(f"method.use_dora: not with method.init={c.init} (its adapter is saved as a standard LoRA "
                            "over the original base, which has no place for DoRA's magnitude); choose one")
