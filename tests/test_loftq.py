@@ -273,7 +273,8 @@ def test_merges_after_a_loftq_start(started, tiny_model_dir):
 
 def test_start_file_rebuilds_the_base(started, tiny_model_dir, tmp_path):
     """loftq_init.safetensors round-trips; on a freshly loaded model it rebuilds every requantized
-    base to the codes the run trained over (and refuses a second rebuild or a wrong folder)."""
+    base to the codes the run trained over (once: a second rebuild changes nothing), and refuses a
+    layer that holds another weight's codes."""
     init = started.report.init
     assert load_loftq_init(tmp_path) is None
     path = save_loftq_init(tmp_path, init)
@@ -288,6 +289,12 @@ def test_start_file_rebuilds_the_base(started, tiny_model_dir, tmp_path):
     assert rebuild_loftq_base(tiny_model_dir, fresh, back) == len(init.layers)
     for name, t in lora_targets(started.model).items():
         assert same_codes(fresh[name].base.weight, t.base.weight), name
+    # a base that holds Q_T already is left as it is (a resumed run rebuilds before its checkpoint loads) ...
+    assert rebuild_loftq_base(tiny_model_dir, fresh, back) == 0
+    # ... and one that holds neither quant(W) nor Q_T is another model's: refused
+    name = next(iter(back.layers))
+    base = fresh[name].base
+    loftq.write_packed(base, nf4_roundtrip(torch.ones(base.weight.quant_state.shape), QuantSettings.of_layer(base))[0])
     with pytest.raises(TunekitError, match=r"does not quantize to the loaded layer's codes"):
         rebuild_loftq_base(tiny_model_dir, fresh, back)
 

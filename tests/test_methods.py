@@ -393,3 +393,22 @@ def test_new_recipes_train_from_the_cli(tiny_model_dir, tiny_data, tmp_path):
         assert (summary["bits_per_param"] is not None) == (quant == "nf4")
         assert (d / "adapter" / "adapter_model.safetensors").is_file() and (d / "adapter" / "tokenizer.json").is_file()
     assert seen == {(r, q) for r in ("adapter", "bitfit", "prompt_tuning", "ia3") for q in ("none", "nf4")}
+
+
+def test_a_key_the_chosen_method_does_not_read_is_named(caplog):
+    """method.r=4 with recipe=ia3 trains (IA)^3, which has no rank: one warning names the key (not an
+    error, since a -m sweep over recipes sets keys for some of its methods only)."""
+    from tunekit.commands.compose import compose_configs
+    from tunekit.methods.registry import ignored_keys
+
+    assert ignored_keys(MethodConfig(name="ia3", r=4, use_dora=True)) == ["method.r=4", "method.use_dora=True"]
+    assert ignored_keys(MethodConfig(name="lora", r=4, use_dora=True)) == []
+    assert ignored_keys(MethodConfig(name="ia3", target_modules=["k_proj"], feedforward_modules=[])) == []
+    with caplog.at_level("WARNING", logger="tunekit"):
+        compose_configs(["recipe=ia3", "method.r=4", "model.preset=llama-3-8b"])
+    assert "method.r=4: method 'ia3' has no such key; it is ignored" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tunekit"):
+        for recipe in ("qlora", "lora", "ia3", "adapter", "bitfit", "prompt_tuning", "distill"):
+            compose_configs([f"recipe={recipe}", "model.preset=llama-3-8b"])
+    assert "no such key" not in caplog.text  # the recipes as shipped set no foreign key

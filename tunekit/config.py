@@ -8,6 +8,7 @@ runs. Checks that need more than a type (files that must exist, positive sizes) 
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -297,7 +298,11 @@ def validate(cfg: TrainConfig) -> None:
     from tunekit.methods import check_method_config, fill_method_defaults
 
     fill_method_defaults(cfg.method)  # a null key: the chosen method's default
-    check_method_config(cfg.method)
+    check_method_config(cfg.method, None, plain(cfg.model.quantize))
+    from tunekit.methods.registry import ignored_keys
+
+    for key in ignored_keys(cfg.method):
+        logging.getLogger("tunekit").warning("%s: method %r has no such key; it is ignored", key, cfg.method.name)
     _check_models(cfg)
 
 

@@ -122,7 +122,9 @@ def shifted(w: torch.Tensor, base_A: Optional[torch.Tensor], base_B: Optional[to
         return w.to(torch.float32).to(dtype)
     dev = w.device
     delta = base_B.to(dev, torch.float64) @ base_A.to(dev, torch.float64)
-    return (w.to(torch.float64) - scaling * delta).to(torch.float32).to(dtype)
+    # in place: two fp64 (out, in) tensors at a time, not four; -(s d) + w is w - s d bit for bit
+    delta.mul_(-scaling).add_(w.to(torch.float64))
+    return delta.to(torch.float32).to(dtype)
 
 
 @dataclass

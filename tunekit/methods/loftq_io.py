@@ -32,6 +32,82 @@ from tunekit.methods.loftq import (LayerInit, LoftqInit, LoraTarget, QuantSettin
 LOFTQ_INIT_FILE = "loftq_init.safetensors"
 FORMAT = "tunekit-loftq-1"
 _PARTS = ("A", "B", "base_A", "base_B")
+INIT_ATTR = "_tunekit_loftq_init"  # on the PeftModel: the LoftqInit its layers started from
+SUBTRACTED_ATTR = "_tunekit_loftq_subtracted"  # ... and, over original weights, that W - s B_T A_T is done
+
+
+# ------------------------------------------------------------------ the LoRA method's hooks
+def start_loftq(model: torch.nn.Module, model_dir: str | Path, iters: int, log: Optional[Callable[[str], None]] = None):
+    """method.init=loftq on a freshly applied 4-bit LoRA model (before training, before its compute
+    path is chosen): apply_loftq over every LoRA layer, the start kept on the model for saving."""
+    from tunekit.methods.loftq import apply_loftq, lora_scaling, lora_targets
+
+    targets = lora_targets(model)
+    r = next(iter(targets.values())).lora_A.weight.shape[0]
+    report = apply_loftq(model, model_dir, targets, r=r, scaling=lora_scaling(model), iters=iters)
+    object.__setattr__(model, INIT_ATTR, report.init)  # not a submodule or buffer: never in a state dict
+    if log is not None:
+        log(f"method lora: {report.summary()} ({sum(lay.seconds for lay in report.layers):.1f} s)")
+    return report
+
+
+def save_attached(model: torch.nn.Module, folder: Path) -> None:
+    """Beside a saved adapter: the LoftQ start the model carries (nothing for any other model)."""
+    init = getattr(model, INIT_ATTR, None)
+    if init is not None:
+        save_loftq_init(folder, init)
+
+
+def after_load(model: torch.nn.Module, folder: Path, log: Optional[Callable[[str], None]] = None) -> None:
+    """After a LoftQ-started adapter (folder holds LOFTQ_INIT_FILE) is applied: the start goes on
+    the model (so that saving it again writes the file), and each listed layer's base becomes what
+    the adapter's A, B belong on:
+
+    * a 4-bit base: Q_T, the base the run trained over (rebuilt for iters >= 2; quant(W) is already
+      it for iters = 1). Done at most once: a base that holds Q_T already is left as it is;
+    * a high-precision base (the original weights, for a merge into them): W - s B_T A_T, so that
+      the merged W + s (B A - B_T A_T) counts the start once, not twice."""
+    from tunekit.methods.loftq import PEFT_PREFIX
+    from tunekit.model.layers import is_4bit
+
+    init = load_loftq_init(folder)
+    if init is None:
+        return
+    from peft.tuners.lora import LoraLayer
+
+    layers = {n.removeprefix(PEFT_PREFIX): m for n, m in model.named_modules()
+              if isinstance(m, LoraLayer) and "default" in m.lora_A}
+    missing = [name for name in init.layers if name not in layers]
+    if missing:
+        raise TunekitError(f"{Path(folder) / LOFTQ_INIT_FILE}: names {missing[0]!r}, which is not a LoRA layer of "
+                           "this model")
+    object.__setattr__(model, INIT_ATTR, init)
+    quantized = {name: is_4bit(layers[name].get_base_layer()) for name in init.layers}
+    if any(quantized.values()) and init.iters >= 2:
+        from tunekit.methods.loftq import LoraTarget
+
+        targets = {name: LoraTarget(layers[name].lora_A["default"], layers[name].lora_B["default"],
+                                    layers[name].get_base_layer()) for name in init.layers if quantized[name]}
+        rebuild_loftq_base(_model_dir(model), targets, init, log)
+    done = getattr(model, SUBTRACTED_ATTR, set())
+    with torch.no_grad():
+        for name, layer in init.layers.items():
+            if quantized[name] or name in done:
+                continue
+            weight = layers[name].get_base_layer().weight
+            weight.copy_(original_target_base(weight, layer, init.scaling).to(weight.dtype))
+            done.add(name)
+    object.__setattr__(model, SUBTRACTED_ATTR, done)
+
+
+def _model_dir(model: torch.nn.Module) -> str:
+    """The folder the (peft-wrapped) model's base was loaded from."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    path = getattr(base.config, "_name_or_path", "") or ""
+    if not Path(path).is_dir():
+        raise TunekitError(f"LoftQ: rebuilding the 4-bit base needs the folder the base was loaded from, and the "
+                           f"model names {path!r}, not a folder")
+    return path
 
 
 def save_loftq_init(folder: str | Path, init: LoftqInit) -> Path:
@@ -133,21 +209,31 @@ def rebuild_loftq_base(model_dir: str | Path, targets: dict[str, LoraTarget], in
             continue
         base = targets[name].base
         settings = QuantSettings.of_layer(base)
-        if init.settings and settings_record(settings) != init.settings:
-            raise TunekitError(f"LoftQ: {name} is loaded with quantization {settings_record(settings)}, the run started "
-                               f"from {init.settings}; load the base as the run did")
-        rebuilt += _rebuild_one(Path(model_dir), name, layer, init.scaling, base, settings)
+        # The dtype may differ (an export computes in fp32 what trained in bf16): W - s B A is rounded to
+        # the run's dtype as it was when the run started, then quantized in the layer's. Values a bf16
+        # tensor holds quantize to the same codes and absmax from fp32; only the dequantized dtype differs.
+        run = settings_from_record(init.settings) if init.settings else settings
+        mine, theirs = settings_record(settings), settings_record(run)
+        if {k: v for k, v in mine.items() if k != "dtype"} != {k: v for k, v in theirs.items() if k != "dtype"}:
+            raise TunekitError(f"LoftQ: {name} is loaded with quantization {mine}, the run started from {theirs}; "
+                               "load the base as the run did")
+        rebuilt += _rebuild_one(Path(model_dir), name, layer, init.scaling, base, settings, run.dtype)
     if log is not None:
         log(f"LoftQ: rebuilt the 4-bit base of {rebuilt} layer(s) (iters={init.iters})")
     return rebuilt
 
 
-def _rebuild_one(model_dir: Path, name: str, layer: LayerInit, scaling: float, base, settings: QuantSettings) -> int:
+def _rebuild_one(model_dir: Path, name: str, layer: LayerInit, scaling: float, base, settings: QuantSettings,
+                 run_dtype: torch.dtype) -> int:
+    """1 where the layer's codes were quant(W) and are now Q_T; 0 where they were Q_T already (a
+    resumed run rebuilds its base before loading its checkpoint, which would rebuild it again)."""
     w = read_original_weight(model_dir, tensor_key(name)).to(base.weight.device, torch.float32)
+    packed, _ = nf4_roundtrip(shifted(w, layer.base_A, layer.base_B, scaling, run_dtype), settings)
+    if same_codes(packed, base.weight):
+        return 0
     plain, _ = nf4_roundtrip(w, settings)
     if not same_codes(plain, base.weight):
         raise TunekitError(f"LoftQ: {tensor_key(name)} in {model_dir} does not quantize to the loaded layer's codes: "
-                           "not the folder the model was loaded from, or its base was rebuilt already")
-    packed, _ = nf4_roundtrip(shifted(w, layer.base_A, layer.base_B, scaling, settings.dtype), settings)
+                           "not the folder the model was loaded from, or the layer was changed since")
     write_packed(base, packed)
     return 1

@@ -55,8 +55,11 @@ class LoRAConfig:
     use_dora: bool = False
     # rsLoRA: scale the update by alpha / sqrt(r) instead of alpha / r (stable at large r).
     use_rslora: bool = False
-    # How B A starts: default (B = 0) | pissa | olora (W's principal part; bf16 base only).
+    # How B A starts: default (B = 0) | pissa | olora (W's principal part; bf16 base only) |
+    # loftq (a low-rank fit of what 4-bit rounding lost; 4-bit base only).
     init: str = "default"
+    # LoftQ's alternations (quantize, fit, requantize...); 1 keeps the loader's 4-bit base as it is.
+    loftq_iters: int = 1
     # LoRA+: B's learning rate = this x trainer.lr (the paper suggests ~16); null: one rate.
     loraplus_lr_ratio: Optional[float] = None
 
@@ -69,6 +72,7 @@ class LoRAPlan:
     targets: tuple = PROJECTIONS
     dropout: float = 0.0
     dora: bool = False
+    loftq_iters: int = 0  # method.init=loftq's alternations; 0: no LoftQ start
 
 
 def check_targets(targets: list[str], model: nn.Module | None) -> list[str]:
@@ -131,9 +135,14 @@ class LoRA(Method):
             if not isinstance(getattr(c, key), bool):
                 raise TunekitError(f"method.{key}: must be true or false, got {getattr(c, key)!r}")
         one_of("method.init", c.init, list(variants.PEFT_INIT))
+        number("method.loftq_iters", c.loftq_iters, ge=1, le=variants.LOFTQ_MAX_ITERS, integer=True)
         if c.loraplus_lr_ratio is not None:
             number("method.loraplus_lr_ratio", c.loraplus_lr_ratio, gt=0)
-        variants.check_combination(c, quantize if model is None else _quantize_of(model, quantize))
+        # With a model, the structure is being built: a LoftQ run's over the original weights is how
+        # its merge into them works, so the base LoftQ needs is checked where it trains (config
+        # validation, model None, and `start`).
+        variants.check_combination(c, quantize if model is None else _quantize_of(model, quantize),
+                                   training=model is None)
 
     def apply(self, model: nn.Module, cfg) -> nn.Module:
         from peft import get_peft_model
@@ -141,13 +150,26 @@ class LoRA(Method):
         self.check_config(cfg, model)
         c = self.settings(cfg)
         try:
-            with variants.seeded(c.init != "default"):  # PiSSA's randomized SVD: the same start on resume
+            with variants.seeded(c.init in variants.REWRITES_BASE):  # PiSSA's randomized SVD: the same start on resume
                 peft_model = get_peft_model(model, peft_config(c))
         except ValueError as e:  # what check_config cannot see (a module type peft does not wrap)
             raise TunekitError(f"method: peft refuses this LoRA config: {str(e).splitlines()[0]}") from None
-        if c.init != "default":
+        if c.init in variants.REWRITES_BASE:
             variants.keep_start(peft_model, self.saved_key)
         return peft_model
+
+    def start(self, model: nn.Module, cfg, model_dir: str, resume_dir: Optional[Path], log=None) -> None:
+        """method.init=loftq: the LoftQ start, computed layer by layer from model_dir's original weights
+        (tunekit.methods.loftq_io.start_loftq); resuming, the base the checkpoint trained over."""
+        c = self.settings(cfg)
+        if c.init != "loftq":
+            return
+        from tunekit.methods import loftq_io
+
+        if resume_dir is None:
+            loftq_io.start_loftq(model, model_dir, c.loftq_iters, log)
+        else:
+            loftq_io.after_load(model, resume_dir, log)
 
     def owns(self, param_name: str) -> bool:
         return ".lora_A." in param_name or ".lora_B." in param_name or ".lora_magnitude_vector." in param_name
@@ -165,6 +187,9 @@ class LoRA(Method):
 
     def write(self, model: PeftModel, out_dir: Path) -> None:
         variants.save_peft(model, Path(out_dir))
+        from tunekit.methods import loftq_io  # torch is loaded already: there is a model
+
+        loftq_io.save_attached(model, Path(out_dir))  # a LoftQ start, for the merge into the original weights
 
     def read(self, model: PeftModel, in_dir: Path) -> None:
         from peft import set_peft_model_state_dict
@@ -175,6 +200,7 @@ class LoRA(Method):
         unexpected = [k for k in result.unexpected_keys if "lora_" in k]
         if unexpected:
             raise TunekitError(f"{in_dir}: adapter does not fit this model (unexpected keys {unexpected[:3]})")
+        _after_load(model, Path(in_dir))
 
     def merge(self, model: PeftModel) -> nn.Module:
         """W + s B A in every LoRA layer (s = layer.scaling: alpha / r, or alpha / sqrt(r) under rsLoRA;
@@ -224,6 +250,7 @@ class LoRA(Method):
         except (ValueError, KeyError, RuntimeError) as e:
             raise TunekitError(f"{folder}: this LoRA adapter does not fit the base model "
                                f"({str(e).splitlines()[0][:160]})") from None
+        _after_load(model, Path(folder))
         model.requires_grad_(False)
         return model.eval()
 
@@ -239,10 +266,11 @@ class LoRA(Method):
     def plan_options(self, cfg) -> LoRAPlan:
         c = self.settings(cfg)
         return LoRAPlan(r=c.r, targets=planned_projections(c.target_modules), dropout=c.dropout,
-                        dora=bool(c.use_dora))
+                        dora=bool(c.use_dora), loftq_iters=c.loftq_iters if c.init == "loftq" else 0)
 
     def plan_label(self, o: LoRAPlan) -> str:
-        return f"{'DoRA' if o.dora else 'LoRA'} r={o.r} on {len(o.targets)} projections"
+        start = f", LoftQ start ({o.loftq_iters} iteration{'s' if o.loftq_iters > 1 else ''})" if o.loftq_iters else ""
+        return f"{'DoRA' if o.dora else 'LoRA'} r={o.r} on {len(o.targets)} projections{start}"
 
     def plan_setup(self, setup, shape, cfg, facts, dtype):
         """tunekit.speed.lora_path's rules over a 4-bit base: the LoRA matmuls in bf16 (the CPU's torch
@@ -284,7 +312,20 @@ class LoRA(Method):
             saves=lambda site: _saves(o, setup, site, shape) + variants.dora_saves(o, site, shape),
             grad_outputs=frozenset(o.targets), forward_flops_per_token=flops,
             backward_flops_per_token=2 * flops,  # the input's gradient and the weights' through A and B
-            block_backward_per_token=3 * shape.intermediate_size * setup.compute_bytes if torch_path else 0)
+            block_backward_per_token=3 * shape.intermediate_size * setup.compute_bytes if torch_path else 0,
+            start_bytes=max((variants.loftq_start_bytes(*shape.projection(p), o.r, o.loftq_iters) for p in o.targets),
+                            default=0) if o.loftq_iters else 0)
+
+
+def _after_load(model: nn.Module, folder: Path) -> None:
+    """A folder that trained from a LoftQ start (it holds the start file): the base it trained over,
+    or the original weights minus the start (tunekit.methods.loftq_io.after_load)."""
+    from tunekit.methods.loftq_io import LOFTQ_INIT_FILE
+
+    if (folder / LOFTQ_INIT_FILE).is_file():
+        from tunekit.methods import loftq_io
+
+        loftq_io.after_load(model, folder)
 
 
 def _quantize_of(model: nn.Module, quantize: str) -> str:

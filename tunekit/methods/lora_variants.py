@@ -6,7 +6,9 @@ start: the saved adapter must load over the original base, and peft's conversion
 weight to W - s B0 A0; over a 4-bit base that residual would be requantized (quant(W_res) + s B0 A0
 != W, so the start is no longer the base's function, and the adapter saved as a LoRA over the
 original base would not apply over quant(W) either). tunekit refuses them there: a start fitted to
-the 4-bit base is LoftQ's job (tunekit/methods/loftq.py, not yet a method.init value).
+the 4-bit base is LoftQ's job (method.init=loftq, tunekit.methods.loftq), which in turn needs a
+4-bit base (over bf16 there is no rounding to fit) and no DoRA (peft sets DoRA's magnitude from
+W + s B A at apply time, before the LoftQ start would change B A).
 
 PiSSA/OLoRA saving. Training changes B0 A0 into B A over W_res = W - s B0 A0, which equals
 W + s (B A - B0 A0) = W + s [B, -B0] [A; A0]: a standard LoRA of rank 2r over the original W, with
@@ -34,7 +36,12 @@ if TYPE_CHECKING:
 # method.init -> peft's init_lora_weights. PiSSA through peft's fast SVD (4 subspace iterations, the
 # paper's fast variant: minutes instead of hours of full SVDs on a 7B model; B0 A0 is then close to,
 # not exactly, W's top-r part, and W_res = W - s B0 A0 exactly whatever B0 A0 is).
-PEFT_INIT = {"default": True, "pissa": "pissa_niter_4", "olora": "olora"}
+# LoftQ builds peft's default layers (B = 0), then tunekit.methods.loftq_io.start_loftq sets its start.
+PEFT_INIT = {"default": True, "pissa": "pissa_niter_4", "olora": "olora", "loftq": True}
+REWRITES_BASE = ("pissa", "olora")  # inits that rewrite the base as W - s B0 A0 at apply time
+# method.loftq_iters' upper bound: each alternation requantizes every target once more, and the
+# weight error had stopped falling by 5 on the default model (benchmarks/quantization/).
+LOFTQ_MAX_ITERS = 10
 START_ATTR = "_tunekit_lora_start"  # on the PeftModel: {saved key: the tensor's value at apply time}
 SEED = 0
 
@@ -42,15 +49,27 @@ DORA_NOT_FUSED = ("kernels.fused_lora=on: the fused LoRA kernel does not impleme
                   "use kernels.fused_lora=auto (peft's DoRA layers) or off")
 
 
-def check_combination(c, quantize: str) -> None:
-    """One error line for a variant that does not combine with the others or with the base."""
-    if c.init != "default" and quantize == "nf4":
+def check_combination(c, quantize: str, training: bool = True) -> None:
+    """One error line for a variant that does not combine with the others or with the base.
+    training=False: the structure only (a LoftQ run's LoRA applied over the original weights to
+    merge into them); the base a LoftQ start needs is checked when it trains."""
+    if c.init in REWRITES_BASE and quantize == "nf4":
         raise TunekitError(f"method.init={c.init}: rewrites the base weight as W - (principal part), which a "
-                           "4-bit base cannot hold exactly; over model.quantize=nf4 use method.init=default, or "
-                           "train over the bf16 base (model.quantize=none)")
-    if c.init != "default" and c.use_dora:
+                           "4-bit base cannot hold exactly; over model.quantize=nf4 use method.init=default or "
+                           "loftq, or train over the bf16 base (model.quantize=none)")
+    if c.init == "loftq" and quantize != "nf4" and training:
+        raise TunekitError("method.init=loftq: fits the LoRA start to what 4-bit rounding loses, and this base is "
+                           f"not 4-bit (model.quantize={quantize}); use model.quantize=nf4 (recipe=qlora), or "
+                           "method.init=default/pissa/olora over a bf16 base")
+    if c.init in REWRITES_BASE and c.use_dora:
         raise TunekitError(f"method.use_dora: not with method.init={c.init} (its adapter is saved as a standard LoRA "
                            "over the original base, which has no place for DoRA's magnitude); choose one")
+    if c.init == "loftq" and c.use_dora:
+        raise TunekitError("method.use_dora: not with method.init=loftq (DoRA's magnitude is set from the layer "
+                           "before the LoftQ start changes it); choose one")
+    if c.init != "loftq" and c.loftq_iters != 1:
+        raise TunekitError(f"method.loftq_iters={c.loftq_iters}: applies to method.init=loftq only "
+                           f"(method.init={c.init})")
 
 
 @contextlib.contextmanager
@@ -186,3 +205,25 @@ def dora_saves(o, site, shape) -> int:
             else:
                 total += site.tokens * (site.dtype_bytes + 4) * out
     return total
+
+
+# ------------------------------------------------------------------ LoftQ in the plan
+def loftq_start_bytes(in_dim: int, out_dim: int, r: int, iters: int) -> int:
+    """Peak bytes of one target's LoftQ start (tunekit.methods.loftq._loftq_one) beside the model;
+    the layers go one at a time, so the plan counts the largest target. W: (out, in), n = out in,
+    k = min(out, in); in units of n bytes:
+
+    * held through the layer: the tensor as read (4, an fp32 checkpoint at most), W in fp32 (4),
+      quant(W)'s codes (0.5; 1 with a requantized base beside them) and the dequantized base in
+      the compute dtype (2);
+    * the largest transient of: the fit's error W - dequant - s B A (dequant in fp32, the
+      difference, B A and s B A: 16); the SVD of the fp32 residual (4): LAPACK's copy of it (4),
+      U (out, k), V^T (k, in) and LAPACK's workspace, 5 k^2 floats (20 k^2 bytes; torch's MKL
+      gesdd took 3-4.7 k^2 here, the most for tall weights); with 2 or more iterations,
+      W - s B A formed in fp64 (B A and W in fp64: 16).
+    tests/test_loftq_train.py holds this against the measured growth on the CPU. A GPU's SVD
+    (cuSOLVER) has a workspace of its own, not measured."""
+    n, k = in_dim * out_dim, min(in_dim, out_dim)
+    held = int((11 if iters >= 2 else 10.5) * n)
+    svd = 4 * n + 4 * n + 4 * k * (in_dim + out_dim) + 20 * k * k
+    return held + max(16 * n, svd) + 4 * r * (in_dim + out_dim)

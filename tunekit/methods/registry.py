@@ -99,6 +99,12 @@ class Method:
         """Freeze the base, add the method's trainable parameters; return the model to train."""
         raise NotImplementedError
 
+    def start(self, model: nn.Module, cfg, model_dir: str, resume_dir: Optional[Path], log=None) -> None:
+        """Training only, after `apply` and before the compute path is chosen: a start computed from
+        the base's original weights in `model_dir` (LoRA's LoftQ). resume_dir: the checkpoint's
+        adapter folder when resuming (restore, do not recompute). Evaluating and exporting never
+        call this: `read` restores what they need from the adapter folder. Nothing by default."""
+
     def write(self, model: nn.Module, out_dir: Path) -> None:
         """Write the trained part in its standard (PEFT, or tunekit adapter) format."""
         raise NotImplementedError
@@ -217,6 +223,23 @@ def fill_method_defaults(cfg) -> None:
     for f in dataclasses.fields(method.config):
         if getattr(cfg, f.name, None) is None and getattr(resolved, f.name) is not None:
             setattr(cfg, f.name, getattr(resolved, f.name))
+
+
+def ignored_keys(cfg) -> list[str]:
+    """The method.* keys of cfg set to a value the chosen method never reads ("method.r=4" with
+    method.name=ia3): keys of other methods that differ from the schema's default. A warning, not
+    an error: a -m sweep over recipes sets keys for some of its methods only."""
+    method = get_method(cfg.name)
+    own = {f.name for f in dataclasses.fields(method.config)} if method.config is not None else set()
+    out = []
+    for f in dataclasses.fields(config_schema()):
+        if f.name == "name" or f.name in own:
+            continue
+        value = getattr(cfg, f.name, None)
+        value = list(value) if _is_list_config(value) or isinstance(value, tuple) else value
+        if value is not None and value != _default(f):
+            out.append(f"method.{f.name}={value}")
+    return out
 
 
 def available_methods() -> list[str]:

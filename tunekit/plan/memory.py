@@ -406,6 +406,9 @@ def step_memory(shape: ModelShape, st: TrainSetup, ranks: int = 1, sharded: bool
         phases["teacher forward"] = (act["saved"], teacher_forward_bytes(shape, st))
     if ranks > 1 and not sharded:
         phases["gradient all-reduce"] = (0, 8 * P)  # flat copy of the grads + the reduced result
+    start = plan_terms(shape, st).start_bytes
+    if start:  # before the first step: no activations (gradients and optimizer state counted, not yet there)
+        phases["method start (LoftQ)"] = (0, start)
     phase = max(phases, key=lambda k: sum(phases[k]))
     mem.phase = phase
     saved, work = phases[phase]

@@ -21,6 +21,8 @@ config by `Method.plan_options`. The terms:
   embeddings); extra_positions: positions prepended to every row;
 * forward/backward FLOPs per position beyond the frozen decoder's, and per-position bytes the
   method adds to a block's backward working set.
+* start_bytes: what the method's start holds once, before the first step, beside the loaded
+  model (LoRA's LoftQ start: one layer's original weight and its fit); a phase of its own.
 
 A method whose trained parameters are the base's own weights (`Method.trains_base`, a full
 fine-tune) also changes what the planner counts as frozen: no frozen copy, an fp32 residual
@@ -83,6 +85,7 @@ class PlanTerms:
     forward_flops_per_token: int = 0
     backward_flops_per_token: int = 0
     block_backward_per_token: int = 0
+    start_bytes: int = 0
 
 
 def planned_projections(names, key: str = "method.target_modules") -> tuple:

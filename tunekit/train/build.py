@@ -209,6 +209,8 @@ class RecipeSetup:
         cfg = self.cfg
         self.method = get_method(cfg.method.name)
         self.model = self.method.apply(self.model, cfg.method)
+        resume_dir = self.resume_from / "adapter" if self.resume_from is not None else None
+        self.method.start(self.model, cfg.method, self.model_path, resume_dir, self._info)  # LoftQ
         trains = {n for n, p in self.model.named_parameters() if p.requires_grad}
         saves = {n for n, _ in self.model.named_parameters() if self.method.owns(n)}
         if trains != saves:  # a parameter that trains but is not saved would be lost at the end
