@@ -7,7 +7,7 @@ default) and seed; a LoftQ arm adds method.init=loftq method.loftq_iters=K. For 
 
 * the start: held-out loss before the first step (metrics.jsonl, step 0), and the start's cost
   (the LoftQ line of the training log);
-* the trained model: `tunekit eval` accuracy by likelihood, exact match and held-out loss;
+* the trained model: `tunekit eval` accuracy by likelihood and held-out loss (no generation);
 * the gap to what ships: `tunekit export --format merged --merge-into original` (the fine-tune on
   the original bf16 weights), its fidelity report's KL(trained || exported), held-out gain kept and
   task accuracy on the held-out rows (rows lost / won against the trained model).
@@ -16,7 +16,7 @@ Writes benchmarks/task/loftq-<date>.json/.md (or --out). Runs live under --work;
 finished steps.
 
     python scripts/bench_loftq.py                                   # 3 seeds x (plain, iters=1): ~40 min on 2 cores
-    python scripts/bench_loftq.py --iters 1,2 --seeds 0             # other arms
+    python scripts/bench_loftq.py --iters 1,2@0                     # and 2 iterations at seed 0 only
     python scripts/bench_loftq.py --seeds 0 --steps 2 --train-per-class 8 --val-per-class 4 \\
         --model /path/to/tiny-model --work /tmp/bl                  # plumbing check
 """
@@ -41,7 +41,8 @@ from bench_task import device_name, fail, pct, run_logged, train_seconds, tuneki
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--iters", default="1", help="LoftQ arms: method.loftq_iters values (plain QLoRA always runs)")
+    p.add_argument("--iters", default="1", help="LoftQ arms: method.loftq_iters values (plain QLoRA always runs); "
+                   "K@S1/S2 runs that arm at seeds S1, S2 only, e.g. 1,2@0")
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=160)
@@ -56,7 +57,12 @@ def parse_args(argv=None):
                    default=REPO / "benchmarks" / "task" / f"loftq-{datetime.date.today().isoformat()}")
     args = p.parse_args(argv)
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    args.iters = [int(i) for i in args.iters.split(",") if i.strip()]
+    arms = {}
+    for spec in (i.strip() for i in args.iters.split(",") if i.strip()):
+        iters, _, seeds = spec.partition("@")
+        arms[int(iters)] = [int(x) for x in seeds.split("/")] if seeds else args.seeds
+    args.iters = list(arms)
+    args.arm_seeds = arms
     return args
 
 
@@ -140,8 +146,8 @@ def summarize(runs: list[dict]) -> list[dict]:
         rs = [r for r in runs if r["arm"] == arm]
         out.append({"arm": arm, "seeds": [r["seed"] for r in rs]}
                    | {k: stat([r.get(k) for r in rs]) for k in
-                      ("start_loss", "accuracy", "exact_match", "loss", "export_kl", "export_accuracy",
-                       "export_gain_kept", "train_s")})
+                      ("start_loss", "accuracy", "loss", "export_kl", "export_accuracy",
+                       "export_gain_kept", "train_s", "peak_mib")})
     return out
 
 
@@ -166,14 +172,17 @@ def markdown(result: dict) -> str:
              f"held-out loss {result['base']['loss']:.3f}.", "",
              "Mean ± standard deviation over the seeds. *start loss*: held-out loss before the first step. *export*: "
              "`tunekit export --format merged --merge-into original` (the fine-tune on the original weights), its "
-             "fidelity report against the trained 4-bit model.", "",
-             "| arm | start loss | accuracy | exact match | held-out loss | export KL(trained‖export) | export accuracy "
-             "| export gain kept | train s |",
+             "fidelity report against the trained 4-bit model (its task check computes in fp32, so its accuracies "
+             "differ by a few rows from `tunekit eval`'s). *peak RSS*: the training process's peak resident "
+             "memory (summary.json).", "",
+             "| arm | start loss | accuracy | held-out loss | export KL(trained‖export) | export accuracy "
+             "| export gain kept | train s | peak RSS MiB |",
              "|---|---|---|---|---|---|---|---|---|"]
     for a in result["arms"]:
-        lines.append(f"| {a['arm']} | {ms(a['start_loss'], num)} | {ms(a['accuracy'])} | {ms(a['exact_match'])} | "
+        lines.append(f"| {a['arm']} | {ms(a['start_loss'], num)} | {ms(a['accuracy'])} | "
                      f"{ms(a['loss'], num)} | {ms(a['export_kl'], sci)} | {ms(a['export_accuracy'])} | "
-                     f"{ms(a['export_gain_kept'], pct)} | {ms(a['train_s'], lambda v: f'{v:.0f}')} |")
+                     f"{ms(a['export_gain_kept'], pct)} | {ms(a['train_s'], lambda v: f'{v:.0f}')} | "
+                     f"{ms(a['peak_mib'], lambda v: f'{v:.0f}')} |")
     lines += ["", "Per run:", "", "| arm | seed | start loss | accuracy | held-out loss | export KL | export accuracy "
               "(lost / won) | LoftQ |", "|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
@@ -192,7 +201,7 @@ def main(argv=None) -> int:
     data = build(args.work / "data", args.train_per_class, args.val_per_class)
     runs, base = [], None
     for seed in args.seeds:
-        for iters in [0, *args.iters]:
+        for iters in [0, *[i for i in args.iters if seed in args.arm_seeds[i]]]:
             run = train(args, iters, seed, data)
             ev = evaluate(args, run, with_base=base is None)
             base = base or ev["base"]
@@ -200,7 +209,8 @@ def main(argv=None) -> int:
             start = start_of(run, args.work / "logs" / f"train-{run.parent.name}-{run.name}.log")
             row = {"arm": arm_name(iters), "iters": iters, "seed": seed, "dir": str(run),
                    "start_loss": start["val_loss_step0"], "loftq": start["loftq"], "accuracy": t.get("accuracy"),
-                   "exact_match": t.get("exact_match"), "loss": t["loss"], "train_s": train_seconds(run)}
+                   "exact_match": t.get("exact_match"), "loss": t["loss"], "train_s": train_seconds(run),
+                   "peak_mib": json.loads((run / "summary.json").read_text()).get("memory", {}).get("peak_mib")}
             if not args.no_export:
                 e = export_original(args, run, data)
                 row |= {"export_kl": e["kl_mean"], "export_accuracy": e["task_exported"],
@@ -211,7 +221,7 @@ def main(argv=None) -> int:
             runs.append(row)
     result = {"data": {k: data[k] for k in ("task", "labels", "source", "train_rows", "val_rows")},
               "settings": {"steps": args.steps, "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len,
-                           "warmup_steps": args.warmup_steps, "seeds": args.seeds, "iters": args.iters,
+                           "warmup_steps": args.warmup_steps, "seeds": args.seeds, "iters": args.arm_seeds,
                            "model": args.model or "SmolLM2-135M-Instruct (embedded default)"},
               "device": device_name(), "date": datetime.date.today().isoformat(),
               "command": "python scripts/bench_loftq.py " + " ".join(argv if argv is not None else sys.argv[1:]),
