@@ -319,13 +319,10 @@ class LoRA(Method):
 
 def _after_load(model: nn.Module, folder: Path) -> None:
     """A folder that trained from a LoftQ start (it holds the start file): the base it trained over,
-    or the original weights minus the start (tunekit.methods.loftq_io.after_load)."""
-    from tunekit.methods.loftq_io import LOFTQ_INIT_FILE
+    or the original weights minus the start (tunekit.methods.loftq_io.after_load); nothing otherwise."""
+    from tunekit.methods import loftq_io  # torch is loaded already: there is a model
 
-    if (folder / LOFTQ_INIT_FILE).is_file():
-        from tunekit.methods import loftq_io
-
-        loftq_io.after_load(model, folder)
+    loftq_io.after_load(model, folder)
 
 
 def _quantize_of(model: nn.Module, quantize: str) -> str:
