@@ -1,4 +1,5 @@
-"""`tunekit doctor` on the CPU: the GPU user's check, run end to end under Triton's interpreter.
+"""The GPU check (scripts/gpu_check.sh) and its `tunekit doctor` stage on the CPU, end to end under
+Triton's interpreter, on a tiny model: the script a GPU machine runs cannot rot unnoticed.
 
 This is also the fused path's end-to-end test: train with kernels.fused_lora=on, checkpoint,
 SIGKILL, resume, finish; the adapter must hold every LoRA tensor, load with PEFT, track the
@@ -8,26 +9,61 @@ losses of a fused_lora=off run of the same data, and pass `tunekit export`'s fid
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from _helpers import read_jsonl, run_cli
+from _helpers import read_jsonl
 
 
-def test_doctor_runs_the_fused_path_end_to_end(tiny_model_dir, tiny_data, tmp_path):
-    out = tmp_path / "report"
-    # small batches and no recomputation: every LoRA layer runs in Triton's (slow) interpreter. One
-    # 2-token sample per evaluation: greedy answers still run through the fused layers, but each
-    # token is 14 interpreted kernel calls, and the default 3 x 48 tokens would be most of a fused
-    # run's time. Two held-out rows, one evaluation batch: the doctor evaluates 6 times across its
-    # three fused runs, each batch 14 interpreted launches.
-    r = run_cli(["doctor", "--model", str(tiny_model_dir), "--data", str(tiny_data), "--steps", "4",
-                 "--out", str(out), "trainer.micro_batch_size=2", "trainer.grad_accum=2", "data.max_seq_len=64",
-                 "data.val_fraction=0.1", "data.max_val_examples=2", "model.gradient_checkpointing=false",
-                 "trainer.lr=1e-3", "trainer.eval_samples=1", "trainer.eval_max_new_tokens=2"],
-                tmp_path, env={"TRITON_INTERPRET": "1"})
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.sh"
+
+
+@pytest.fixture(scope="module")
+def gpu_check(tiny_data, tmp_path_factory):
+    """scripts/gpu_check.sh --tiny: the GPU check's whole flow on a tiny model, on this CPU. Its
+    doctor stage is the doctor run the tests below read."""
+    root = tmp_path_factory.mktemp("gpu-check")
+    out, work = root / "out", root / "work"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(SCRIPT), "--tiny", "--data", str(tiny_data), "--out", str(out),
+                           "--work", str(work)], capture_output=True, text=True, env=env, timeout=900)
+    return proc, out, work
+
+
+def test_gpu_check_dry_run_writes_every_stage(gpu_check):
+    proc, out, _ = gpu_check
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = json.loads((out / "gpu_check.json").read_text())
+    stages = result["stages"]
+    assert list(stages) == ["env", "models", "doctor", "bench", "plan", "export"]
+    assert all(s["ok"] for s in stages.values()), {k: s for k, s in stages.items() if not s["ok"]}
+    # the benchmark ran both systems on the same batches: same first loss up to summation order
+    ratio = stages["bench"]["results"]["on"]["ratios"]["tunekit/trl"]
+    assert ratio["first_loss_rel_diff"] < 1e-3 and ratio["tokens_per_s"] > 0
+    # every planner row has a measured peak and the plan's figure beside it
+    rows = stages["plan"]["rows"]
+    assert len(rows) == 2 and all(r["measured_mib"] > 0 and r["planned_over_measured"] > 0 for r in rows)
+    assert stages["export"]["tail"][-1].startswith("exported merged to")
+    md = (out / "gpu_check.md").read_text()
+    assert "| doctor | ok |" in md and "tunekit/trl: tokens/s" in md and "planned/measured" in md
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        names = tar.getnames()
+    assert "doctor/report.json" in names and "bench.json" in names
+    assert not any(n.startswith("models/") or Path(n).name.startswith("tokenizer") for n in names)
+
+
+def test_doctor_runs_the_fused_path_end_to_end(gpu_check):
+    proc, _, work = gpu_check
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    out = work / "doctor"
+    tiny_model_dir = work / "models" / "tiny"
     report = json.loads((out / "report.json").read_text())
     checks = report["checks"]
     assert report["ok"] and {k for k, c in checks.items() if c["ok"]} == {
