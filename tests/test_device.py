@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -154,6 +156,26 @@ def test_the_recipe_hands_accelerate_its_timeout(tiny_model_dir, tiny_data, tmp_
         got = handler.timeout.total_seconds()
         assert got == (expected or got) and got >= dev.DIST_TIMEOUT_BASE_S
         assert handler.to_kwargs() == {"timeout": timedelta(seconds=got)}  # the backend stays accelerate's choice
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
+def test_reset_peak_memory_starts_a_new_peak_on_the_cpu():
+    """A run measures its training peak apart from setup's: after the reset, a freed 256 MiB buffer
+    no longer counts. (256 MiB is above glibc's largest mmap threshold, 32 MiB: freed, it leaves RSS.)"""
+    cpu = torch.device("cpu")
+    big = torch.ones(256 * 2**20 // 4)
+    big.add_(1)  # touched: resident
+    del big
+    before = dev.peak_memory_mb(cpu)
+    dev.reset_peak_memory(cpu)
+    after = dev.peak_memory_mb(cpu)
+    assert after < before - 200, (before, after)
+
+
+def test_reset_peak_memory_asks_cuda_for_its_own_device():
+    with mock.patch("torch.cuda.reset_peak_memory_stats") as reset:
+        dev.reset_peak_memory(torch.device("cuda", 1))
+    reset.assert_called_once_with(torch.device("cuda", 1))
 
 
 def test_peak_memory_kind_names_what_is_measured():

@@ -63,6 +63,7 @@ def test_qlora_writes_every_output(qlora_run):
     # the measured peak beside the plan's (the tiny model: well inside the plan's device total)
     mem = summary["memory"]
     assert mem["measured_as"] == "process peak RSS" and 0 < mem["peak_mib"] <= mem["planned_device_total_mib"]
+    assert mem["setup_peak_mib"] > 0  # loading and setup, measured apart from the training peak
     assert "quantize: nf4" in (out / "config.yaml").read_text()
     # the CPU threads the run had (the suite's OMP_NUM_THREADS=1), in the summary and the log
     threads = summary["threads"]

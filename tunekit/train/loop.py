@@ -69,6 +69,9 @@ class TrainRecipe(RecipeSetup):
         self._write_run_files()
         self._open_tracker()
         self._setup_task_eval()
+        # the training peak is measured apart from setup's (loading, quantizing, the kernel proofs)
+        self.setup_peak_mb = dev.peak_memory_mb(self.device)
+        dev.reset_peak_memory(self.device)
 
     def _start_processes(self) -> None:
         """The Accelerator (it starts the process group, with an explicit timeout), this rank's device
@@ -288,10 +291,12 @@ class TrainRecipe(RecipeSetup):
             "attention": dict(self.attention_seen)}}
 
     def _memory_report(self) -> dict:
-        """This rank's measured peak beside the plan's: torch's peak allocation on a GPU; on a CPU the
-        process's peak RSS, which also holds the runtime and the allocator's retention (the plan's
-        device total counts both)."""
+        """This rank's measured training peak beside the plan's: torch's peak allocation on a GPU; on a
+        CPU the process's peak RSS, which also holds the runtime and the allocator's retention (the
+        plan's device total counts both). `setup_peak_mib`: the same measure over setup (loading and
+        quantizing the base, the kernel proofs), which the step plan does not cover."""
         out = {"peak_mib": round(dev.peak_memory_mb(self.device), 1),
+               "setup_peak_mib": round(self.setup_peak_mb, 1),
                "measured_as": dev.peak_memory_kind(self.device)}
         if self.planned is not None:
             out["planned_step_peak_mib"] = round(self.planned.peak / 2**20, 1)
