@@ -148,7 +148,9 @@ class FusedDecision:
     """What summary.json records: which path the LoRA layers use, and why.
 
     `dense_dtype`: the dtype the 4-bit base is also kept dequantized in (torch path, CPU), if it is.
-    `decided_by`: "rank 0" once `agree_on_path` has made every rank take rank 0's decision."""
+    `decided_by`: "rank 0" once `agree_on_path` has made every rank take rank 0's decision.
+    `rejected_checks`: the per-shape figures of a kernel that was proven and not taken (on a GPU the
+    fused kernel's, when the torch path replaced it): the reason's totals, shape by shape."""
 
     mode: str
     path: str  # "fused" (Triton) | "torch" (compute-dtype LoRA, CPU) | "peft"
@@ -157,14 +159,18 @@ class FusedDecision:
     checks: list = field(default_factory=list)
     dense_dtype: Optional[str] = None
     decided_by: Optional[str] = None
+    rejected_checks: list = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "checks": [asdict(c) for c in self.checks]}
+        return {**asdict(self), "checks": [asdict(c) for c in self.checks],
+                "rejected_checks": [asdict(c) for c in self.rejected_checks]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "FusedDecision":
-        checks = [KernelCheck(**{**c, "shape": tuple(c["shape"])}) for c in d.get("checks", [])]
-        return cls(**{**d, "checks": checks})
+        def parse(rows):
+            return [KernelCheck(**{**c, "shape": tuple(c["shape"])}) for c in rows]
+
+        return cls(**{**d, "checks": parse(d.get("checks", [])), "rejected_checks": parse(d.get("rejected_checks", []))})
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -389,6 +395,8 @@ def _gpu_fallback(model, layers, mode: str, facts: dev.DeviceFacts, dtype: torch
         return FusedDecision(mode, "peft", why + "; using peft + bitsandbytes", checks=checks or [])
     decision = _torch_path(model, layers, mode, facts, dtype, why)
     decision.reason = f"{why}; instead: {decision.reason}"
+    if decision.checks is not checks and checks:
+        decision.rejected_checks = list(checks)
     return decision
 
 
