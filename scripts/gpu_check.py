@@ -459,6 +459,10 @@ def parse_args(argv=None):
     bad = [s for s in args.stages if s not in STAGES]
     if bad:
         p.error(f"--stages: unknown {bad}; choose from {','.join(STAGES)}")
+    if set(args.stages) & {"doctor", "bench", "plan", "export"} and "models" not in args.stages:
+        args.stages.append("models")  # they run on its random-init models (stages run in STAGES' order)
+    if "export" in args.stages and "plan" not in args.stages:
+        args.stages.append("plan")  # the export is of the plan stage's first run
     return args
 
 
