@@ -47,7 +47,8 @@ def test_accumulation_equals_one_big_batch(tiny_model_dir, tiny_data, tmp_path):
     grads = {}
     for micro, accum in ((8, 1), (2, 4)):
         r = _recipe(tiny_model_dir, tiny_data, tmp_path / f"{micro}x{accum}", micro, accum)
-        loss, n_trained, _ = r._train_step(0)
+        loss_sum, n_trained, _ = r._train_step(0)
+        loss = loss_sum.item() / n_trained
         grads[(micro, accum)] = (loss, [p.grad.clone() for p in r.params])
         r.tracker.close()
     (l1, g1), (l2, g2) = grads.values()
@@ -124,3 +125,4 @@ def test_every_optimizer_steps_on_cpu(name, caplog):
     assert not torch.equal(before, p.detach()) and (p.detach().abs().sum() < before.abs().sum())
     if name.startswith("paged"):
         assert any("no paging on cpu" in r.message for r in caplog.records)
+

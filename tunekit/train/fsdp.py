@@ -255,9 +255,11 @@ class Sharded:
             a.grad = None if p.grad is None else p.grad.to_local()
 
     @torch.no_grad()
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over the shards of every rank: the same global L2 norm
-        (sqrt of the all-reduced sum of squared per-shard norms) and the same clip coefficient."""
+        (sqrt of the all-reduced sum of squared per-shard norms) and the same clip coefficient,
+        applied as torch does, on the device (min(1, max_norm / norm): no host read). A non-finite
+        norm makes the gradients non-finite too; the loop stops before any optimizer step sees them."""
         import torch.distributed as dist
 
         grads = [a.grad for a in self.local if a.grad is not None and a.grad.numel()]
@@ -265,10 +267,9 @@ class Sharded:
         if grads:
             squares = torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)]).pow(2).sum()
         dist.all_reduce(squares)
-        total = float(squares.sqrt())
-        coef = max_norm / (total + 1e-6)
-        if math.isfinite(total) and coef < 1.0:
-            torch._foreach_mul_(grads, coef)
+        total = squares.sqrt()
+        if grads:
+            torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
         return total
 
     def zero_grad(self) -> None:
@@ -279,7 +280,9 @@ class Sharded:
         """Every rank's shards finite: decided together, so that all ranks stop or none does."""
         import torch.distributed as dist
 
-        ok = torch.tensor([int(all(bool(p.detach().isfinite().all()) for p in params))], device=self.device)
+        from tunekit.train.strategy import finite_flag
+
+        ok = finite_flag(params).to(device=self.device, dtype=torch.int32).reshape(1)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         return bool(ok.item())
 

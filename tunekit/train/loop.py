@@ -125,8 +125,12 @@ class TrainRecipe(RecipeSetup):
         start = time.perf_counter()
         # The first step records what attention actually received and which kernel ran it (summary.json)
         with precision.observe_attention(self.attention_seen) if step == self.start_step else contextlib.nullcontext():
-            loss, n_trained, n_input = self._train_step(step)
-        grad_norm = self.strategy.clip_grad_norm(self.params, self.cfg.trainer.max_grad_norm)
+            loss_sum, n_trained, n_input = self._train_step(step)
+        norm = self.strategy.clip_grad_norm(self.params, self.cfg.trainer.max_grad_norm)
+        # The two values the step must see before it may apply the update, in one device-to-host
+        # read; the only other read is the finite check after the update (a test counts them).
+        loss_sum, grad_norm = torch.stack([loss_sum.float(), norm.float().to(loss_sum.device)]).tolist()
+        loss = loss_sum / max(n_trained, 1)
         if step == self.start_step:
             self.strategy.check_first_step(step, loss, grad_norm)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -145,20 +149,18 @@ class TrainRecipe(RecipeSetup):
 
     def _train_step(self, step: int) -> tuple[float, int, int]:
         """Every micro-batch of the step forward and backward, then the gradients summed over the ranks:
-        (mean loss per trained token of the global batch, trained tokens, input tokens)."""
+        (the global batch's summed loss, a 0-dim tensor not yet read; trained tokens; input tokens)."""
         micro = [self.collate([self.train_data[i] for i in idx], self.tokenizer.pad_token_id)
                  for idx in self.schedule.micro_batches(step)]
         local_trained = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in micro)
-        counts = torch.tensor([local_trained, sum(count_tokens(b) for b in micro)], device=self.device)
-        n_trained, n_input = self.strategy.sum(counts).tolist()
+        n_trained, n_input = self.strategy.sum_counts([local_trained, sum(count_tokens(b) for b in micro)])
         loss_sum = torch.zeros((), device=self.device)
         for batch in micro:
             micro_sum, _ = self._micro_batch(batch, self.objective.loss)
             (micro_sum / max(n_trained, 1)).backward()
             loss_sum += micro_sum.detach()
         self.strategy.reduce_grads(self.params)
-        loss = self.strategy.sum(loss_sum).item() / max(n_trained, 1)
-        return loss, n_trained, n_input
+        return self.strategy.sum(loss_sum), n_trained, n_input
 
     def _micro_batch(self, batch: dict, objective_fn):
         """objective_fn(hidden, head, batch) of one micro-batch: the student's last hidden states
