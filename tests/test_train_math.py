@@ -126,3 +126,11 @@ def test_every_optimizer_steps_on_cpu(name, caplog):
     if name.startswith("paged"):
         assert any("no paging on cpu" in r.message for r in caplog.records)
 
+
+@pytest.mark.parametrize("device, fused", [("cuda", True), ("cuda:1", True), ("cpu", None)])
+def test_adamw_is_fused_on_a_gpu(device, fused):
+    """torch's fused AdamW on CUDA (one kernel per step, counters on the device); the default on a
+    CPU. Built here over a CPU tensor, which torch's fused AdamW also accepts: the choice is what is tested."""
+    p = torch.nn.Parameter(torch.randn(8))
+    opt = build_optimizer("adamw", [p], lr=1e-2, weight_decay=0.0, device=torch.device(device))
+    assert opt.defaults["fused"] is fused
