@@ -41,7 +41,7 @@ SMEM_LIMIT: dict[tuple[int, int], int] = {
 }
 # The targets the kernels are checked for (tests/kernel_ops/test_fit.py), oldest first.
 TARGETS: tuple[tuple[int, int], ...] = tuple(SMEM_LIMIT)
-BF16_MIN_CAPABILITY = (8, 0)  # bf16 tl.dot needs Ampere; Turing trains in fp32
+BF16_MIN_CAPABILITY = (8, 0)  # bf16 tl.dot needs Ampere; Volta and Turing train in fp16
 
 
 def smem_limit(capability: Sequence[int]) -> int | None:
@@ -50,10 +50,12 @@ def smem_limit(capability: Sequence[int]) -> int | None:
 
 
 def dtypes_for(capability: Sequence[int]) -> tuple[torch.dtype, ...]:
-    """The compute dtypes the kernels are offered in on ``capability``: fp32 everywhere, bf16 and
-    fp16 from sm_80 (tunekit computes in fp32 on Turing, which has no bf16)."""
+    """The compute dtypes the kernels are offered in on ``capability``: fp32 everywhere, fp16 from
+    sm_70 (tunekit computes in fp16 on Volta and Turing, which have no bf16), bf16 from sm_80."""
     if tuple(capability) >= BF16_MIN_CAPABILITY:
         return (torch.float32, torch.bfloat16, torch.float16)
+    if tuple(capability) >= (7, 0):
+        return (torch.float32, torch.float16)
     return (torch.float32,)
 
 
@@ -101,8 +103,9 @@ def matmul_shared_estimate(config: triton.Config, dtype: torch.dtype, capability
     vectors (two fp32 loads per W row and scale block the tile meets: up to ceil(tile / blocksize)
     + 1 blocks per row); once, the dequantized weight tile (BLOCK_Q x BLOCK_P) on its way into the
     dot. Counted here: ``num_stages`` stages (the compiler uses one fewer before sm_90) at the
-    smallest blocksize, rows not starting on a block. Turing (no asynchronous copies) only stages
-    the two dot operands, once. Hopper's warpgroup MMA writes a half-precision accumulator back
+    smallest blocksize, rows not starting on a block. Volta and Turing (no asynchronous copies) only
+    stage the two dot operands, once; in fp16 the store then converts the (BLOCK_M x BLOCK_P) output
+    tile's layout through shared memory (2 bytes an element, reusing that space). Hopper's warpgroup MMA writes a half-precision accumulator back
     through shared memory for the store (BLOCK_M x BLOCK_P x 4 bytes, reusing the loop's space).
     tests/kernel_ops/test_fit.py compiles every offered config and checks this bound.
     """
@@ -114,7 +117,7 @@ def matmul_shared_estimate(config: triton.Config, dtype: torch.dtype, capability
     scales = 2 * 4 * max(pieces(bq) * bp, pieces(bp) * bq)  # forward (rows along p) or dx (along q)
     cap = (int(capability[0]), int(capability[1]))
     if cap < (8, 0):
-        return act + weight + scales
+        return max(act + weight + scales, bm * bp * 2 if dtype == torch.float16 else 0)
     loop = max(1, config.num_stages) * (act + scales) + weight
     if cap >= (9, 0) and dtype != torch.float32:
         return max(loop, bm * bp * 4)

@@ -41,8 +41,8 @@ def test_device_map_never_holds_none(given, expected):
 
 @pytest.mark.parametrize("facts, name, expected", [
     (A100, "auto", torch.bfloat16), (H100_1, "auto", torch.bfloat16),
-    (T4, "auto", torch.float32),      # is_bf16_supported() says True on a T4: emulation
-    (V100, "auto", torch.float32),
+    (T4, "auto", torch.float16),      # is_bf16_supported() says True on a T4: emulation; fp16 tensor cores
+    (V100, "auto", torch.float16),
     (CPU_BF16, "auto", torch.bfloat16), (CPU, "auto", torch.float32),
     (T4, "bf16", torch.bfloat16),     # explicit: obeyed (emulated, slow, correct)
     (A100, "fp32", torch.float32),

@@ -22,7 +22,7 @@ H100 = dev.DeviceFacts("cuda", 0, (9, 0), "H100", 80 * 2**30)
 @pytest.mark.parametrize("facts, name, compute, tf32", [
     (H100, "auto", torch.bfloat16, True),
     (A10, "auto", torch.bfloat16, True),   # sm_86, on cuda:1
-    (T4, "auto", torch.float32, False),    # fp16 only, and no loss scaler here: fp32, and no TF32 before sm_80
+    (T4, "auto", torch.float16, False),    # fp16 tensor cores only: fp16 with loss scaling; no TF32 before sm_80
     (T4, "bf16", torch.bfloat16, False),   # asked for: obeyed (emulated)
     (H100, "fp32", torch.float32, False),  # strict fp32: no TF32 either
     (CPU_BF16, "auto", torch.bfloat16, False),
@@ -33,12 +33,12 @@ def test_the_policy_from_device_facts(facts, name, compute, tf32):
     p = precision.decide(name, facts)
     assert p.compute == compute and p.tf32 == tf32
     assert p.as_dict()["trained"] == "fp32" and p.as_dict()["loss"] == "fp32"
-    assert p.as_dict()["compute"] == {torch.bfloat16: "bf16", torch.float32: "fp32"}[compute]
+    assert p.as_dict()["compute"] == {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[compute]
     assert p.describe().startswith("precision: ")
 
 
 def test_the_t4_rule_says_why():
-    assert "loss scaler" in precision.decide("auto", T4).reason
+    assert "fp16 but no bf16 tensor cores" in precision.decide("auto", T4).reason
     assert "emulates" in precision.decide("bf16", CPU).reason
 
 

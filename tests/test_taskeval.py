@@ -613,7 +613,7 @@ def test_eval_bad_input_is_one_clear_error(args, message, runs, tmp_path):
 # ---------------------------------------------------------------- where the commands run
 GIB = 2**30
 FAKE_GPUS = {"sm_80": ((8, 0), "NVIDIA A100-SXM4-80GB", torch.bfloat16),
-             "sm_75": ((7, 5), "Tesla T4", torch.float32)}  # no native bf16 below sm_80: fp32
+             "sm_75": ((7, 5), "Tesla T4", torch.float16)}  # no bf16 below sm_80: fp16 tensor cores
 
 
 @pytest.fixture

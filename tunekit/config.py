@@ -35,8 +35,9 @@ class Quantize(str, Enum):
 
 
 class DType(str, Enum):
-    auto = "auto"  # bf16 where the device computes it natively, else fp32
+    auto = "auto"  # bf16 where the device computes it natively, fp16 + loss scaling on sm_70/sm_75, else fp32
     bf16 = "bf16"
+    fp16 = "fp16"  # with dynamic loss scaling (tunekit.train.loss_scale)
     fp32 = "fp32"
 
 

@@ -24,7 +24,7 @@ def test_targets_limits_and_dtypes():
     assert fit.TARGETS == ((7, 5), (8, 0), (8, 6), (8, 9), (9, 0))
     assert [fit.smem_limit(c) for c in fit.TARGETS] == [65_536, 166_912, 101_376, 101_376, 232_448]
     assert fit.smem_limit((12, 0)) is None
-    assert fit.dtypes_for((7, 5)) == (torch.float32,)  # Turing: no bf16, trains in fp32
+    assert fit.dtypes_for((7, 5)) == (torch.float32, torch.float16)  # Turing: no bf16, trains in fp16
     assert all(fit.dtypes_for(c) == (torch.float32, *HALF) for c in fit.TARGETS[1:])
 
 
@@ -93,7 +93,7 @@ json.dump({"rows": fit.check_targets(), "same_as_jit": same}, sys.stdout)
 
 
 def test_every_offered_config_compiles_within_the_limit(tmp_path):
-    """For sm_75 (fp32), sm_80, sm_86, sm_89, sm_90 (fp32, bf16, fp16): the NF4 dequantization kernel
+    """For sm_75 (fp32, fp16), sm_80, sm_86, sm_89, sm_90 (fp32, bf16, fp16): the NF4 dequantization kernel
     and the fused matmul's forward in every config offered there compile, and one block needs no
     more shared memory than the target has, nor than the pruning's estimate. In the largest config
     offered on sm_86 in bf16, also dx, and both launches for a layer whose rows start on a block

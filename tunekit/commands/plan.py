@@ -17,7 +17,8 @@ from typing import Optional
 
 from tunekit import TunekitError
 from tunekit.commands.parse import Parser
-from tunekit.speed.device import available_memory_bytes, default_device, planning_facts
+from tunekit.config import plain
+from tunekit.speed.device import available_memory_bytes, compute_dtype, default_device, dtype_name, planning_facts
 from tunekit.plan import GiB, Plan, predict
 from tunekit.plan.inputs import planner_inputs
 from tunekit.plan.memory import method_of
@@ -99,10 +100,11 @@ def render(plan: Plan, memory_gib: Optional[float], cfg, source: str) -> str:
     cols = [("per process", plan.memory)] if plan.fsdp is None else [
         (f"per rank, DDP x{plan.ranks}", plan.memory), (f"per rank, FSDP x{plan.ranks}", plan.fsdp)]
     method = method_of(s).plan_label(s.options)
-    base = "NF4 + double quant" if s.quantize == "nf4" else ("bf16" if s.compute_bytes == 2 else "fp32")
+    compute = dtype_name(compute_dtype(plain(cfg.model.dtype), plan.facts))
+    base = "NF4 + double quant" if s.quantize == "nf4" else compute
     lines = [
         f"tunekit plan: recipe={cfg.recipe}, {shape.name} ({shape.total_params / 1e9:.3f}B params; {source})",
-        f"  {method} over a {base} base, {'bf16' if s.compute_bytes == 2 else 'fp32'} compute, optimizer {s.optimizer}",
+        f"  {method} over a {base} base, {compute} compute, optimizer {s.optimizer}",
         f"  worst micro-batch: {s.micro_batch_size} x {s.seq_len} tokens{' (packed)' if s.packing else ''}, "
         f"grad_accum {s.grad_accum}, gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}"
         + (f"; teacher {s.teacher.name} ({s.teacher_quantize}), chunk {s.distill_chunk}" if s.teacher else ""),

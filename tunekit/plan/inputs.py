@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
-import torch
 
 from tunekit.speed.device import DeviceFacts, compute_dtype, offload_activations
 from tunekit.plan.memory import TrainSetup
@@ -46,7 +45,7 @@ def planner_inputs(cfg, facts: DeviceFacts, teacher_shape: Optional[ModelShape] 
     method = get_method(m.name)
     setup = TrainSetup(
         method=m.name, options=method.plan_options(m),
-        quantize=_value(cfg.model.quantize), compute_bytes=2 if dtype == torch.bfloat16 else 4,
+        quantize=_value(cfg.model.quantize), compute_bytes=dtype.itemsize,
         gradient_checkpointing=cfg.model.gradient_checkpointing, micro_batch_size=t.micro_batch_size,
         grad_accum=t.grad_accum, seq_len=cfg.data.max_seq_len, packing=cfg.data.packing,
         optimizer=_value(t.optimizer), dropout_mask_bytes=1 if facts.type == "cuda" else 4,

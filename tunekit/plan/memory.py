@@ -64,7 +64,7 @@ class TrainSetup:
     method: str = "lora"  # a registered method (tunekit.methods)
     options: Any = None
     quantize: str = "none"  # none | nf4
-    compute_bytes: int = 2  # 2 = bf16, 4 = fp32 (model.dtype resolved for the device)
+    compute_bytes: int = 2  # 2 = bf16 or fp16, 4 = fp32 (model.dtype resolved for the device)
     gradient_checkpointing: bool = False
     micro_batch_size: int = 8
     grad_accum: int = 2

@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 # Native bf16 tensor cores (and Triton's bf16 tl.dot) need Ampere or newer. torch's
 # is_bf16_supported() also counts emulation, which says True on T4 (sm_75) and V100 (sm_70).
 BF16_MIN_CAPABILITY = (8, 0)
+# fp16 tensor cores: Volta (V100, sm_70) and Turing (T4, RTX 20xx, sm_75). Training there computes in
+# fp16 with dynamic loss scaling (tunekit.train.loss_scale) rather than in fp32, 4-8x slower.
+FP16_MIN_CAPABILITY = (7, 0)
 
 
 @dataclass(frozen=True)
@@ -155,23 +158,29 @@ def native_bf16(facts: DeviceFacts) -> bool:
     return facts.cpu_bf16
 
 
+def fp16_tensor_cores(facts: DeviceFacts) -> bool:
+    """A GPU with fp16 tensor cores but no bf16 ones: sm_70 up to sm_80 (V100, T4, RTX 20xx)."""
+    cap = tuple(facts.capability or (0, 0))
+    return facts.type == "cuda" and FP16_MIN_CAPABILITY <= cap < BF16_MIN_CAPABILITY
+
+
 def compute_dtype(name: str, where) -> torch.dtype:
     """model.dtype -> the dtype the frozen base computes in, on `where`: a device's facts
     (tunekit.speed.device.DeviceFacts) or a torch.device, whose facts are probed.
 
-    auto: bf16 where the device computes it natively (CUDA sm_80+, CPUs with AVX512-BF16/AMX),
-    else fp32. fp16 is never chosen on its own: this trainer has no loss scaling, and fp16
-    activations of a 4-bit base overflow on long sequences. An explicit bf16 is obeyed even
-    where it is emulated (slow but correct).
+    auto: bf16 where the device computes it natively (CUDA sm_80+, CPUs with AVX512-BF16/AMX);
+    fp16 on GPUs with fp16 tensor cores only (sm_70, sm_75: training adds dynamic loss scaling);
+    else fp32. An explicit bf16 or fp16 is obeyed even where it is emulated (slow but correct).
     """
-    if name == "fp32":
-        return torch.float32
-    if name == "bf16":
-        return torch.bfloat16
+    fixed = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if name in fixed:
+        return fixed[name]
     if name != "auto":
         raise ValueError(f"unknown dtype name {name!r}")
     facts = probe(torch.device(where)) if isinstance(where, (torch.device, str)) else where
-    return torch.bfloat16 if native_bf16(facts) else torch.float32
+    if native_bf16(facts):
+        return torch.bfloat16
+    return torch.float16 if fp16_tensor_cores(facts) else torch.float32
 
 
 def fused_kernel_support(facts: DeviceFacts, dtype: torch.dtype, triton_installed: bool,
@@ -190,7 +199,8 @@ def fused_kernel_support(facts: DeviceFacts, dtype: torch.dtype, triton_installe
             return False, f"{facts.describe()} is older than sm_70, which Triton does not support"
         if dtype == torch.bfloat16 and cap < BF16_MIN_CAPABILITY:
             return False, (f"{facts.describe()} has no native bf16 (sm_80+ needed); the Triton kernels "
-                           "cannot compile bf16 there (use model.dtype=fp32 or kernels.fused_lora=off)")
+                           "cannot compile bf16 there (use model.dtype=auto, which computes fp16 there, "
+                           "or kernels.fused_lora=off)")
         if interpreting:
             return False, "TRITON_INTERPRET=1 is set: Triton would interpret, not compile, on the GPU"
         return True, f"{facts.describe()}, {dtype_name(dtype)}"

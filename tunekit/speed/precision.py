@@ -35,12 +35,15 @@ Methods whose trained weights make up the model itself (`full`) keep an fp32 mas
 weight and compute under bf16 autocast (`autocast` below): matmuls in bf16, everything else in the
 weights' fp32.
 
+A GPU with fp16 tensor cores but no bf16 ones (V100 sm_70, T4 and RTX 20xx sm_75) computes the
+same parts in fp16 instead, with dynamic loss scaling (tunekit.train.loss_scale): fp16 keeps 3 more
+significand bits than bf16 but 3 fewer exponent bits, so gradients flowing back through the base are
+scaled up by a power of two to stay clear of fp16's underflow (2^-24), and a step whose gradients
+overflow (65504) is skipped and counted. fp32 there would run 4-8x slower, on CUDA cores.
+
 Elsewhere: a CPU without native bf16 emulates it at several times fp32's cost, so `auto` is fp32
-there. A GPU older than sm_80 (T4, V100) has fp16 but no bf16 tensor cores; fp16 activations of a
-4-bit base overflow on long sequences without a loss scaler, which this trainer does not have, so
-`auto` is fp32 there too (TF32 needs sm_80 as well). `model.dtype=fp32` keeps strict fp32
-everywhere, TF32 off; `model.dtype=bf16` is obeyed even where bf16 is emulated (slow, but the same
-numbers).
+there (TF32 needs sm_80 as well). `model.dtype=fp32` keeps strict fp32 everywhere, TF32 off;
+`model.dtype=bf16` or `fp16` is obeyed even where it is emulated (slow, but the same numbers).
 """
 
 from __future__ import annotations
@@ -66,6 +69,11 @@ class Precision:
     def half(self) -> bool:
         return self.compute != torch.float32
 
+    @property
+    def loss_scaling(self) -> bool:
+        """fp16 trains with dynamic loss scaling (tunekit.train.loss_scale); bf16 has fp32's range."""
+        return self.compute == torch.float16
+
     def autocast(self, device: torch.device, wanted: bool = True):
         """bf16 autocast for a method whose fp32 trained weights are the model's own (`full`);
         a no-op for the others (their frozen weights are already in the compute dtype) and in fp32."""
@@ -78,16 +86,18 @@ class Precision:
         if not self.half:
             return f"precision: fp32 everywhere{' (TF32 matmuls)' if self.tf32 else ''} ({self.reason})"
         return (f"precision: {name} weights, activations and attention; fp32 norm statistics, softmax, loss and "
-                f"trained parameters{'; TF32 for fp32 matmuls' if self.tf32 else ''} ({self.reason})")
+                f"trained parameters{'; TF32 for fp32 matmuls' if self.tf32 else ''}"
+                f"{'; dynamic loss scaling' if self.loss_scaling else ''} ({self.reason})")
 
     def as_dict(self) -> dict:
         return {"compute": dev.dtype_name(self.compute), "frozen": dev.dtype_name(self.compute),
-                "trained": "fp32", "loss": "fp32", "tf32": self.tf32, "reason": self.reason}
+                "trained": "fp32", "loss": "fp32", "tf32": self.tf32, "loss_scaling": self.loss_scaling,
+                "reason": self.reason}
 
 
 def decide(name: str, facts: dev.DeviceFacts) -> Precision:
-    """model.dtype (auto | bf16 | fp32) on a device -> the policy (see the module docstring)."""
-    if name not in ("auto", "bf16", "fp32"):
+    """model.dtype (auto | bf16 | fp16 | fp32) on a device -> the policy (see the module docstring)."""
+    if name not in ("auto", "bf16", "fp16", "fp32"):
         raise ValueError(f"unknown dtype name {name!r}")
     compute = dev.compute_dtype(name, facts)  # the one rule for the dtype; the reasons below
     native = dev.native_bf16(facts)
@@ -96,11 +106,15 @@ def decide(name: str, facts: dev.DeviceFacts) -> Precision:
         return Precision(compute, False, "model.dtype=fp32")
     if name == "bf16":
         return Precision(compute, tf32, "model.dtype=bf16" + ("" if native else f"; {facts.describe()} emulates bf16 (slow)"))
+    if name == "fp16":
+        fast = dev.fp16_tensor_cores(facts) or (facts.type == "cuda" and native)
+        return Precision(compute, tf32, "model.dtype=fp16" + ("" if fast else f"; {facts.describe()} may emulate fp16 (slow)"))
     if native:
         return Precision(compute, tf32, f"{facts.describe()} computes bf16 natively")
+    if compute == torch.float16:
+        return Precision(compute, False, f"{facts.describe()} has fp16 but no bf16 tensor cores (sm_80+)")
     if facts.type == "cuda":
-        return Precision(compute, False, f"{facts.describe()} has no bf16 tensor cores (sm_80+), and fp16 "
-                                         "would need a loss scaler")
+        return Precision(compute, False, f"{facts.describe()} is older than sm_70: no fp16 or bf16 tensor cores")
     return Precision(compute, False, f"{facts.describe()} has no native bf16")
 
 

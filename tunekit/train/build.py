@@ -30,6 +30,7 @@ from tunekit.speed import device as dev
 from tunekit.speed import precision, threads
 from tunekit.speed import torch_compile as compiled
 from tunekit.train.checkpoint import atomic_write_text, cleanup_leftovers, find_resumable, load_checkpoint, read_state
+from tunekit.train.loss_scale import LossScaler
 from tunekit.train.objective import DistillObjective, SFTObjective, check_same_vocabulary, model_inputs
 from tunekit.train.optim import build_optimizer, warmup_cosine
 from tunekit.train.resume import (DATA_FINGERPRINT, check_not_foreign, check_output_dir, check_resumable, check_same_run,
@@ -272,6 +273,9 @@ class RecipeSetup:
         set_seed(self.cfg.seed + 1000 * self.strategy.rank)
         self.start_step, self.tokens_seen, self.first_eval = 0, 0, None
         self.attention_seen: dict = {}
+        self.first_checked = False  # the strategy's first-step check, on the first step that updates
+        # fp16 (V100, T4, or model.dtype=fp16): dynamic loss scaling (tunekit.train.loss_scale)
+        self.scaler = LossScaler(enabled=self.precision.compute == torch.float16)
         ckpt = self.resume_from
         if ckpt is None:
             return
@@ -279,6 +283,11 @@ class RecipeSetup:
         dev.set_rng_state(state["rng"][self.strategy.rank], self.device)
         self.start_step, self.tokens_seen = state["step"], state.get("tokens_seen", 0)
         self.first_eval = state.get("first_eval")
+        if self.scaler.enabled and "loss_scaler" in state:
+            try:
+                self.scaler.load_state_dict(state["loss_scaler"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise TunekitError(f"{ckpt}: its loss_scaler state is unreadable ({type(e).__name__}: {e})") from None
         self._info(f"resumed from {ckpt} (step {self.start_step})")
 
     def _write_run_files(self) -> None:

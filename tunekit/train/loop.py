@@ -126,26 +126,40 @@ class TrainRecipe(RecipeSetup):
         # The first step records what attention actually received and which kernel ran it (summary.json)
         with precision.observe_attention(self.attention_seen) if step == self.start_step else contextlib.nullcontext():
             loss_sum, n_trained, n_input = self._train_step(step)
+        self.scaler.unscale_(self.params)  # fp16: the gradients back to the loss's own scale
         norm = self.strategy.clip_grad_norm(self.params, self.cfg.trainer.max_grad_norm)
         # The two values the step must see before it may apply the update, in one device-to-host
         # read; the only other read is the finite check after the update (a test counts them).
         loss_sum, grad_norm = torch.stack([loss_sum.float(), norm.float().to(loss_sum.device)]).tolist()
         loss = loss_sum / max(n_trained, 1)
-        if step == self.start_step:
-            self.strategy.check_first_step(step, loss, grad_norm)
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            self._stop_non_finite(step, f"the training loss is {loss} and the gradient norm {grad_norm}")
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.strategy.zero_grad(self.optimizer)
-        if not self.strategy.all_finite(self.params):
-            self._stop_non_finite(step, "the optimizer step made trainable weights inf/nan")
         self.tokens_seen += n_input
+        overflowed = self.scaler.enabled and math.isfinite(loss) and not math.isfinite(grad_norm)
+        if overflowed:  # fp16 gradients overflowed: skip the update, lower the scale (loss_scale.py)
+            self.strategy.zero_grad(self.optimizer)
+            self.scaler.update(overflowed=True)
+            if self.scaler.gave_up:
+                self._stop_non_finite(step, f"the fp16 gradients overflowed {self.scaler.skipped_in_a_row} steps in a "
+                                            "row whatever the loss scale (model.dtype=fp32 avoids fp16)")
+        else:
+            if not self.first_checked:
+                self.strategy.check_first_step(step, loss, grad_norm)
+                self.first_checked = True
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                self._stop_non_finite(step, f"the training loss is {loss} and the gradient norm {grad_norm}")
+            self.optimizer.step()
+            self.scheduler.step()
+            self.strategy.zero_grad(self.optimizer)
+            self.scaler.update(overflowed=False)
+            if not self.strategy.all_finite(self.params):
+                self._stop_non_finite(step, "the optimizer step made trainable weights inf/nan")
         dt = time.perf_counter() - start
-        return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": n_input / dt,
-                "input_tokens": n_input, "trained_tokens": n_trained, "tokens_seen": self.tokens_seen,
-                "step_time_s": dt, "epoch": self.schedule.epoch_of(step + 1), "memory_mb": dev.peak_memory_mb(self.device)}
+        row = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": n_input / dt,
+               "input_tokens": n_input, "trained_tokens": n_trained, "tokens_seen": self.tokens_seen,
+               "step_time_s": dt, "epoch": self.schedule.epoch_of(step + 1), "memory_mb": dev.peak_memory_mb(self.device)}
+        if self.scaler.enabled:
+            row.update(loss_scale=self.scaler.scale, **({"skipped": True} if overflowed else {}))
+        return row
 
     def _train_step(self, step: int) -> tuple[float, int, int]:
         """Every micro-batch of the step forward and backward, then the gradients summed over the ranks:
@@ -157,7 +171,7 @@ class TrainRecipe(RecipeSetup):
         loss_sum = torch.zeros((), device=self.device)
         for batch in micro:
             micro_sum, _ = self._micro_batch(batch, self.objective.loss)
-            (micro_sum / max(n_trained, 1)).backward()
+            self.scaler.scaled(micro_sum / max(n_trained, 1)).backward()
             loss_sum += micro_sum.detach()
         self.strategy.reduce_grads(self.params)
         return self.strategy.sum(loss_sum), n_trained, n_input
@@ -239,7 +253,8 @@ class TrainRecipe(RecipeSetup):
         with self.strategy.full_trained(self.model):
             if self.main:
                 facts = {"tokens_seen": self.tokens_seen, "first_eval": self.first_eval,
-                         "fingerprint": self.fingerprint}
+                         "fingerprint": self.fingerprint,
+                         **({"loss_scaler": self.scaler.state_dict()} if self.scaler.enabled else {})}
                 save_checkpoint(self.output_dir, step, lambda d: self.method.save(self.model, d), optimizer,
                                 self.scheduler, facts, rng, self.cfg.trainer.keep_checkpoints)
         self.strategy.barrier()
@@ -276,6 +291,8 @@ class TrainRecipe(RecipeSetup):
                 "device": self.facts.describe(), "compute_dtype": str(self.dtype).removeprefix("torch."),
                 "precision": self._precision_report(), "memory": self._memory_report(),
                 "kernels": self.lora_path.as_dict(),
+                **({"loss_scaling": {**self.scaler.state_dict(), "skipped_steps": self.scaler.skipped}}
+                   if self.scaler.enabled else {}),
                 "compile": self.compiled.as_dict(),
                 **({"threads": self.threads["summary"]} if self.threads else {}),
                 "ranks_in_sync": self.strategy.in_sync(self.params),
