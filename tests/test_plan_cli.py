@@ -13,7 +13,7 @@ from tunekit.commands.compose import compose_configs
 from tunekit.commands.main import main
 from tunekit.speed.device import DeviceFacts
 from tunekit.plan import GiB
-from tunekit.plan.choose import choose
+from tunekit.plan.choose import candidates, choose
 from tunekit.plan.shape import PROJECTIONS
 
 CPU = DeviceFacts("cpu", cpu_bf16=True)
@@ -232,3 +232,23 @@ def test_the_plan_counts_the_dense_copy_the_trainer_keeps():
         assert planner_inputs(cfg, small)[1].dense_cache_bytes == 0
     assert planner_inputs(_cfg("kernels.fused_lora=off"), roomy)[1].dense_cache_bytes == 0  # peft keeps none
     assert planner_inputs(cfg, A100_80)[1].dense_cache_bytes == 0  # the GPU dequantizes in the kernel
+
+
+def test_auto_offloads_activations_only_when_nothing_fits_without():
+    """Offloading copies each checkpointed block's input to the host and back every micro-batch:
+    `auto` takes it only where the step does not fit without it (and never on a CPU)."""
+    cfg = _cfg("model.preset=llama-3-8b", "data.max_seq_len=2048", "trainer.micro_batch_size=2",
+               "model.gradient_checkpointing=true")
+    assert [o for _, _, o in candidates(cfg, A100_80)] == [False, True]
+    without = choose(_cfg("model.preset=llama-3-8b", "data.max_seq_len=2048", "trainer.micro_batch_size=2",
+                          "model.gradient_checkpointing=true", "model.offload_activations=false"), A100_80, 10**15)[2]
+    with_ = choose(_cfg("model.preset=llama-3-8b", "data.max_seq_len=2048", "trainer.micro_batch_size=2",
+                        "model.gradient_checkpointing=true", "model.offload_activations=true"), A100_80, 10**15)[2]
+    need_without, need_with = without.needed_beyond_runtime(), with_.needed_beyond_runtime()
+    assert need_with < need_without
+    assert not choose(cfg, A100_80, 24 * GiB)[2].setup.offload_activations  # a 24 GiB card: room enough
+    room = int(need_with / 0.89)  # fits with offloading, inside auto's 10% headroom; not without it
+    assert not without.fits(room, 0.10)
+    squeezed = choose(cfg, A100_80, room)[2]
+    assert squeezed.setup.offload_activations and squeezed.fits(room, 0.10)
+    assert [o for _, _, o in candidates(cfg, CPU)] == [False]  # nothing to offload to on a CPU

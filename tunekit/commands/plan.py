@@ -180,10 +180,11 @@ def main(argv: list[str]) -> None:
 def resolve_auto(cfg, facts, memory_gib: Optional[float], ranks: int) -> dict:
     """Resolve `auto` settings in place as `tunekit train` would on this device (with --memory: a
     device of that size, its runtime or CUDA context spent); returns {key: chosen value}."""
-    from tunekit.plan.choose import choose, is_auto
+    from tunekit.plan.choose import candidates, choose, is_auto
 
     keys = [k for k, v in (("trainer.micro_batch_size", cfg.trainer.micro_batch_size),
-                           ("model.gradient_checkpointing", cfg.model.gradient_checkpointing)) if is_auto(v)]
+                           ("model.gradient_checkpointing", cfg.model.gradient_checkpointing),
+                           ("model.offload_activations", cfg.model.offload_activations)) if is_auto(v)]
     if not keys:
         return {}
     if memory_gib is not None:
@@ -194,12 +195,15 @@ def resolve_auto(cfg, facts, memory_gib: Optional[float], ranks: int) -> dict:
 
         available = available_memory_bytes(torch.device(facts.type))
     try:
-        b, c, _ = choose(cfg, facts, available, ranks)
+        b, c, plan = choose(cfg, facts, available, ranks)
+        o = plan.setup.offload_activations if plan is not None else candidates(cfg, facts, ranks)[-1][2]
     except TunekitError:  # nothing fits: plan the safest choice, whose table then says so
-        from tunekit.plan.choose import candidates
-
-        b, c = candidates(cfg)[-1]
+        b, c, o = candidates(cfg, facts, ranks)[-1]
     cfg.trainer.micro_batch_size, cfg.model.gradient_checkpointing = b, c
-    values = {"trainer.micro_batch_size": b, "model.gradient_checkpointing": "on" if c else "off"}
-    return {k: values[k] for k in keys}
+    if is_auto(cfg.model.offload_activations):
+        cfg.model.offload_activations = o
+    values = {"trainer.micro_batch_size": b, "model.gradient_checkpointing": "on" if c else "off",
+              "model.offload_activations": "on" if o else "off"}
+    # offloading is a choice only where it can run (a GPU, with checkpointing)
+    return {k: values[k] for k in keys if k != "model.offload_activations" or (c and facts.type == "cuda")}
 

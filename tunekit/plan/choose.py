@@ -60,23 +60,38 @@ def hints(plan: Plan) -> str:
     return "lower " + keys[0] + "".join(f", set {k}" for k in keys[1:])
 
 
-def candidates(cfg) -> list[tuple[int, bool]]:
-    """(micro_batch_size, gradient_checkpointing) pairs to try, the fastest first."""
+def candidates(cfg, facts: Optional[DeviceFacts] = None, ranks: int = 1) -> list[tuple[int, bool, bool]]:
+    """(micro_batch_size, gradient_checkpointing, offload_activations) to try, the fastest first:
+    every size without checkpointing, then with it, then with its saved inputs offloaded to the host
+    (where offloading can run at all: a GPU, checkpointing, no FSDP). Offloading copies every block's
+    input out and back each micro-batch, so `auto` takes it only when nothing fits without it."""
+    from tunekit.speed.device import offload_activations
+
     t, m = cfg.trainer, cfg.model
     sizes = AUTO_MICRO_BATCHES if is_auto(t.micro_batch_size) else (t.micro_batch_size,)
     ckpt = (False, True) if is_auto(m.gradient_checkpointing) else (m.gradient_checkpointing,)
-    return [(b, c) for c in ckpt for b in sizes]
+    sharded = getattr(t.strategy, "value", t.strategy) == "fsdp" and ranks > 1
+    out = []
+    for c in ckpt:
+        can = facts is not None and offload_activations(True, facts, c, sharded)
+        setting = m.offload_activations
+        offloads = ((False, True) if is_auto(setting) else (bool(setting),)) if can else (False,)
+        out += [(b, c, o) for o in offloads for b in sizes]
+    return out
 
 
-def plan_for(cfg, facts: DeviceFacts, ranks: int, micro_batch: int, checkpointing: bool) -> Plan:
+def plan_for(cfg, facts: DeviceFacts, ranks: int, micro_batch: int, checkpointing: bool,
+             offload: Optional[bool] = None) -> Plan:
+    """The plan of these settings; `offload` None: model.offload_activations as set (auto: on where it can run)."""
     from dataclasses import replace
 
     shape, setup = planner_inputs(cfg, facts)
     from tunekit.speed.device import offload_activations
 
     sharded = getattr(cfg.trainer.strategy, "value", cfg.trainer.strategy) == "fsdp" and ranks > 1
+    setting = cfg.model.offload_activations if offload is None else offload
     setup = replace(setup, micro_batch_size=micro_batch, gradient_checkpointing=checkpointing,
-                    offload_activations=offload_activations(cfg.model.offload_activations, facts, checkpointing, sharded))
+                    offload_activations=offload_activations(setting, facts, checkpointing, sharded))
     plan = predict(shape, setup, facts, ranks)
     if getattr(cfg.trainer.strategy, "value", cfg.trainer.strategy) == "fsdp" and plan.fsdp is not None:
         plan = replace(plan, memory=plan.fsdp)  # the run shards: its ranks hold the FSDP figures
@@ -84,18 +99,19 @@ def plan_for(cfg, facts: DeviceFacts, ranks: int, micro_batch: int, checkpointin
 
 
 def choose(cfg, facts: DeviceFacts, available: Optional[int], ranks: int = 1) -> tuple[int, bool, Optional[Plan]]:
-    """(micro_batch_size, gradient_checkpointing, plan of that choice) for this device.
+    """(micro_batch_size, gradient_checkpointing, plan of that choice) for this device. The plan's
+    setup says whether the checkpointed inputs are offloaded (`offload_activations`).
 
     Raises TunekitError when nothing fits and trainer.memory_check is on.
     """
-    tries = candidates(cfg)
+    tries = candidates(cfg, facts, ranks)
     auto = len(tries) > 1
     if available is None:  # free memory unknown: the safe end of each auto range
-        b, c = tries[-1] if auto else tries[0]
+        b, c, _ = tries[-1] if auto else tries[0]
         return b, c, None
     plans = []
-    for b, c in tries:
-        plan = plan_for(cfg, facts, ranks, b, c)
+    for b, c, o in tries:
+        plan = plan_for(cfg, facts, ranks, b, c, o)
         if plan.fits(available, AUTO_HEADROOM if auto else 0.0):
             return b, c, plan
         plans.append(plan)
@@ -154,6 +170,12 @@ def resolve_memory_settings(cfg, device: torch.device, ranks: int = 1, local_ran
         chosen.append(f"trainer.micro_batch_size=auto -> {b}")
     if is_auto(cfg.model.gradient_checkpointing):
         chosen.append(f"model.gradient_checkpointing=auto -> {'on' if c else 'off'}")
+    if is_auto(cfg.model.offload_activations):
+        # what the plan chose (the safe end where free memory is unknown)
+        o = plan.setup.offload_activations if plan is not None else candidates(cfg, facts, ranks)[-1][2]
+        cfg.model.offload_activations = o
+        if c and facts.type == "cuda":
+            chosen.append(f"model.offload_activations=auto -> {'on' if o else 'off'}")
     cfg.trainer.micro_batch_size, cfg.model.gradient_checkpointing = b, c
     settings = ", ".join(chosen) or f"micro-batch {b}, gradient checkpointing {'on' if c else 'off'}"
     if plan is None:

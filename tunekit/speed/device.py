@@ -302,7 +302,9 @@ def offload_activations(setting, facts: DeviceFacts, checkpointing: bool, sharde
     gradient checkpointing, where those inputs are nearly all that a step keeps on the device
     (Llama-3-8B at 2 x 2048 tokens: 1 GiB of its ~8). The cost is one copy out and one back of
     each block's input per micro-batch, ~2 x 32 MiB a block there against ~30 ms of its compute.
-    `auto` offloads on CUDA with checkpointing; FSDP runs keep them (not combined here).
+    `auto` offloads on CUDA with checkpointing; FSDP runs keep them (not combined here). The trainer
+    and `tunekit plan` resolve `auto` first, from the memory plan (tunekit.plan.choose): offloaded only
+    where the step would not fit without it; an unresolved `auto` (no plan) is the safe side, on.
     """
     if sharded or not checkpointing or facts.type != "cuda":
         return False
