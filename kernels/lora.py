@@ -144,7 +144,10 @@ def _nf4_weight_tile(
     return tl.where(mask, w, 0.0)
 
 
-@triton.autotune(configs=_configs(), key=["M_BUCKET", "P", "Q", "R"],
+# W_CONTIG_Q in the key: the forward (W^T, contiguous along q) and dx (W, contiguous along p) of a
+# square layer have the same M, P, Q and R but read the weight along different axes; sharing one
+# tuned tile between them gives the second whatever suited the first.
+@triton.autotune(configs=_configs(), key=["M_BUCKET", "P", "Q", "R", "W_CONTIG_Q"],
                  prune_configs_by={"early_config_prune": prune_for_device})
 @triton.jit
 def _nf4_lora_matmul_kernel(

@@ -194,6 +194,8 @@ def test_autotune_key_is_not_the_token_count():
     from tunekit_kernels.lora import _nf4_lora_matmul_kernel, m_bucket
 
     assert "M" not in _nf4_lora_matmul_kernel.keys and "M_BUCKET" in _nf4_lora_matmul_kernel.keys
+    # ... and on the weight's layout: a square layer's forward and dx must not share one tuned tile
+    assert "W_CONTIG_Q" in _nf4_lora_matmul_kernel.keys
     buckets = {m_bucket(m) for m in range(1, 70_000, 7)}
     assert buckets == {2**k for k in range(4, 17)}  # 13 classes for any token count
     assert m_bucket(1000) == m_bucket(1024) == 1024 and m_bucket(1025) == 2048
