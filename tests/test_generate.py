@@ -133,3 +133,26 @@ def test_bad_input_is_one_clear_error(args, message, tiny_model_dir, adapters):
     with pytest.raises(TunekitError) as err:
         main(["--model", str(tiny_model_dir), "--dtype", "fp32", *args])
     assert message.format(root=adapters) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_chat_samples_on_the_logits_device_reproducibly():
+    """Nucleus sampling stays where the logits are (no copy of a vocabulary's logits to the host per
+    token), is reproducible from its seed, and top_p below the top token's mass is greedy."""
+    from torch.overrides import TorchFunctionMode
+
+    from tunekit.commands.chat import sampler
+
+    class NoHostCopy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            assert getattr(func, "__name__", "") not in {"cpu", "tolist", "item", "numpy"}, func
+            return func(*args, **(kwargs or {}))
+
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(0))
+    with NoHostCopy():
+        a = [sampler(1.0, 0.9, seed=7)(logits) for _ in range(2)]
+    first = sampler(1.0, 0.9, seed=7)
+    assert torch.equal(a[0], a[1]) and torch.equal(first(logits), a[0])  # same seed, same draws
+    assert a[0].device == logits.device and a[0].shape == (3,)
+    peaked = logits.clone()
+    peaked[:, 42] = 50.0
+    assert torch.equal(sampler(1.0, 0.5, seed=1)(peaked), torch.full((3,), 42))

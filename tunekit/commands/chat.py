@@ -65,15 +65,18 @@ def sampler(temperature: float, top_p: float, seed: int) -> Callable[[torch.Tens
     """Greedy for temperature 0; else nucleus sampling (Holtzman et al. 2020) at that temperature."""
     if temperature == 0:
         return lambda logits: logits.argmax(-1)
-    gen = torch.Generator().manual_seed(seed)
+    generators: dict[torch.device, torch.Generator] = {}
 
     def pick(logits: torch.Tensor) -> torch.Tensor:  # (batch, vocab) -> (batch,)
-        probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+        # on the logits' device, with a seeded generator of that device: only the chosen token
+        # leaves it, not a copy of the vocabulary's logits per token
+        gen = generators.setdefault(logits.device, torch.Generator(device=logits.device).manual_seed(seed))
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
         sorted_p, order = probs.sort(dim=-1, descending=True)
         keep = sorted_p.cumsum(-1) - sorted_p < top_p  # the smallest prefix whose mass reaches top_p
         sorted_p = sorted_p * keep
         choice = torch.multinomial(sorted_p / sorted_p.sum(-1, keepdim=True), 1, generator=gen)
-        return order.gather(-1, choice).squeeze(-1).to(logits.device)
+        return order.gather(-1, choice).squeeze(-1)
 
     return pick
 
