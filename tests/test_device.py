@@ -172,6 +172,14 @@ def test_reset_peak_memory_starts_a_new_peak_on_the_cpu():
     assert after < before - 200, (before, after)
 
 
+def test_release_cached_memory_empties_the_cuda_cache_only_on_a_gpu():
+    with mock.patch("torch.cuda.empty_cache") as empty:
+        dev.release_cached_memory(torch.device("cpu"))
+        assert not empty.called
+        dev.release_cached_memory(torch.device("cuda", 1))
+    empty.assert_called_once_with()
+
+
 def test_reset_peak_memory_asks_cuda_for_its_own_device():
     with mock.patch("torch.cuda.reset_peak_memory_stats") as reset:
         dev.reset_peak_memory(torch.device("cuda", 1))

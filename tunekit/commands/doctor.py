@@ -156,6 +156,7 @@ class Doctor:
         from tunekit.speed.lora_path import adapter_change, adapter_state, lora_4bit_layers, prove_kernel
         from tunekit.methods import get_method
         from tunekit.model import load_base_model
+        from tunekit.speed import device as dev
 
         if not self.fused_ok:
             self._record("kernels", False, error=self.report["environment"]["fused_kernel"]["why"])
@@ -175,6 +176,9 @@ class Doctor:
         lost = adapter_change(before, model)
         error = f"the proof lost or changed the adapter: {lost}" if lost else None
         ok = ok and not lost
+        # the training checks run in child processes on the same GPU: this model must not hold it meanwhile
+        del model, base, before
+        dev.release_cached_memory(self.device)
         self._record("kernels", ok, detail=reason, fused_ms=fused_ms, peft_ms=peft_ms, note=note,
                      shapes=[{"shape": list(c.shape), "max_rel_err": c.max_rel_err, "fused_ms": c.fused_ms,
                               "peft_ms": c.peft_ms} for c in checks] or None, error=error)

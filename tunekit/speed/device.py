@@ -235,6 +235,17 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def release_cached_memory(device: torch.device) -> None:
+    """Give back what freed tensors left behind: collect unreachable objects (a model's module graph
+    may hold cycles) and, on a GPU, return torch's cached blocks to the driver, so that another
+    process (a child run) can use them."""
+    import gc
+
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak for `peak_memory_mb`: after a run's setup, so that the training peak, which
     the plan predicts, is not the transient of loading and quantizing the base (on a GPU that
