@@ -313,6 +313,7 @@ class LoRA(Method):
             grad_outputs=frozenset(o.targets), forward_flops_per_token=flops,
             backward_flops_per_token=2 * flops,  # the input's gradient and the weights' through A and B
             block_backward_per_token=3 * shape.intermediate_size * setup.compute_bytes if torch_path else 0,
+            block_transient_bytes=variants.dora_transient_bytes(o, shape),
             start_bytes=max((variants.loftq_start_bytes(*shape.projection(p), o.r, o.loftq_iters) for p in o.targets),
                             default=0) if o.loftq_iters else 0)
 

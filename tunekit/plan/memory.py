@@ -280,7 +280,7 @@ def activation_bytes(shape: ModelShape, st: TrainSetup) -> dict:
     dequant = max(i * o for p in PROJECTIONS for i, o in [shape.projection(p)]) * st.compute_bytes \
         if st.quantize == "nf4" and not st.fused_kernel else 0
     layer_backward = T * (3 * m * e + 2 * d * 4) + dequant  # the norms compute their gradients in fp32
-    layer_backward += T * terms.block_backward_per_token
+    layer_backward += T * terms.block_backward_per_token + terms.block_transient_bytes
     if st.gradient_checkpointing:
         # non-reentrant checkpointing keeps each block's input; backward recomputes one block
         blocks = shape.num_layers * T * d * e

@@ -85,6 +85,7 @@ class PlanTerms:
     forward_flops_per_token: int = 0
     backward_flops_per_token: int = 0
     block_backward_per_token: int = 0
+    block_transient_bytes: int = 0  # built and freed inside one layer's forward (and its recompute)
     start_bytes: int = 0
 
 
