@@ -11,6 +11,8 @@ time cap, so that a crash or a hang costs that stage and not the report:
            benchmark's and the export's), Llama-3-8B's widths with 4 blocks (the planner's)
   doctor   `tunekit doctor` on the 135M shape: fused kernel vs twin, fused vs peft training,
            kill + resume, export fidelity
+  attention the 135M shape on short rows of varied length (a new sequence length every micro-batch),
+           with torch's cuDNN attention allowed and not (kernels.cudnn_attention): step times
   bench    scripts/bench_train.py on the 1B at 2048 tokens, packed: tunekit against TRL + peft +
            bitsandbytes on the same batches (tokens/s, peak memory, first losses)
   plan     three short `tunekit train` runs; each run's summary holds the measured peak beside the
@@ -41,7 +43,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-STAGES = ("env", "models", "doctor", "bench", "plan", "export")
+STAGES = ("env", "models", "doctor", "attention", "bench", "plan", "export")
 
 # Model shapes (LlamaConfig keyword arguments). "vocab": None takes the tokenizer's size.
 SHAPES = {
@@ -75,10 +77,12 @@ def settings(tiny: bool) -> dict:
                      ("lora, 2x128", "8b-4blocks", "recipe=lora model.gradient_checkpointing=false "
                       "trainer.micro_batch_size=2 data.max_seq_len=128")],
             "plan_steps": 2,
+            "attention": ["recipe=qlora", "trainer.micro_batch_size=2", "data.max_seq_len=64", "trainer.max_steps=3",
+                          "kernels.fused_lora=off", "model.gradient_checkpointing=false"],
         }
     return {
         "models": {"small": "small", "1b": "1b", "8b-4blocks": "8b-4blocks"},
-        "doctor": ["--steps", "10", "trainer.micro_batch_size=8", "data.max_seq_len=512"],
+        "doctor": ["--steps", "6", "trainer.micro_batch_size=8", "data.max_seq_len=512"],
         "bench": ["--config", "gpu-1b", "--steps", "8", "--warmup", "3", "--reps", "1"],
         "plan": [("1b qlora ckpt, 4x2048", "1b", "recipe=qlora model.gradient_checkpointing=true "
                   "trainer.micro_batch_size=4 data.max_seq_len=2048"),
@@ -87,6 +91,7 @@ def settings(tiny: bool) -> dict:
                  ("1b lora bf16 no ckpt, 2x2048", "1b", "recipe=lora model.gradient_checkpointing=false "
                   "trainer.micro_batch_size=2 data.max_seq_len=2048")],
         "plan_steps": 3,
+        "attention": ["recipe=qlora", "trainer.micro_batch_size=8", "data.max_seq_len=512", "trainer.max_steps=12"],
     }
 
 
@@ -257,6 +262,28 @@ class Check:
             r["ok"] = False
         return r
 
+    # attention ------------------------------------------------------------------------------
+    def attention(self) -> dict:
+        """The same short run twice, cuDNN's attention allowed (torch's choice) and not: on the first
+        H200 run, rows of varied length stepped ~10x slower per token than fixed-length ones."""
+        rows = []
+        data = [f"data.path={self.args.data}"] if self.args.data else []
+        for cudnn in ("true", "false"):
+            run_dir = self.work / f"run-attention-cudnn-{cudnn}"
+            r = self.child(f"attention-{cudnn}", self.cli("train", *self.s["attention"], *data, *QUIET,
+                                                          f"model.path={self.model_dirs['small']}",
+                                                          f"kernels.cudnn_attention={cudnn}",
+                                                          f"output_dir={run_dir}"), 100)
+            steps = [m for m in _jsonl(run_dir / "metrics.jsonl") if "step_time_s" in m]
+            timed = sorted(m["step_time_s"] for m in steps[2:]) or [None]
+            summary = run_dir / "summary.json"
+            kernel = json.loads(summary.read_text())["precision"]["observed"]["attention"].get("kernel") \
+                if summary.is_file() else None
+            rows.append({"cudnn_attention": cudnn, **r, "ok": r["rc"] == 0 and summary.is_file(),
+                         "median_step_s": timed[len(timed) // 2], "tokens": sum(m["input_tokens"] for m in steps),
+                         "kernel": kernel, "losses": [round(m["loss"], 4) for m in steps[:3]]})
+        return {"ok": all(r["ok"] for r in rows), "rows": rows}
+
     # bench ----------------------------------------------------------------------------------
     def bench(self) -> dict:
         out = self.work / "bench"
@@ -330,7 +357,7 @@ class Check:
 
     # ----------------------------------------------------------------------------------------
     def needs(self, stage: str) -> str | None:
-        deps = {"doctor": ["small"], "bench": ["1b"], "plan": ["1b", "8b-4blocks"]}.get(stage, [])
+        deps = {"doctor": ["small"], "attention": ["small"], "bench": ["1b"], "plan": ["1b", "8b-4blocks"]}.get(stage, [])
         missing = [m for m in deps if m not in self.model_dirs]
         return f"no model {missing} (the models stage failed)" if missing else None
 
@@ -401,6 +428,13 @@ def markdown(res: dict) -> str:
         lines += ["", "## doctor", "", "| check | ok |", "|---|---|"]
         lines += [f"| {k} | {c['ok']}{' (' + c['skipped'] + ')' if c.get('skipped') else ''} |"
                   for k, c in st["doctor"]["checks"].items()]
+    att = st.get("attention", {}).get("rows") or []
+    if att:
+        lines += ["", "## attention on varied row lengths (135M shape)", "",
+                  "| cuDNN attention | kernel torch chose | median step s | tokens | first losses | ok |",
+                  "|---|---|---:|---:|---|---|"]
+        lines += [f"| {r['cudnn_attention']} | {r.get('kernel') or '-'} | {_fmt(r.get('median_step_s'), 3)} | "
+                  f"{r.get('tokens')} | {r.get('losses')} | {r['ok']} |" for r in att]
     for mode, block in (st.get("bench", {}).get("results") or {}).items():
         lines += ["", f"## bench (packing {mode})", "",
                   "| system | tokens/s | median step s | peak MiB (CUDA allocated, or RSS) | first losses |",
@@ -459,7 +493,7 @@ def parse_args(argv=None):
     bad = [s for s in args.stages if s not in STAGES]
     if bad:
         p.error(f"--stages: unknown {bad}; choose from {','.join(STAGES)}")
-    if set(args.stages) & {"doctor", "bench", "plan", "export"} and "models" not in args.stages:
+    if set(args.stages) & {"doctor", "attention", "bench", "plan", "export"} and "models" not in args.stages:
         args.stages.append("models")  # they run on its random-init models (stages run in STAGES' order)
     if "export" in args.stages and "plan" not in args.stages:
         args.stages.append("plan")  # the export is of the plan stage's first run

@@ -251,3 +251,34 @@ def test_planner_inputs_follow_the_lora_path_rules():
     assert gpu.lora_compute and gpu.fused_kernel and cpu.lora_compute and not cpu.fused_kernel
     (off,) = compose_configs(["recipe=qlora", "model.preset=llama-3-8b", "kernels.fused_lora=off"])
     assert not planner_inputs(off, H100)[1].lora_compute  # peft's own fp32 branch
+
+
+def test_cudnn_attention_switch_holds_for_the_run_and_is_restored(tiny_model_dir, tiny_data, tmp_path):
+    """kernels.cudnn_attention=false keeps torch's cuDNN attention out for the whole run (a
+    checkpointed block's recomputation in backward included: the switch is process-wide, not a
+    context around the forward) and puts torch's setting back at the end."""
+    from tunekit.config import (DataConfig, KernelsConfig, MethodConfig, ModelConfig, TrainConfig,
+                                TrainerConfig)
+    from tunekit.train.loop import TrainRecipe
+
+    seen = []
+    cfg = TrainConfig(
+        output_dir=str(tmp_path / "run"), seed=0,
+        model=ModelConfig(path=str(tiny_model_dir), quantize="none", gradient_checkpointing=True),
+        data=DataConfig(path=str(tiny_data), max_seq_len=64, val_fraction=0.2, max_val_examples=2),
+        method=MethodConfig(r=4, alpha=8, dropout=0.0),
+        trainer=TrainerConfig(max_steps=1, micro_batch_size=2, grad_accum=1, eval_every=100, save_every=100,
+                              eval_samples=0),
+        kernels=KernelsConfig(cudnn_attention=False),
+    )
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    r = TrainRecipe(cfg, tmp_path / "run")
+    try:
+        r.setup()
+        attn = r.model.get_base_model().model.layers[0].self_attn
+        attn.register_forward_hook(lambda *a: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+        r.train_step(0)
+    finally:
+        r.cleanup()
+    assert seen and not any(seen)  # the forward and the recomputation in backward (checkpointing on)
+    assert len(seen) == 2 and torch.backends.cuda.cudnn_sdp_enabled()

@@ -77,3 +77,4 @@ def test_the_finite_check_is_exact():
         t = torch.ones(5)
         t[3] = bad
         assert not bool(finite_flag([*big, t])), bad
+

@@ -185,6 +185,10 @@ class KernelsConfig:
     # development CPUs after 22-25 s of checking and compiling (56 s with inductor's cache empty):
     # the default 60-step run gains from a machine's second compiled run on
     compile: bool = False
+    # torch's cuDNN attention kernel among the SDPA kernels it may choose on a GPU (true: torch's own
+    # choice). cuDNN builds an execution plan per new sequence length; false leaves torch the flash and
+    # memory-efficient kernels, which need none (scripts/gpu_check.sh times both on varied rows)
+    cudnn_attention: bool = True
 
 
 @dataclass

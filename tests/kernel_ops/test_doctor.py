@@ -42,7 +42,7 @@ def test_gpu_check_dry_run_writes_every_stage(gpu_check):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     result = json.loads((out / "gpu_check.json").read_text())
     stages = result["stages"]
-    assert list(stages) == ["env", "models", "doctor", "bench", "plan", "export"]
+    assert list(stages) == ["env", "models", "doctor", "attention", "bench", "plan", "export"]
     assert all(s["ok"] for s in stages.values()), {k: s for k, s in stages.items() if not s["ok"]}
     # the benchmark ran both systems on the same batches: same first loss up to summation order
     ratio = stages["bench"]["results"]["on"]["ratios"]["tunekit/trl"]
@@ -51,6 +51,8 @@ def test_gpu_check_dry_run_writes_every_stage(gpu_check):
     rows = stages["plan"]["rows"]
     assert len(rows) == 2 and all(r["measured_mib"] > 0 and r["planned_over_measured"] > 0 for r in rows)
     assert stages["export"]["tail"][-1].startswith("exported merged to")
+    att = stages["attention"]["rows"]  # the same run with cuDNN attention allowed and not: same losses on a CPU
+    assert [r["cudnn_attention"] for r in att] == ["true", "false"] and att[0]["losses"] == att[1]["losses"]
     md = (out / "gpu_check.md").read_text()
     assert "| doctor | ok |" in md and "tunekit/trl: tokens/s" in md and "planned/measured" in md
     with tarfile.open(out / "logs.tar.gz") as tar:

@@ -134,6 +134,15 @@ def apply(p: Precision, facts: dev.DeviceFacts) -> None:
         torch.set_float32_matmul_precision(settings["float32_matmul_precision"])
 
 
+def set_cudnn_attention(enabled: bool) -> bool:
+    """kernels.cudnn_attention: whether scaled_dot_product_attention may choose cuDNN's kernel
+    (torch's default: yes). Process-wide, as torch's own switch is, so that a checkpointed block's
+    recomputation in backward chooses as its forward did. Returns the previous setting (to restore)."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(bool(enabled))
+    return before
+
+
 # ------------------------------------------------------------------ what a step actually ran
 def attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None, dropout_p: float = 0.0,
                      is_causal: bool = False, scale=None, enable_gqa: bool = False) -> str:

@@ -162,6 +162,7 @@ class RecipeSetup:
         its compute dtype."""
         self.precision = precision.decide(plain(self.cfg.model.dtype), self.facts)
         precision.apply(self.precision, self.facts)
+        self.cudnn_attention_before = precision.set_cudnn_attention(self.cfg.kernels.cudnn_attention)
         self.dtype = self.precision.compute
         self._info(self.precision.describe())
 

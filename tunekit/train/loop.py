@@ -324,6 +324,8 @@ class TrainRecipe(RecipeSetup):
 
     def cleanup(self) -> None:
         self.release()
+        if getattr(self, "cudnn_attention_before", None) is not None:
+            precision.set_cudnn_attention(self.cudnn_attention_before)
         self.acc.end_training()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             # The model, its sharded state and the optimizer hold tensors and collective handles tied
