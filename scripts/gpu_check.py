@@ -86,8 +86,10 @@ def settings(tiny: bool) -> dict:
         "bench": ["--config", "gpu-1b", "--steps", "8", "--warmup", "3", "--reps", "1"],
         "plan": [("1b qlora ckpt, 4x2048", "1b", "recipe=qlora model.gradient_checkpointing=true "
                   "trainer.micro_batch_size=4 data.max_seq_len=2048"),
-                 ("8b widths 4 blocks qlora ckpt, 2x2048", "8b-4blocks", "recipe=qlora "
-                  "model.gradient_checkpointing=true trainer.micro_batch_size=2 data.max_seq_len=2048"),
+                 # offloading forced on: the side-stream copies run on a GPU, and their plan is checked
+                 ("8b widths 4 blocks qlora ckpt offload, 2x2048", "8b-4blocks", "recipe=qlora "
+                  "model.gradient_checkpointing=true model.offload_activations=true trainer.micro_batch_size=2 "
+                  "data.max_seq_len=2048"),
                  ("1b lora bf16 no ckpt, 2x2048", "1b", "recipe=lora model.gradient_checkpointing=false "
                   "trainer.micro_batch_size=2 data.max_seq_len=2048")],
         "plan_steps": 3,
