@@ -27,6 +27,7 @@ from tunekit.plan.compute import step_flops
 from tunekit.plan.memory import (TrainSetup, activation_bytes, base_weight_bytes, head_dtype_bytes,
                                  optimizer_state_bytes, sft_loss_bytes, step_memory, trainable_tensors)
 from tunekit.plan.shape import PROJECTIONS, model_shape, preset_shape
+from tunekit.speed import packed_attention
 
 CPU = DeviceFacts("cpu", cpu_bf16=True)
 
@@ -36,6 +37,8 @@ def build(model_dir, st: TrainSetup, method_cfg: MethodConfig):
     model = load_base_model(str(model_dir), st.quantize, dtype, torch.device("cpu"))
     prepare_for_training(model, st.quantize, st.gradient_checkpointing)
     model = get_method(method_cfg.name).apply(model, method_cfg)
+    if st.packed_attention:  # the trainer's per-example attention for packed rows
+        packed_attention.use(model)
     if st.lora_compute:  # the trainer's compute-dtype LoRA path (tunekit.speed.lora_math)
         from tunekit.speed.lora_path import lora_4bit_layers, set_path
 
@@ -78,8 +81,11 @@ def saved_bytes(model, batch) -> tuple[dict, int]:
         return t
 
     decoder, head = decoder_and_head(model)
+    packed = {}
+    if base.config._attn_implementation == packed_attention.NAME:  # per-example attention: lengths go along
+        packed = {"packed_lengths": packed_attention.lengths_of(batch["position_ids"][0].tolist())}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        hidden = decoder(**model_inputs(batch), use_cache=False).last_hidden_state
+        hidden = decoder(**model_inputs(batch), **packed, use_cache=False).last_hidden_state
         _, n = SFTObjective().loss(hidden, head, batch)
     for h in handles:
         h.remove()
@@ -91,6 +97,8 @@ CASES = {
     "lora bf16 padded": (dict(micro_batch_size=3, seq_len=24), dict(name="lora", dropout=0.0)),
     "lora bf16 one row": (dict(micro_batch_size=1, seq_len=32), dict(name="lora", dropout=0.0)),
     "lora bf16 packed": (dict(micro_batch_size=3, seq_len=16, packing=True), dict(name="lora", dropout=0.0)),
+    "lora bf16 packed per example": (dict(micro_batch_size=3, seq_len=16, packing=True, packed_attention=True),
+                                     dict(name="lora", dropout=0.0)),
     "lora fp32": (dict(micro_batch_size=2, seq_len=24, compute_bytes=4), dict(name="lora", dropout=0.0)),
     "lora bf16 dropout": (dict(micro_batch_size=2, seq_len=24, lora_dropout=0.1), dict(name="lora", dropout=0.1)),
     "lora two targets": (dict(micro_batch_size=2, seq_len=24, lora_targets=("v_proj", "down_proj")),

@@ -91,6 +91,7 @@ def load_soft_prompt(in_dir: Path | str, hidden_size: int) -> torch.Tensor:
 @register("prompt_tuning")
 class PromptTuning(Method):
     can_merge = False
+    prepends_positions = True
     config = PromptTuningConfig
     adapter_kinds = ("PROMPT_TUNING",)
     plan_options_type = PromptTuningPlan

@@ -60,6 +60,9 @@ class Method:
     # Whether the base's own weights are the trained part (no frozen copy to plan; fp32 residual
     # stream and head; a 4-bit base cannot train this way).
     trains_base: bool = False
+    # Whether the method puts positions of its own before every example (prompt tuning's virtual
+    # tokens), which packed rows' per-example attention cannot place (tunekit.speed.packed_attention).
+    prepends_positions: bool = False
     # The method.* keys this method reads: a dataclass (defaults and comments), or None for none.
     config: Optional[type] = None
     # adapter_config.json's "peft_type" (peft formats) or "method" (tunekit's formats) it writes.

@@ -70,6 +70,9 @@ class TrainSetup:
     grad_accum: int = 2
     seq_len: int = 512
     packing: bool = False
+    # packed rows attend per example with no (T x T) mask (tunekit.speed.packed_attention); False
+    # where the run keeps transformers' block-diagonal mask (kernels.compile, prompt tuning)
+    packed_attention: bool = False
     optimizer: str = "adamw"
     # distillation (objective=distill): the frozen teacher and the chunked loss
     teacher: Optional[ModelShape] = None
@@ -213,7 +216,9 @@ def layer_saved(shape: ModelShape, st: TrainSetup, rows: int, seq: int, input_gr
     extra = method("input_norm", input_grad) + method("qkv", input_grad)
     qkv_grad = {p: input_grad or trains(p) for p in ATTN}
     attn_grad = any(qkv_grad.values())
-    mask = rows > 1 or st.packing  # padded rows or packed examples: sdpa gets an explicit mask
+    # padded rows, or packed examples under transformers' block-diagonal mask: sdpa gets an explicit
+    # mask; packed rows attending per example get none
+    mask = rows > 1 or (st.packing and not st.packed_attention)
     if attn_grad:
         # sdpa keeps q, k, v (k and v repeated to every head when a mask is given), the output and
         # the fp32 log-sum-exp; the boolean mask is converted to a float mask per call and kept.

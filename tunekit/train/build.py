@@ -27,7 +27,7 @@ from tunekit.model import (load_base_model, load_tokenizer, prepare_for_training
 from tunekit.model.student import make_student
 from tunekit.plan.choose import resolve_memory_settings
 from tunekit.speed import device as dev
-from tunekit.speed import precision, threads
+from tunekit.speed import packed_attention, precision, threads
 from tunekit.speed import torch_compile as compiled
 from tunekit.train.checkpoint import atomic_write_text, cleanup_leftovers, find_resumable, load_checkpoint, read_state
 from tunekit.train.loss_scale import LossScaler
@@ -236,6 +236,13 @@ class RecipeSetup:
         if cfg.kernels.compile:  # config checks keep it from FSDP
             self.compiled = compiled.apply(self.model, self.compile_check_inputs(), self.dtype)
             self._info(f"kernels: {self.compiled.reason}")
+        # Packed rows: each example attends within itself through SDPA, no (T x T) mask
+        # (tunekit.speed.packed_attention). Not under kernels.compile (a new set of example lengths
+        # each step would recompile) nor prompt tuning (its virtual tokens come without positions).
+        self.plain_attention = None
+        if cfg.data.packing and not cfg.kernels.compile and not self.method.prepends_positions:
+            self.plain_attention = packed_attention.use(self.model)
+            self._info("attention: packed rows attend per example (no dense mask)")
 
     def compile_check_inputs(self) -> list[dict]:
         """kernels.compile's check batches: real training rows cut to unequal lengths, the two together

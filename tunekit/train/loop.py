@@ -33,7 +33,7 @@ from tunekit.config import TrainConfig, plain
 from tunekit.data import IGNORE, count_tokens, eval_micro_batches
 from tunekit.model import decoder_and_head
 from tunekit.speed import device as dev
-from tunekit.speed import precision
+from tunekit.speed import packed_attention, precision
 from tunekit.train.build import RecipeSetup
 from tunekit.train.checkpoint import atomic_dir, atomic_write_text, latest_checkpoint, save_checkpoint
 from tunekit.train.objective import model_inputs
@@ -182,14 +182,16 @@ class TrainRecipe(RecipeSetup):
         the objective's `loss` (summed loss, trained tokens) or `eval_sums`. Under the precision
         policy's autocast where the method asks for it (`full`: fp32 master weights computing in
         bf16), through the strategy's `run` (FSDP: inside the root unit, its outer weights gathered)."""
+        # Packed batches carry position_ids instead of attention_mask; with per-example attention the
+        # examples' lengths go along, read here from the host tensor (tunekit.speed.packed_attention)
+        packed = {"packed_lengths": packed_attention.lengths_of(batch["position_ids"][0].tolist())} \
+            if self.plain_attention is not None and "position_ids" in batch else {}
         batch = {k: v.to(self.device) for k, v in batch.items()}
         decoder, head = decoder_and_head(self.model)
 
         def forward():
-            # Packed batches carry position_ids instead of attention_mask, from which transformers
-            # builds per-example attention, but only when no KV cache is in play.
             with dev.offload_context(self.device) if self.offload else contextlib.nullcontext():
-                hidden = decoder(**model_inputs(batch), use_cache=False).last_hidden_state
+                hidden = decoder(**model_inputs(batch), **packed, use_cache=False).last_hidden_state
             return objective_fn(hidden, head, batch)
 
         with self.precision.autocast(self.device, self.method.autocast):
@@ -233,7 +235,9 @@ class TrainRecipe(RecipeSetup):
         metrics["val_ppl"] = math.exp(min(metrics.get("val_ce", metrics["val_loss"]), 50))
         samples = []
         if self.probe is not None:
-            with self.precision.autocast(self.device, self.method.autocast):
+            # generation pads its prompts and keeps a KV cache: the model's own attention
+            with self.precision.autocast(self.device, self.method.autocast), \
+                    packed_attention.plain(self.model, self.plain_attention):
                 task_metrics, samples = self.strategy.run(self.probe, self.model)
             metrics.update(task_metrics)
         self.tracker.eval({"step": step, **metrics})
