@@ -32,6 +32,10 @@ def test_per_example_attention_is_the_masked_attention(kv_heads):
     # fp64 on both sides: the same softmax over the same keys, summed in another order (~1e-16)
     torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-12, atol=1e-12)
     assert pa.lengths_of([0, 1, 2, 0, 0, 1]) == [3, 1, 2]
+    # a caller without the lengths (another model sharing the config) is cut at the position restarts
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    again, _ = pa.per_example_attention(module, q, k, v, None, scaling=0.25, position_ids=positions)
+    assert torch.equal(again, got)
 
 
 def test_a_mask_or_lengths_that_do_not_tile_the_row_are_refused():

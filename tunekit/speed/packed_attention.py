@@ -41,11 +41,16 @@ def per_example_attention(module, query: torch.Tensor, key: torch.Tensor, value:
     """transformers' attention interface: q (batch, heads, seq, head_dim), k and v (batch, kv_heads,
     seq, head_dim) -> ((batch, seq, heads, head_dim), None).
 
-    packed_lengths: the examples' lengths along the row (batch 1), summing to seq; None is one
-    causal sequence per row. A mask here means a caller that should not be on this path."""
+    packed_lengths: the examples' lengths along the row (batch 1), summing to seq. Without them, the
+    row's position_ids say where examples start (read from the device: a caller that did not pass
+    the lengths, e.g. a model sharing this config); without either, one causal sequence per row. A
+    mask here means a caller that should not be on this path."""
     if attention_mask is not None:
         raise RuntimeError(f"{NAME} attention got a mask: it serves unpadded packed rows only")
     gqa = key.shape[1] != query.shape[1]
+    positions = kwargs.get("position_ids")
+    if packed_lengths is None and positions is not None and positions.shape[0] == 1:
+        packed_lengths = lengths_of(positions[0].tolist())
     lengths = list(packed_lengths) if packed_lengths is not None else [query.shape[2]]
     if sum(lengths) != query.shape[2] or (len(lengths) > 1 and query.shape[0] != 1):
         raise RuntimeError(f"{NAME}: example lengths {lengths[:4]}... do not tile a (1, {query.shape[2]}) row")
