@@ -1,13 +1,188 @@
-"""The compact fidelity reference of an export (tunekit.export.fidelity.kl_topk): the KL estimate
-from the trained model's top-k tokens, against the exact KL."""
+"""The streamed merged export (tunekit.export.stream, .shards) and the compact fidelity reference
+(tunekit.export.fidelity.kl_topk).
+
+The merged weights are checked against an independent reference: the base loaded afresh by
+transformers in 4-bit (bitsandbytes' own quantization of each weight as it loads, never run
+forward, so no CPU repack), dequantized with bitsandbytes, plus peft's own delta (its scaling,
+rsLoRA included) from the adapter folder: no tunekit code computes the reference.
+"""
 
 from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
+from _helpers import run_cli, tiny_args
+from tunekit import TunekitError
+from tunekit.export import stream
 from tunekit.export.fidelity import kl_topk, summarize
+from tunekit.runs.load import load_tokenizer_for
+
+
+@pytest.fixture(scope="module")
+def qlora_run(tiny_model_dir, tiny_data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("stream") / "qlora"
+    r = run_cli(["train", "recipe=qlora", *tiny_args(tiny_model_dir, tiny_data, out, "trainer.max_steps=2")], out.parent)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def _source(run: Path, **changes):
+    from tunekit.runs.open import open_source
+
+    return replace(open_source(run, what="RUN_DIR", runs_only=True), dtype=torch.float32, **changes)
+
+
+def _copy_run(run: Path, dest: Path, **adapter_config) -> Path:
+    """The run's config and adapter folder, with adapter_config.json keys changed."""
+    shutil.copytree(run, dest, ignore=shutil.ignore_patterns("checkpoints"))
+    cfg_file = dest / "adapter" / "adapter_config.json"
+    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), **adapter_config}))
+    return dest
+
+
+def _independent_reference(model_dir: Path, adapter_dir: Path, nf4: bool) -> dict[str, tuple]:
+    """{weight name: (base weight W (out, in) fp32, peft's delta (out, in) fp32)} for every LoRA layer:
+    W from transformers' own 4-bit load dequantized by bitsandbytes (nf4) or from the file."""
+    import bitsandbytes.functional as bnbf
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    kwargs = {"dtype": torch.float32}
+    if nf4:
+        kwargs.update(device_map={"": "cpu"}, quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.float32, llm_int8_skip_modules=["lm_head"]))
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, **kwargs), adapter_dir)
+    out = {}
+    for name, layer in model.named_modules():
+        if isinstance(layer, LoraLayer):
+            w = layer.get_base_layer().weight
+            w = bnbf.dequantize_4bit(w.data, w.quant_state).float() if nf4 else w.detach().float()
+            out[name.removeprefix("base_model.model.") + ".weight"] = (w, layer.get_delta_weight("default").float())
+    return out
+
+
+def _check_merged(merged: dict, reference: dict, dtype: torch.dtype) -> None:
+    """Each merged weight is W + delta rounded once to `dtype`. Error analysis: the fp32 sum itself
+    may differ from the reference's by the order of its two roundings (peft rounds B @ A, then its
+    scaled copy, then the sum; the merge adds s B @ A in one addmm): a few fp32 ulps of the operands,
+    bounded by 2^-22 (|W| + |delta|). Rounding to bf16 (8 significant bits) then adds at most half a
+    bf16 ulp, 2^-8 |W + delta|; to fp32, nothing more."""
+    unit = {torch.bfloat16: 2.0**-8, torch.float32: 0.0}[dtype]
+    for name, (w, delta) in reference.items():
+        got, want = merged[name], w + delta
+        assert got.dtype == dtype, name
+        assert delta.abs().max() > 0, name  # the run's steps moved B off zero: the update is there to check
+        bound = unit * want.abs() + 2.0**-22 * (w.abs() + delta.abs())
+        assert ((got.float() - want).abs() <= bound).all(), (name, (got.float() - want).abs().max())
+
+
+# ---------------------------------------------------------------- the merged weights
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_streamed_nf4_merge_equals_fresh_4bit_load_plus_peft_delta(qlora_run, tiny_model_dir, tmp_path, dtype):
+    src = _source(qlora_run)
+    plan, why = stream.plan_stream(src, "dequantized")
+    assert plan is not None, why
+    stream.write_merged(plan, load_tokenizer_for(src), tmp_path, dtype, torch.device("cpu"))
+    merged = load_file(str(tmp_path / "model.safetensors"))
+    reference = _independent_reference(tiny_model_dir, qlora_run / "adapter", nf4=True)
+    assert set(reference) == set(plan.updates) and len(reference) == 14  # 7 projections x 2 layers
+    _check_merged(merged, reference, dtype)
+    # what is not a LoRA target keeps its stored bf16 values (exact in either dtype); the tied head is not written
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert "lm_head.weight" not in merged and set(merged) == set(base) - {"lm_head.weight"}
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.1.post_attention_layernorm.weight"):
+        assert torch.equal(merged[name], base[name].to(dtype)), name
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == str(dtype).removeprefix("torch.")
+
+
+def test_streamed_merge_over_the_original_weights_and_rslora_scale(qlora_run, tiny_model_dir, tmp_path):
+    """The same adapter streamed as if trained over the bf16 base (W read as stored, no NF4), with
+    adapter_config.json saying rsLoRA: the scale is alpha / sqrt(r), as peft computes it."""
+    run = _copy_run(qlora_run, tmp_path / "run", use_rslora=True)
+    src = _source(run, quantize="none")
+    plan, why = stream.plan_stream(src, "original")
+    assert plan is not None and not plan.nf4 and plan.scale == 32 / 16**0.5, why
+    out = tmp_path / "merged"
+    out.mkdir()
+    stream.write_merged(plan, load_tokenizer_for(src), out, torch.bfloat16, torch.device("cpu"))
+    _check_merged(load_file(str(out / "model.safetensors")), _independent_reference(tiny_model_dir, run / "adapter", nf4=False),
+                  torch.bfloat16)
+
+
+def test_nf4_weights_are_what_a_4bit_load_quantizes(tiny_model_dir):
+    from tunekit.model import load_base_model
+    from tunekit.model.folder import model_skeleton
+    from tunekit.model.layers import is_4bit
+
+    model = load_base_model(str(tiny_model_dir), "nf4", torch.float32, torch.device("cpu"))
+    assert stream.nf4_weights(model_skeleton(str(tiny_model_dir))) == {
+        f"{n}.weight" for n, m in model.named_modules() if is_4bit(m)}
+
+
+def test_sharded_output_loads_as_one_model(qlora_run, tmp_path):
+    """Above the shard size: model-0000i-of-0000N.safetensors + the index, as transformers writes them;
+    each shard is a valid safetensors file (safetensors' own reader checks the byte ranges)."""
+    from transformers import AutoModelForCausalLM
+
+    src = _source(qlora_run)
+    plan, _ = stream.plan_stream(src, "dequantized")
+    one, many = tmp_path / "one", tmp_path / "many"
+    for folder, size in ((one, stream.MAX_SHARD_BYTES), (many, 2_000_000)):  # the embedding alone is 6.3 MB
+        folder.mkdir()
+        stream.write_merged(plan, load_tokenizer_for(src), folder, torch.bfloat16, torch.device("cpu"), size)
+    index = json.loads((many / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    shards = {}
+    for f in files:
+        shards.update(load_file(str(many / f)))
+    single = load_file(str(one / "model.safetensors"))
+    assert shards.keys() == single.keys() and all(torch.equal(shards[k], single[k]) for k in single)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in single.values())
+    model = AutoModelForCausalLM.from_pretrained(many, dtype="auto")
+    assert model.dtype == torch.bfloat16 and torch.equal(model.model.layers[0].mlp.up_proj.weight,
+                                                         single["model.layers.0.mlp.up_proj.weight"])
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"use_dora": True}, "the adapter uses DoRA"),
+    ({"modules_to_save": ["lm_head"]}, "the adapter uses modules_to_save"),
+    ({"rank_pattern": {"q_proj": 4}}, "per-module ranks"),
+])
+def test_what_does_not_stream_falls_back_with_the_reason(qlora_run, tmp_path, change, reason):
+    run = _copy_run(qlora_run, tmp_path / "run", **change)
+    plan, why = stream.plan_stream(_source(run), "dequantized")
+    assert plan is None and reason in why
+
+
+def test_other_fallbacks_and_a_foreign_adapter(qlora_run, tmp_path):
+    from safetensors.torch import save_file
+
+    src = _source(qlora_run)
+    assert stream.plan_stream(src, "original")[1].startswith("--merge-into original over a 4-bit base")
+    assert "method ia3" in stream.plan_stream(replace(src, method="ia3"), None)[1]
+    loftq = _copy_run(qlora_run, tmp_path / "loftq")
+    (loftq / "adapter" / "loftq_init.safetensors").write_bytes(b"")
+    assert "LoftQ start" in stream.plan_stream(_source(loftq), "dequantized")[1]
+    # an adapter of a module the base does not have: one line naming the file
+    foreign = _copy_run(qlora_run, tmp_path / "foreign")
+    file = foreign / "adapter" / "adapter_model.safetensors"
+    tensors = {k.replace("layers.1.", "layers.7."): v for k, v in load_file(str(file)).items()}
+    save_file(tensors, str(file))
+    with pytest.raises(TunekitError, match=r"adapter_model.safetensors: adapts model.layers.7.* not trained on this base"):
+        stream.plan_stream(_source(foreign), "dequantized")
 
 
 # ---------------------------------------------------------------- the compact reference
