@@ -1,5 +1,5 @@
-"""The streamed merged export (tunekit.export.stream, .shards) and the compact fidelity reference
-(tunekit.export.fidelity.kl_topk).
+"""The streamed merged export (tunekit.export.stream, .shards), the compact fidelity reference
+(tunekit.export.fidelity.kl_topk, UpcastHalfWeights) and the export's memory plan (tunekit.export.memory).
 
 The merged weights are checked against an independent reference: the base loaded afresh by
 transformers in 4-bit (bitsandbytes' own quantization of each weight as it loads, never run
@@ -22,8 +22,10 @@ from safetensors.torch import load_file
 from _helpers import run_cli, tiny_args
 from tunekit import TunekitError
 from tunekit.export import stream
-from tunekit.export.fidelity import kl_topk, summarize
+from tunekit.export.fidelity import UpcastHalfWeights, kl_topk, summarize
 from tunekit.runs.load import load_tokenizer_for
+
+GiB = 2**30
 
 
 @pytest.fixture(scope="module")
@@ -222,3 +224,53 @@ def test_topk_kl_reads_high_when_only_the_top_tokens_move():
     zq.scatter_add_(1, ids[:, :8], torch.full((128, 8), -0.5))
     est, _ = kl_topk(ids, vals, lse, zq)
     assert est.mean() >= _exact_kl(zp, zq).mean()
+
+
+def test_upcast_half_weights_computes_the_fp32_function(tiny_model_dir):
+    """A bf16-stored model under UpcastHalfWeights against the same weights loaded in fp32: every
+    weight is exact in fp32, so the two differ only in the order of fp32 sums. Per matmul that is
+    at most K u sum|x w| (K <= 128 here, u = 2^-24: < 1e-5 of the magnitudes); over 2 blocks and
+    the head, logits of magnitude < 1 stay within 1e-4."""
+    from tunekit.model import load_base_model
+
+    ids = torch.randint(0, 49000, (2, 24), generator=torch.Generator().manual_seed(0))
+    fp32 = load_base_model(str(tiny_model_dir), "none", torch.float32, torch.device("cpu")).eval()
+    bf16 = load_base_model(str(tiny_model_dir), "none", torch.bfloat16, torch.device("cpu")).eval()
+    with torch.no_grad():
+        want = fp32(input_ids=ids).logits
+        with UpcastHalfWeights():
+            got = bf16(input_ids=ids).logits
+    assert got.dtype == torch.float32 and (got - want).abs().max() < 1e-4
+
+
+# ---------------------------------------------------------------- the memory plan
+LLAMA_3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+              "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False,
+              "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16"}
+
+
+def test_llama3_8b_qlora_merged_export_fits_a_24gib_gpu(tmp_path):
+    """Llama-3-8B's config.json alone, QLoRA r=16 on every projection, the default check (4 held-out
+    batches of trainer.micro_batch_size 8 x data.max_seq_len 512), an assumed 24 GiB GPU: the streamed
+    export fits, its peak is the candidate's phase (one bf16 copy); the in-memory merge did not."""
+    from tunekit.export.memory import in_memory_terms, peak, streamed_phases
+    from tunekit.plan.inference import Workload, check_fits, with_margin
+    from tunekit.plan.shape import PROJECTIONS, model_shape
+    from tunekit.speed.device import planning_facts
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_8B))
+    shape = model_shape(str(tmp_path), None)
+    assert shape.total_params == 8_030_261_248  # Llama-3-8B's published count
+    facts = planning_facts("cuda", 24 * GiB, cuda_available=False)
+    work = Workload(kv_tokens=0, forward_tokens=8 * 512, logit_rows=8 * 512)
+    positions = 4 * 8 * 512
+    adapter = 2 * 4 * 16 * shape.num_layers * sum(i + o for p in PROJECTIONS for i, o in [shape.projection(p)])
+    phase, terms = peak(streamed_phases(shape, "nf4", adapter, "bf16", work, positions, held=4, stored=2))
+    assert phase == "compare" and terms["candidate (bf16)"] == 2 * shape.total_params
+    line = check_fits(terms, facts, facts.total_memory, "tunekit export")
+    need = sum(with_margin(terms, facts).values())
+    assert f"{need / GiB:.2f} GiB of 24.00 GiB free" in line and need < 23 * GiB
+    with pytest.raises(TunekitError, match=r"needs about 63.05 GiB .*merged model \(fp32\) 29.92 GiB"):
+        check_fits(in_memory_terms(shape, "nf4", adapter, "merged", "dequantized", 2, work, positions),
+                   facts, facts.total_memory, "tunekit export")

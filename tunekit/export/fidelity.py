@@ -89,6 +89,32 @@ class HalfLinearsInFp32(TorchFunctionMode):
         return f"{names} linears computed as fp32 matmuls, rounded once to {names} (emulated on this CPU)"
 
 
+class UpcastHalfWeights(TorchFunctionMode):
+    """Inside this mode, a model whose weights are stored in bf16/fp16 computes in fp32: a linear
+    with an fp32 input and a half weight is an fp32 matmul of the upcast weight (a block of rows at
+    a time), and an embedding lookup of a half table returns fp32. Every later op then sees fp32
+    activations (an RMSNorm's half weight times fp32 is fp32 by type promotion).
+
+    A 16-bit value is exact in fp32, so the model computes what the same weights loaded in fp32
+    compute, up to the order of summation, holding them in half the memory: the trained model
+    of a run over a 16-bit base is measured this way before a streamed merge (tunekit.export.stream),
+    whose budget is one 16-bit copy of the model.
+    """
+
+    HALF = (torch.bfloat16, torch.float16)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, w, b = _linear_args(*args, **kwargs)
+            if x.dtype == torch.float32 and w.dtype in self.HALF:
+                return _linear_in_fp32(x, w, b)
+        out = func(*args, **kwargs)
+        if func is F.embedding and out.dtype in self.HALF:
+            return out.float()
+        return out
+
+
 def _linear_args(input, weight, bias=None):  # F.linear's signature
     return input, weight, bias
 
