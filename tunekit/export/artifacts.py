@@ -10,6 +10,7 @@ built in memory at all: tunekit.export.stream writes each candidate straight fro
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import json
 import logging
@@ -29,8 +30,19 @@ TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.flo
 
 
 def free(*models) -> None:
+    """Collect what the export dropped (peft models hold reference cycles) and hand the memory back.
+
+    glibc keeps freed blocks below its mmap threshold (up to 32 MB: every layer of a 4-bit 1B model)
+    in its heap for reuse; the models loaded next are mapped from their files and never reuse it, so
+    the freed trained model would stay in the process's resident set (measured on a 1B model: 1.45 GB
+    of anonymous memory resident after the trained model was gone, 0.34 GB after malloc_trim, 0.31
+    before it loaded)."""
     del models
     gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
+        pass
 
 
 # ---------------------------------------------------------------- adapter

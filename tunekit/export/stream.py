@@ -212,36 +212,56 @@ def _exact_fp32_matmuls():
         torch.set_float32_matmul_precision(before)
 
 
+def read_tensor(file: Path, name: str) -> torch.Tensor:
+    """One tensor of a safetensors file, as stored, in memory of its own.
+
+    Opened and closed per tensor: safe_open maps the whole file, and every page a read touches
+    stays in the process's resident set until the file is closed (file-backed, reclaimable, yet
+    counted: through a 2 GB checkpoint held open, RSS grew by the whole file). A header parse per
+    tensor costs little beside the tensor's bytes."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        return f.get_tensor(name)
+
+
+def entries_of(plan: StreamPlan, dtype: torch.dtype) -> list[Entry]:
+    """The merged checkpoint's tensors (name, shape, `dtype`) from the base files' headers; one
+    error line for a tensor that is not stored as a float (an already quantized checkpoint)."""
+    from safetensors import safe_open
+
+    entries = []
+    for file in dict.fromkeys(plan.files[n] for n in plan.names):
+        with safe_open(str(file), "pt") as f:
+            for name in (n for n in plan.names if plan.files[n] == file):
+                stored = f.get_slice(name).get_dtype()
+                if stored not in ("F32", "F16", "BF16", "F64"):
+                    raise TunekitError(f"{file}: {name} is stored as {stored}, not a float: "
+                                       "a quantized checkpoint cannot be a merge's base")
+                entries.append(Entry(name, tuple(f.get_slice(name).get_shape()), dtype))
+    order = {n: i for i, n in enumerate(plan.names)}
+    return sorted(entries, key=lambda e: order[e.name])
+
+
 def write_merged(plan: StreamPlan, tokenizer, out_dir: Path, dtype: torch.dtype, device: torch.device,
                  max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     """A standalone HF folder (weights in `dtype`, config, generation config, tokenizer), merged
     tensor by tensor; every tensor is rounded once, from fp32 or from its stored dtype."""
-    from safetensors import safe_open
 
-    with contextlib.ExitStack() as stack:
-        handles = {f: stack.enter_context(safe_open(str(f), "pt")) for f in dict.fromkeys(plan.files[n] for n in plan.names)}
-        adapter = stack.enter_context(safe_open(str(plan.adapter_file), "pt"))
-        stack.enter_context(_exact_fp32_matmuls())
-        entries = [Entry(n, tuple(handles[plan.files[n]].get_slice(n).get_shape()), dtype) for n in plan.names]
-        for e in entries:
-            stored = handles[plan.files[e.name]].get_slice(e.name).get_dtype()
-            if stored not in ("F32", "F16", "BF16", "F64"):
-                raise TunekitError(f"{plan.files[e.name]}: {e.name} is stored as {stored}, not a float: "
-                                   "a quantized checkpoint cannot be a merge's base")
+    def produce(e: Entry) -> torch.Tensor:
+        w = read_tensor(plan.files[e.name], e.name)
+        if e.name not in plan.nf4 and e.name not in plan.updates:
+            return w.to(dtype)  # a norm, an embedding, a bias: as stored, rounded once
+        a_key, b_key = plan.updates.get(e.name, (None, None))
+        a = read_tensor(plan.adapter_file, a_key) if a_key else None  # (r, in)
+        b = read_tensor(plan.adapter_file, b_key) if b_key else None  # (out, r)
+        if a is not None and (a.shape[1] != w.shape[1] or b.shape[0] != w.shape[0] or a.shape[0] != b.shape[1]):
+            raise TunekitError(f"{plan.adapter_file}: {a_key} {tuple(a.shape)} and {b_key} {tuple(b.shape)} "
+                               f"do not fit {e.name} {tuple(w.shape)}: not an adapter of this base")
+        return merged_weight(w, e.name in plan.nf4, a, b, plan.scale, device).to(dtype)
 
-        def produce(e: Entry) -> torch.Tensor:
-            w = handles[plan.files[e.name]].get_tensor(e.name)
-            if e.name not in plan.nf4 and e.name not in plan.updates:
-                return w.to(dtype)  # a norm, an embedding, a bias: as stored, rounded once
-            a_key, b_key = plan.updates.get(e.name, (None, None))
-            a = adapter.get_tensor(a_key) if a_key else None
-            b = adapter.get_tensor(b_key) if b_key else None
-            if a is not None and (a.shape[1] != w.shape[1] or b.shape[0] != w.shape[0] or a.shape[0] != b.shape[1]):
-                raise TunekitError(f"{plan.adapter_file}: {a_key} {tuple(a.shape)} and {b_key} {tuple(b.shape)} "
-                                   f"do not fit {e.name} {tuple(w.shape)}: not an adapter of this base")
-            return merged_weight(w, e.name in plan.nf4, a, b, plan.scale, device).to(dtype)
-
-        write_checkpoint(out_dir, entries, produce, max_shard_bytes)
+    with _exact_fp32_matmuls():
+        write_checkpoint(out_dir, entries_of(plan, dtype), produce, max_shard_bytes)
     _write_configs(plan.base, tokenizer, out_dir, dtype)
 
 
