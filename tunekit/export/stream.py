@@ -2,8 +2,8 @@
 
 The in-memory merge (tunekit.methods.lora.LoRA.merge over a loaded model) holds the whole merged
 model in fp32: 32 GB for an 8B model. Here each tensor of the base is read alone (safetensors'
-safe_open), merged, rounded once to the stored dtype and written (tunekit.export.shards) before
-the next is read:
+safe_open, per tensor: read_tensor), merged, rounded once to the stored dtype and written
+(tunekit.export.shards) before the next is read:
 
     W_out = round_dtype(dequant(quant_nf4(W)) + s (B @ A))   a 4-bit run merged into the dequantized
                                                              NF4 weights it trained against (default)
@@ -20,10 +20,10 @@ model computed with that rounding. Reading from the files also keeps away from b
 CPU repack of a loaded 4-bit layer (tunekit.model.loader.keep_bnb_layout), after which
 dequantizing returns wrong weights.
 
-Memory: one tensor's working set, on the export's device: its stored copy, the fp32 weight, the
-NF4 codes, the dequantized fp32 weight it is replaced by, the rounded output (~15 bytes per element
-of the largest adapted projection; a tensor that is only cast, such as a 128k-vocabulary
-embedding, costs its stored and output bytes). plan_stream returns None and the reason for
+Memory: one tensor's working set, on the export's device: its stored copy, the fp32 weight and the
+NF4 codes, then the dequantized fp32 weight beside them (8.5 bytes per element plus the stored copy,
+for the largest adapted projection; a tensor that is only cast, such as a 128k-vocabulary
+embedding, costs its stored and output bytes: tunekit.export.memory.merge_tensor_bytes). plan_stream returns None and the reason for
 what it does not stream, and the export falls back to the in-memory merge: methods other than
 LoRA, DoRA (its magnitude rescales rows by the merged weight's norms: the in-memory merge is the
 checked implementation), a LoftQ start (its base is rebuilt, or its start subtracted), a 4-bit run
