@@ -106,7 +106,11 @@ def export_memory_check(src, facts, fmt: str, target: Optional[str], candidates:
         held = torch.empty((), dtype=reference_dtype or torch.float32).element_size()
         stored = torch.empty((), dtype=stored_dtype(src)).element_size()
         phase, terms = peak(streamed_phases(shape, src.quantize, adapter, candidates[0], work, positions, held, stored))
-        return check_fits(terms, facts, available, f"tunekit export (streamed merge; peak: {phase})", HINT)
+        where = f"streamed merge, {candidates[0]}: the peak is its {phase} phase"
+        try:
+            return f"{check_fits(terms, facts, available, 'tunekit export', HINT)} ({where})"
+        except TunekitError as e:
+            raise TunekitError(f"{e} ({where})") from None
     widest = max(4 if c in (None, "fp32") or c in llamacpp.QUANT_TYPES else 2 for c in candidates)
     reload = 4 if fmt.startswith("gguf") else widest  # transformers' GGUF reader dequantizes to fp32
     return check_fits(in_memory_terms(shape, src.quantize, adapter, fmt, target, reload, work, positions),
