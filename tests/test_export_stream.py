@@ -51,8 +51,9 @@ def _copy_run(run: Path, dest: Path, **adapter_config) -> Path:
 
 
 def _independent_reference(model_dir: Path, adapter_dir: Path, nf4: bool) -> dict[str, tuple]:
-    """{weight name: (base weight W (out, in) fp32, peft's delta (out, in) fp32)} for every LoRA layer:
-    W from transformers' own 4-bit load dequantized by bitsandbytes (nf4) or from the file."""
+    """{weight name: (base weight W, peft's delta s B @ A, |W| + s |B| @ |A|, rank)}, (out, in) fp32,
+    for every LoRA layer: W from transformers' own 4-bit load dequantized by bitsandbytes (nf4) or
+    from the file; the third is the magnitude the fp32 sum's rounding errors scale with."""
     import bitsandbytes.functional as bnbf
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
@@ -69,22 +70,25 @@ def _independent_reference(model_dir: Path, adapter_dir: Path, nf4: bool) -> dic
         if isinstance(layer, LoraLayer):
             w = layer.get_base_layer().weight
             w = bnbf.dequantize_4bit(w.data, w.quant_state).float() if nf4 else w.detach().float()
-            out[name.removeprefix("base_model.model.") + ".weight"] = (w, layer.get_delta_weight("default").float())
+            a, b = layer.lora_A["default"].weight.float(), layer.lora_B["default"].weight.float()
+            size = w.abs() + layer.scaling["default"] * (b.abs() @ a.abs())
+            out[name.removeprefix("base_model.model.") + ".weight"] = (
+                w, layer.get_delta_weight("default").float(), size, a.shape[0])
     return out
 
 
 def _check_merged(merged: dict, reference: dict, dtype: torch.dtype) -> None:
-    """Each merged weight is W + delta rounded once to `dtype`. Error analysis: the fp32 sum itself
-    may differ from the reference's by the order of its two roundings (peft rounds B @ A, then its
-    scaled copy, then the sum; the merge adds s B @ A in one addmm): a few fp32 ulps of the operands,
-    bounded by 2^-22 (|W| + |delta|). Rounding to bf16 (8 significant bits) then adds at most half a
-    bf16 ulp, 2^-8 |W + delta|; to fp32, nothing more."""
+    """Each merged weight is W + s B @ A rounded once to `dtype`. Error analysis: the two fp32 sums
+    (peft rounds B @ A, its scaled copy, then the sum; the merge adds s B @ A in one addmm) each lie
+    within (r + 2) u (|W| + s |B| @ |A|) of the exact value (r products summed, a scaling, an
+    addition; u = 2^-24), so they differ by at most twice that. Rounding to bf16 (8 significant bits)
+    then adds at most half a bf16 ulp, 2^-8 |W + delta|; to fp32, nothing more."""
     unit = {torch.bfloat16: 2.0**-8, torch.float32: 0.0}[dtype]
-    for name, (w, delta) in reference.items():
+    for name, (w, delta, size, r) in reference.items():
         got, want = merged[name], w + delta
         assert got.dtype == dtype, name
         assert delta.abs().max() > 0, name  # the run's steps moved B off zero: the update is there to check
-        bound = unit * want.abs() + 2.0**-22 * (w.abs() + delta.abs())
+        bound = unit * want.abs() + 2 * (r + 2) * 2.0**-24 * size
         assert ((got.float() - want).abs() <= bound).all(), (name, (got.float() - want).abs().max())
 
 
@@ -156,6 +160,25 @@ def test_sharded_output_loads_as_one_model(qlora_run, tmp_path):
     assert model.dtype == torch.bfloat16 and torch.equal(model.model.layers[0].mlp.up_proj.weight,
                                                          single["model.layers.0.mlp.up_proj.weight"])
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied
+
+
+def test_pissa_run_streams_its_saved_rank_2r_lora(tiny_model_dir, tiny_data, tmp_path):
+    """PiSSA over the bf16 base: training computes over W - s B0 A0, and the folder holds the rank-2r
+    LoRA [B, -B0] [A; A0] over W with peft's rescaled alpha (the training-time start B0 A0, exactly).
+    The streamed merge adds that to W: what peft computes for the folder over the original base, and
+    the export passes its check."""
+    from tunekit.commands.export import export
+
+    run = tmp_path / "pissa"
+    r = run_cli(["train", "recipe=lora", *tiny_args(tiny_model_dir, tiny_data, run, "trainer.max_steps=2",
+                                                    "method.init=pissa", "method.r=4")], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((run / "adapter" / "adapter_config.json").read_text())["r"] == 8  # converted: rank 2r
+    out = tmp_path / "merged"
+    report = export(run, "merged", out, dtype="fp32", eval_batches=1, task_rows=0)
+    assert report["merged_by"] == "streamed" and report["accepted"]
+    _check_merged(load_file(str(out / "model.safetensors")),
+                  _independent_reference(tiny_model_dir, run / "adapter", nf4=False), torch.float32)
 
 
 @pytest.mark.parametrize("change, reason", [
