@@ -155,8 +155,10 @@ def build_model(folder: Path, shape: dict) -> int:
 
 def check_merge(base: Path, adapter: Path, merged: Path) -> dict:
     """Every LoRA target of the merged folder against dequant(quant_nf4(W)) + s B @ A computed here.
-    Bound per element: one rounding to bf16, 2^-8 |W + delta|, plus a few fp32 ulps of the operands
-    for the order of the fp32 sum's own roundings, 2^-22 (|W| + |delta|)."""
+    Bound per element: the two fp32 sums (the export's and this one, each r products, a scaling and
+    an addition in its own order) each lie within (r + 2) u (|W| + s |B| @ |A|) of the exact value
+    (u = 2^-24), so they differ by at most twice that; rounding to bf16 then adds at most half a bf16
+    ulp, 2^-8 |W + delta|."""
     import bitsandbytes.functional as bnbf
     import torch
     from safetensors import safe_open
@@ -172,10 +174,12 @@ def check_merge(base: Path, adapter: Path, merged: Path) -> dict:
             w = b.get_tensor(f"{module}.weight").float()  # (out, in)
             codes, state = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
             w = bnbf.dequantize_4bit(codes, state)
-            delta = scale * (a.get_tensor(f"base_model.model.{module}.lora_B.weight").float()
-                             @ a.get_tensor(f"base_model.model.{module}.lora_A.weight").float())
+            lb = a.get_tensor(f"base_model.model.{module}.lora_B.weight").float()  # (out, r)
+            la = a.get_tensor(f"base_model.model.{module}.lora_A.weight").float()  # (r, in)
+            delta = scale * (lb @ la)
             want, got = w + delta, m.get_tensor(f"{module}.weight").float()
-            bound = 2.0**-8 * want.abs() + 2.0**-22 * (w.abs() + delta.abs())
+            size = w.abs() + scale * (lb.abs() @ la.abs())
+            bound = 2.0**-8 * want.abs() + 2 * (la.shape[0] + 2) * 2.0**-24 * size
             err = (got - want).abs()
             worst = max(worst, (err / bound.clamp_min(torch.finfo(torch.float32).tiny)).max().item())
             checked += 1
@@ -255,8 +259,8 @@ def markdown(result: dict) -> str:
             for ph in row.get(way, {}).get("phases", []):
                 lines.append(f"| {row['size']} | {way.replace('_', ' ')} | {ph['phase']} | {ph['hwm'] / GiB:.2f} | "
                              f"{ph['anon'] / GiB:.2f} |")
-    lines += ["", "The bound of the merge check is 2^-8 |W + delta| + 2^-22 (|W| + |delta|) per element (one bf16 "
-              "rounding, and the order of the fp32 sum's own roundings).", ""]
+    lines += ["", "The bound of the merge check, per element: 2^-8 |W + delta| (one bf16 rounding) + 2 (r + 2) 2^-24 "
+              "(|W| + s |B| @ |A|) (two fp32 sums of r products, a scaling and an addition, in different orders).", ""]
     return "\n".join(lines)
 
 
