@@ -208,6 +208,9 @@ def test_other_fallbacks_and_a_foreign_adapter(qlora_run, tmp_path):
     save_file(tensors, str(file))
     with pytest.raises(TunekitError, match=r"adapter_model.safetensors: adapts model.layers.7.* not trained on this base"):
         stream.plan_stream(_source(foreign), "dequantized")
+    (foreign / "adapter" / "adapter_config.json").write_text("{not json")
+    with pytest.raises(TunekitError, match=r"RUN_DIR: .*adapter_config.json is not valid JSON"):
+        stream.plan_stream(_source(foreign), "dequantized")
 
 
 # ---------------------------------------------------------------- the compact reference

@@ -78,8 +78,10 @@ def plan_stream(src, target: Optional[str]) -> tuple[Optional[StreamPlan], str]:
 
     if src.method != "lora":
         return None, f"method {src.method}: its merge is computed on the loaded model"
+    from tunekit.model.folder import read_json
+
     folder = Path(src.adapter_dir)
-    cfg = json.loads((folder / "adapter_config.json").read_text())
+    cfg = read_json(folder / "adapter_config.json", "RUN_DIR")  # one error line for a damaged file
     used = [what for key, what in UNSUPPORTED.items() if cfg.get(key) not in (None, False, {}, [], "none")]
     if cfg.get("bias", "none") != "none":
         used.append("trained biases")
@@ -131,10 +133,12 @@ def reference_in_storage(src) -> bool:
 
 def _base_files(base: Path) -> Optional[dict[str, Path]]:
     """{tensor name: file} of a base folder's safetensors weights (one file, or an index's shards)."""
+    from tunekit.model.folder import read_json
+
     index = base / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {k: base / v for k, v in weight_map.items()}
+        weight_map = read_json(index, "model.path").get("weight_map")
+        return {k: base / v for k, v in weight_map.items()} if isinstance(weight_map, dict) else None
     single = base / "model.safetensors"
     if not single.is_file():
         return None
