@@ -94,6 +94,9 @@ def test_merged_export_via_cli_loads_without_tunekit(runs, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "bfloat16"
     assert not leftovers(tmp_path)
+    # merged as it was written, from the base's files (tunekit.export.stream); KL from the top-k summary
+    report = json.loads((out / "fidelity.json").read_text())
+    assert report["merged_by"] == "streamed" and report["fidelity"]["kl_estimate"].startswith("top-64")
     # where this CPU emulates bf16, the check computed the export's linears in fp32 and says so
     from tunekit.speed.device import cpu_emulated_dtypes
 
@@ -161,6 +164,8 @@ def test_merged_export_over_bf16_base(runs, tmp_path):
     report = export(runs["lora"], "merged", out, eval_batches=1)
     assert report["accepted"] and report["dtype"] == "bf16" and report["merge_into"] == "original"
     assert report["gate"]["rule"] == "gain_kept" and report["gate"]["bound"] == MIN_GAIN_KEPT
+    # streamed, and the trained model measured over the bf16 base as stored, computing in fp32
+    assert report["merged_by"] == "streamed"
     f = report["fidelity"]
     assert f["gain"] > 0.01  # two steps at lr 1e-3 on the tiny model: measurable
     assert abs(f["gain_kept"] - 1) < 0.05 and f["ppl_exported"] < f["ppl_base"]
@@ -190,6 +195,7 @@ def test_merge_into_original_weights(runs, tiny_model_dir, tmp_path):
     out = tmp_path / "orig"
     report = export(runs["qlora"], "merged", out, dtype="fp32", merge_into="original", eval_batches=1)
     assert report["accepted"] and report["merge_into"] == "original"
+    assert report["merged_by"] == "in memory"  # checked against the exact fp32 merge, which only it holds
     f = report["fidelity"]
     assert "loss_merge_base" in f and f["loss_merge_base"] != f["loss_base"]  # NF4 base != original base
     merged = load_file(str(out / "model.safetensors"))
@@ -206,11 +212,15 @@ def test_auto_dtype_widens_when_the_narrow_one_loses_the_gain(runs, tmp_path, mo
     """Without --dtype, bf16 is tried first; when the gate refuses it, fp16, then fp32. The report
     and the printed line say which dtype was kept and why. (The bf16 refusal is simulated: on the
     tiny model bf16 keeps the gain; the real rounding loss is in test_default_model_qlora_merged.)"""
-    import tunekit.commands.export as ex
+    import tunekit.export.job as job
 
-    written, real_compare = [], ex.compare
-    monkeypatch.setattr(ex.artifacts, "write_merged", lambda m, t, d, dtype, w=ex.artifacts.write_merged:
-                        (written.append(dtype), w(m, t, d, dtype))[1])
+    written, real_compare, real_write = [], job.compare, job.stream.write_merged
+
+    def write_merged(plan, tokenizer, out_dir, dtype, device):  # the qlora run's merge streams
+        written.append({torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype])
+        return real_write(plan, tokenizer, out_dir, dtype, device)
+
+    monkeypatch.setattr(job.stream, "write_merged", write_merged)
 
     def compare(ref, exported, nll_merge_base=None):
         f = real_compare(ref, exported, nll_merge_base)
@@ -218,7 +228,7 @@ def test_auto_dtype_widens_when_the_narrow_one_loses_the_gain(runs, tmp_path, mo
             f["gain_kept"] = 0.5
         return f
 
-    monkeypatch.setattr(ex, "compare", compare)
+    monkeypatch.setattr(job, "compare", compare)
     out = tmp_path / "auto"
     report = export(runs["qlora"], "merged", out, eval_batches=1)
     assert written == ["bf16", "fp16"] and report["dtype"] == "fp16" and report["dtype_asked"] == "auto"
@@ -443,7 +453,7 @@ def test_refusal_writes_nothing_unless_forced(runs, fmt, tmp_path):
 @pytest.mark.parametrize("fmt", ["adapter", "gguf"])
 @pytest.mark.parametrize("existing", [False, True])
 def test_interrupted_export_leaves_path_absent_or_unchanged(runs, fmt, existing, tmp_path, monkeypatch):
-    import tunekit.commands.export as ex
+    import tunekit.export.job as job
 
     out = tmp_path / ("x.gguf" if fmt == "gguf" else "x")
     if existing:
@@ -453,7 +463,7 @@ def test_interrupted_export_leaves_path_absent_or_unchanged(runs, fmt, existing,
     def interrupted(*args, **kwargs):  # after the artifact is fully written, before it is checked
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ex, "compare", interrupted)
+    monkeypatch.setattr(job, "compare", interrupted)
     with pytest.raises(KeyboardInterrupt):
         export(runs["lora"], fmt, out, eval_batches=1)
     if existing:

@@ -8,7 +8,8 @@ enough of it (or --force) is renamed into place, with its fidelity report beside
 
     adapter   PATH/ : method.save() output + tokenizer + fidelity.json (peft loads LoRA / prompt tuning)
     merged    PATH/ : standalone HF folder (safetensors, config, generation config, tokenizer) + fidelity.json
-              with --requantize nf4: the merged weights in NF4 + double quant (bitsandbytes)
+              with --requantize nf4: the merged weights in NF4 + double quant (bitsandbytes); a LoRA run
+              is merged tensor by tensor from the base's files as it is written (tunekit.export.stream)
     gguf      PATH  : one GGUF file (Llama architecture) + PATH.fidelity.json; f16/bf16/f32 written by
               tunekit, Q8_0 / Q6_K / Q5_K_M / Q4_K_M by llama.cpp's quantizer; checked by llama.cpp
     gguf-adapter PATH : a LoRA as llama.cpp's LoRA adapter GGUF (applied over the base's own GGUF, unmerged)
@@ -23,34 +24,25 @@ anything else at PATH is never touched (error).
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import logging
-import shutil
 import time
 from pathlib import Path
 from typing import Optional
 
-import torch
-
-from tunekit import TunekitError, __version__
-from tunekit.train.checkpoint import atomic_dir
+from tunekit import TunekitError
 from tunekit.commands.parse import Parser, add_device_argument
-from tunekit.export import artifacts, gguf_adapter
-from tunekit.infer import llamacpp
-from tunekit.speed.device import command_facts, cpu_emulated_dtypes, cpuinfo_text
-from tunekit.export.fidelity import HalfLinearsInFp32, compare, measure_reference, token_nll
-from tunekit.export.gate import (KL_ADAPTER, MIN_GAIN_KEPT, MIN_GAIN_KEPT_LOSSY, TASK_MIN_GAIN_KEPT,
-                                 TASK_MIN_GAIN_KEPT_LOSSY, decide, table)
-from tunekit.export.task import DEFAULT_TASK_ROWS, compare_task, scorer_for, task_check
-from tunekit.runs.heldout import heldout_batches
-from tunekit.runs.load import apply_and_load, load_base, load_original_base, load_tokenizer_for
-from tunekit.runs.open import open_source
+from tunekit.export import gguf_adapter
+from tunekit.export.gate import KL_ADAPTER, MIN_GAIN_KEPT, MIN_GAIN_KEPT_LOSSY, TASK_MIN_GAIN_KEPT, TASK_MIN_GAIN_KEPT_LOSSY
+from tunekit.export.job import REPORT, Export, gguf_name
+from tunekit.export.task import DEFAULT_TASK_ROWS
 from tunekit.export.writing import atomic_file, check_out, report_path
+from tunekit.infer import llamacpp
+from tunekit.runs.open import open_source
+from tunekit.speed.device import command_facts, cpuinfo_text
+from tunekit.train.checkpoint import atomic_dir
 
 log = logging.getLogger("tunekit")
 FORMATS = ("adapter", "merged", "gguf", "gguf-adapter")
-REPORT = "fidelity.json"
 FLOAT_DTYPES = ("bf16", "fp16", "fp32")
 ALIASES = {"f16": "fp16", "f32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 # Narrowest first. merged: bf16 is the base's own dtype; gguf: f16 is llama.cpp's usual float
@@ -61,7 +53,6 @@ AUTO_ORDER = {"merged": ("bf16", "fp16", "fp32"), "gguf": ("fp16", "fp32"), "ggu
 # an f16 tensor by activations rounded to f16: x for lora_a, then A x for lora_b, two more roundings
 # of the fine-tune's update than an f32 file gets. bf16 (8 significand bits) would round far more.
 ADAPTER_GGUF_DTYPES = ("fp32", "fp16")
-LOSSY = ("q4_k_m", "q5_k_m")
 MERGE_TARGETS = ("dequantized", "original")
 # Over a 4-bit base the default merge is into the dequantized NF4 weights the adapter trained
 # against: that reproduces the model `tunekit eval` scored (KL 7e-4 in f16 on the default run).
@@ -71,10 +62,6 @@ MERGE_TARGETS = ("dequantized", "original")
 # A user who evaluated one model must get that model unless they ask for the other; the task
 # check reports what `--merge-into original` trades.
 DEFAULT_MERGE_INTO = "dequantized"
-
-
-def gguf_name(dtype: str) -> str:
-    return llamacpp.QUANT_TYPES[dtype][1] if dtype in llamacpp.QUANT_TYPES else {"fp16": "f16", "fp32": "f32"}.get(dtype, dtype)
 
 
 def _dtypes(fmt: str, dtype: Optional[str], requantize: Optional[str]) -> tuple[str, ...]:
@@ -106,16 +93,9 @@ def merge_target(src, merge_into: Optional[str]) -> str:
     return merge_into or DEFAULT_MERGE_INTO
 
 
-def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] = None, requantize: Optional[str] = None,
-           force: bool = False, kl_threshold: Optional[float] = None, eval_batches: int = 4,
-           merge_into: Optional[str] = None, min_gain: Optional[float] = None, device: Optional[str] = None,
-           data: Optional[str] = None, task_rows: int = DEFAULT_TASK_ROWS, min_task_gain: Optional[float] = None) -> dict:
-    """Export a finished run; returns the fidelity report (also written beside the export).
-    device: where the models load and the check computes (tunekit.speed.device.command_device; None:
-    the first GPU, else the CPU). llama.cpp's check runs on the CPU either way. data / task_rows:
-    the held-out rows of the task check (tunekit.export.task; default the run's held-out split,
-    task_rows=0 skips it)."""
-    started = time.time()
+def _check_arguments(fmt: str, requantize: Optional[str], merge_into: Optional[str], eval_batches: int,
+                     min_gain: Optional[float], min_task_gain: Optional[float], task_rows: int, data: Optional[str]) -> None:
+    """One TunekitError for the first argument that cannot work, before anything is read."""
     if fmt not in FORMATS:
         raise TunekitError(f"--format: unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if requantize not in (None, "nf4"):
@@ -134,19 +114,12 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
         raise TunekitError(f"--task-rows: must be >= 0, got {task_rows}")
     if data is not None and not Path(data).expanduser().is_file():
         raise TunekitError(f"--data: file not found: {data}")
-    candidates = _dtypes(fmt, dtype, requantize)
-    facts = command_facts(device)
-    src = open_source(run_dir, what="RUN_DIR", facts=facts, runs_only=True)
-    # The check measures the trained weights' own function: base, adapter and every candidate computed
-    # in fp32 (the trainer's bf16 arithmetic is a rounding of that function, as a bf16 export's is, and
-    # against an exact fp32 merge it alone reads KL ~4e-3 on the default model, the size of what the
-    # KL fallback of the gate must tell apart). What the run computed in goes into a re-quantized
-    # export's config.
-    policy_dtype = src.dtype
-    src = dataclasses.replace(src, dtype=torch.float32)
-    out = Path(out).expanduser().absolute()
-    check_out(fmt, out, src.run.run_dir.absolute())
-    if fmt == "gguf-adapter":  # before anything loads: what llama.cpp cannot apply, and llama.cpp itself
+
+
+def _refuse_early(src, fmt: str, candidates: tuple) -> tuple[Optional[str], bool]:
+    """What this run cannot export in this format, refused before anything loads; else (the program
+    that checks the export, whether llama.cpp may repack its weights)."""
+    if fmt == "gguf-adapter":  # what llama.cpp cannot apply, and llama.cpp itself
         gguf_adapter.refuse_early(src)
         why = llamacpp.unavailable()
         if why:  # no other program applies a LoRA GGUF as llama.cpp does: there would be no check
@@ -160,8 +133,6 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
         # a full fine-tune saved a whole model folder: there is no adapter to ship apart from it
         raise TunekitError(f"--format adapter: {src.run.run_dir} trained every weight (method {src.method!r}), so its "
                            "trained part is a whole model; use --format merged or gguf")
-    target = merge_target(src, merge_into) if fmt not in ("adapter", "gguf-adapter") else None
-    checked_by = {"adapter": "peft / tunekit", "merged": "transformers"}.get(fmt)
     if fmt == "gguf":
         why = llamacpp.unavailable()
         if why and candidates[0] in llamacpp.QUANT_TYPES:
@@ -169,241 +140,46 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
                                "bash scripts/setup.sh builds it")
         if why:
             log.warning("%s: checking the GGUF with transformers' reader instead of llama.cpp", why)
-        checked_by = "transformers' GGUF reader (llama.cpp not available)" if why else llamacpp.version()
         repack, repack_why = llamacpp.weight_repacking(cpuinfo_text())
-        if not why and not repack:
-            checked_by += f" ({repack_why})"
+        if why:
+            return "transformers' GGUF reader (llama.cpp not available)", repack
+        return llamacpp.version() + ("" if repack else f" ({repack_why})"), repack
     if fmt == "gguf-adapter":
         repack, repack_why = llamacpp.weight_repacking(cpuinfo_text())
-        checked_by = llamacpp.version() + ", adapter applied over an f32 GGUF of its base" + (
-            "" if repack else f" ({repack_why})")
+        return llamacpp.version() + ", adapter applied over an f32 GGUF of its base" + (
+            "" if repack else f" ({repack_why})"), repack
+    return {"adapter": "peft / tunekit", "merged": "transformers"}[fmt], False
 
-    timings: dict[str, float] = {}
-    clock = [started]
 
-    def lap(name: str) -> None:
-        now = time.time()
-        timings[name] = round(timings.get(name, 0.0) + now - clock[0], 2)
-        clock[0] = now
-
-    tokenizer = load_tokenizer_for(src)
-    batches = heldout_batches(src.run, tokenizer, eval_batches)
-    log.info("%s", export_memory_check(src, facts, fmt, target, candidates, batches))
-    batches = [{k: v.to(src.device) for k, v in b.items()} for b in batches]
-    task, task_note = task_check(src.run.cfg, tokenizer, data, task_rows)
-    lap("held_out_data")
-    log.info("exporting %s (method %s, base %s%s) as %s to %s", src.run.run_dir, src.method, src.base_path,
-             ", 4-bit NF4" if src.quantize == "nf4" else "", fmt, out)
-    # Where this CPU emulates a half dtype, every forward of the export (reference and candidates
-    # alike) computes its half linears in fp32: one kernel on both sides of each comparison, so an
-    # identical adapter still reloads exactly (bf16 kernels alone differ by KL ~4e-3 on SmolLM2).
-    emulated = cpu_emulated_dtypes()
-    # One load of the base: its loss, then (same storage) the trained model's logits and loss.
-    with HalfLinearsInFp32(emulated):
-        base = load_base(src)
-        if task is not None:
-            task.base = task.score(base, tokenizer)
-        ref, trained = measure_reference(base, lambda b: apply_and_load(src, b), batches)
-        del base  # its storage is the trained model's now
-        if task is not None:
-            task.trained = task.score(trained, tokenizer)
-    lap("load_and_measure_trained")
-    merged, nll_merge_base = None, None
-    if fmt == "gguf-adapter":  # the LoRA's tensors, and the base it trained over as a plain fp32 model
-        prepared = gguf_adapter.prepare(src, trained)
-        trained = None
-        lap("read_adapter")
-    elif fmt != "adapter":
-        if src.quantize == "nf4" and target == "dequantized":
-            merged = src.method_impl.merge(trained)  # fp32: dequantized NF4 codes + delta, exact
-        else:
-            trained = None  # the 4-bit model goes before the fp32 original comes
-            artifacts.free()
-            base = load_original_base(src)
-            if src.quantize == "nf4":
-                with HalfLinearsInFp32(emulated):
-                    nll_merge_base = token_nll(base, batches)
-            merged = src.method_impl.merge(apply_and_load(src, base))
-        trained = None
-        lap("merge")
-
-    def label(d: Optional[str]) -> str:
-        if fmt == "adapter":
-            return "adapter"
-        if fmt == "gguf-adapter":
-            return f"gguf-adapter {gguf_name(d)} (over the {'dequantized NF4 ' if src.quantize == 'nf4' else ''}base)"
-        into = {"dequantized": "into the dequantized NF4 weights", "original": "into the original weights"}[target]
-        if requantize:
-            return f"merged nf4 (re-quantized from {d}, {into})"
-        return f"{fmt} {gguf_name(d) if fmt == 'gguf' else d} ({into})"
-
-    def attempt(tmp: Path, d: Optional[str]) -> dict:
-        """Write one candidate into tmp, reload it as its consumer does, measure it."""
-        if fmt == "adapter":
-            artifacts.write_adapter(src, trained, tokenizer, tmp)
-            lap("write")
-            exported, exported_tok = artifacts.reload_adapter(src, tmp), artifacts.reload_tokenizer(tmp)
-        elif fmt == "merged":
-            if requantize:
-                artifacts.write_requantized_nf4(src, merged, tokenizer, tmp, d, policy_dtype)
-            else:
-                artifacts.write_merged(merged, tokenizer, tmp, d)
-            lap("write")
-            exported, exported_tok = artifacts.reload_merged(tmp, src.device), artifacts.reload_tokenizer(tmp)
-        elif fmt == "gguf-adapter":
-            n_ctx = max(int(b["attention_mask"].sum(1).max()) for b in batches)
-            model = gguf_adapter.write_and_load(prepared, tokenizer, tmp, out.name, d, n_ctx, _threads(), repack)
-            lap("write")
-            exported, exported_tok = model.logits, llamacpp.LlamaCppTokenizer(model)
-        else:
-            artifacts.write_gguf_file(src, merged, tokenizer, tmp / out.name, d)
-            lap("write")
-            if checked_by.startswith("llama.cpp"):
-                n_ctx = max(int(b["attention_mask"].sum(1).max()) for b in batches)
-                model = llamacpp.LlamaCppModel(tmp / out.name, n_ctx, _threads(), repack)
-                exported, exported_tok = model.logits, llamacpp.LlamaCppTokenizer(model)
-            else:
-                with artifacts.gguf_parsed_once():
-                    exported = artifacts.reload_gguf_transformers(tmp / out.name, src.device)
-                    exported_tok = artifacts.reload_tokenizer(tmp, gguf_file=out.name)
-        lap("reload")
-        with HalfLinearsInFp32(emulated) as half:  # the same numbers up to summation order, ~7x faster
-            fid = compare(ref, exported, nll_merge_base)
-        if half.seen:
-            fid["half_linears"] = half.describe()
-        if task is None:
-            fid["task_skipped"] = task_note
-        elif (scorer := scorer_for(exported)) is None:
-            fid["task_skipped"] = f"{checked_by} gives logits only here, no task scorer"
-        else:
-            with HalfLinearsInFp32(emulated):
-                fid["task"] = compare_task(task, task.score(scorer, tokenizer))
-        fid["tokenizer_agreement"] = artifacts.tokenizer_agreement(tokenizer, exported_tok, batches)
-        lossy = bool(requantize) or d in LOSSY
-        gate = decide(fid, adapter=fmt == "adapter", lossy=lossy, min_gain=min_gain, kl_threshold=kl_threshold,
-                      min_task_gain=min_task_gain)
-        if gate["rule"] == "kl (gain not measurable)" and nll_merge_base is not None and kl_threshold is None:
-            # Merged into the original weights, the export is not meant to match the trained
-            # model (NF4 rounding apart): where KL decides, it is KL against the exact fp32 merge.
-            fid["kl_vs_exact_merge"] = compare(exact_merge_reference(), exported)["kl_mean"]
-            gate = decide(dict(fid, kl_mean=fid["kl_vs_exact_merge"]), adapter=False, lossy=lossy, min_gain=min_gain,
-                          min_task_gain=min_task_gain)
-            gate["against"] = "the exact fp32 merge"
-        if fmt in ("gguf", "gguf-adapter") and checked_by.startswith("llama.cpp"):
-            exported_tok.model.close()
-        del exported, exported_tok
-        lap("compare")
-        return {"dtype": d, "fidelity": fid, "gate": gate, "accepted": gate["accepted"]}
-
-    exact = []
-
-    def exact_merge_reference():
-        """The merged fp32 model's own logits (measured once, on demand)."""
-        if not exact:
-            with HalfLinearsInFp32(emulated):
-                exact.append(measure_reference(merged, lambda m: m, batches)[0])
-        return exact[0]
-
-    def build(tmp: Path) -> dict:
-        tried = []
-        for i, d in enumerate(candidates):
-            for p in tmp.iterdir():  # a refused candidate's files
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
-            result = attempt(tmp, d)
-            tried.append(result)
-            if result["accepted"]:
-                break
-            if i + 1 < len(candidates):
-                print(f"{label(d)}: {result['gate']['why']}; trying {gguf_name(candidates[i + 1]) if fmt == 'gguf' else candidates[i + 1]}",
-                      flush=True)
-        result = tried[-1]
-        report = {
-            "format": fmt, "dtype": None if fmt == "adapter" else (gguf_name(result["dtype"]) if fmt.startswith("gguf") else result["dtype"]),
-            "dtype_asked": "auto" if len(candidates) > 1 or dtype in (None, "auto") else dtype,
-            "dtype_tried": [{"dtype": t["dtype"], "gain_kept": t["fidelity"]["gain_kept"],
-                             "kl_mean": t["fidelity"]["kl_mean"], "accepted": t["accepted"]} for t in tried],
-            "requantize": requantize, "merge_into": target,
-            "path": str(out), "run_dir": str(src.run.run_dir.absolute()), "method": src.method,
-            "base_model": src.base_path, "base_quantize": src.quantize, "checked_by": checked_by,
-            "device": facts.describe(),
-            "gate": result["gate"], "accepted": result["accepted"], "forced": bool(force and not result["accepted"]),
-            "fidelity": result["fidelity"],
-            "tokens_compared": "KL, logit diff, top-1: every non-padding position of the held-out batches; "
-                               "loss, perplexity, gain kept: response tokens",
-            "tunekit_version": __version__,
-        }
-        if len(candidates) > 1 and result["accepted"]:
-            report["dtype_why"] = (f"{report['dtype']}: the narrowest of {', '.join(gguf_name(c) if fmt == 'gguf' else c for c in candidates)} "
-                                   f"that passes the gate ({result['gate']['rule']} >= {result['gate']['bound']:g})"
-                                   if result["gate"]["rule"] == "gain_kept" else
-                                   f"{report['dtype']}: the narrowest of {', '.join(candidates)} that passes the gate")
-        if fmt == "gguf-adapter":  # which base the check applied it over, and which one the user must
-            report["base_gguf"] = prepared.about_base
-        report["timings_s"] = dict(timings, total=round(time.time() - started, 2))
-        report["export_s"] = report["timings_s"]["total"]
-        print(table(label(result["dtype"]), report), flush=True)
-        if not result["accepted"] and not force:
-            raise TunekitError(f"export refused: {label(result['dtype'])}: {result['gate']['why']}; nothing written at {out}."
-                               f"{_hint(fmt, candidates, requantize)} --force writes it anyway; --min-gain F changes the bound")
-        if report.get("dtype_why") and result["dtype"] != candidates[0]:
-            print(f"dtype: {report['dtype_why']}", flush=True)
-        (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
-        return report
-
+def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] = None, requantize: Optional[str] = None,
+           force: bool = False, kl_threshold: Optional[float] = None, eval_batches: int = 4,
+           merge_into: Optional[str] = None, min_gain: Optional[float] = None, device: Optional[str] = None,
+           data: Optional[str] = None, task_rows: int = DEFAULT_TASK_ROWS, min_task_gain: Optional[float] = None) -> dict:
+    """Export a finished run; returns the fidelity report (also written beside the export).
+    device: where the models load and the check computes (tunekit.speed.device.command_device; None:
+    the first GPU, else the CPU). llama.cpp's check runs on the CPU either way. data / task_rows:
+    the held-out rows of the task check (tunekit.export.task; default the run's held-out split,
+    task_rows=0 skips it)."""
+    started = time.time()
+    _check_arguments(fmt, requantize, merge_into, eval_batches, min_gain, min_task_gain, task_rows, data)
+    candidates = _dtypes(fmt, dtype, requantize)
+    facts = command_facts(device)
+    src = open_source(run_dir, what="RUN_DIR", facts=facts, runs_only=True)
+    out = Path(out).expanduser().absolute()
+    check_out(fmt, out, src.run.run_dir.absolute())
+    checked_by, repack = _refuse_early(src, fmt, candidates)
+    target = merge_target(src, merge_into) if fmt not in ("adapter", "gguf-adapter") else None
+    job = Export(src, fmt, out, candidates, target, checked_by, repack, started,
+                  dict(dtype=dtype, requantize=requantize, merge_into=merge_into, force=force, kl_threshold=kl_threshold,
+                       min_gain=min_gain, min_task_gain=min_task_gain))
+    job.prepare(eval_batches, data, task_rows)
+    job.measure_trained()
+    job.merge()
     if fmt in ("gguf", "gguf-adapter"):
-        return atomic_file(out, build, REPORT)
+        return atomic_file(out, job.build, REPORT)
     result = {}
-    atomic_dir(out, lambda tmp: result.update(build(tmp)))
+    atomic_dir(out, lambda tmp: result.update(job.build(tmp)))
     return result
-
-
-def export_memory_check(src, facts, fmt: str, target: Optional[str], candidates: tuple, batches: list[dict]) -> str:
-    """The planner's check, before any model loads, that the export fits on its device. It
-    computes in fp32 and holds, at its peak, either the trained model beside a reloaded adapter
-    (adapter exports) or the merged fp32 model beside one reloaded candidate (merged, gguf), plus
-    the reference logits of every held-out position and one batch's forward."""
-    from tunekit.speed.device import available_memory_bytes
-    from tunekit.plan.inference import Workload, activation_terms, check_fits
-    from tunekit.plan.memory import base_weight_bytes
-    from tunekit.plan.shape import model_shape
-
-    try:
-        shape = model_shape(src.base_path, None)
-    except TunekitError as e:
-        return f"memory: not checked ({e})"
-    tokens = max(int(b["input_ids"].numel()) for b in batches)
-    kept = sum(int(b["attention_mask"].sum()) for b in batches)
-    work = Workload(kv_tokens=0, forward_tokens=tokens, logit_rows=tokens, kept_logit_rows=kept)
-    adapter = 2 * sum(f.stat().st_size for f in src.adapter_dir.glob("*.safetensors"))
-    trained = base_weight_bytes(shape, src.quantize, 4) + adapter
-    if fmt == "adapter":
-        weights = {"trained model": trained, "reloaded adapter export": trained}
-    else:
-        widest = max(4 if c in (None, "fp32") or c in llamacpp.QUANT_TYPES else 2 for c in candidates)
-        reload = 4 if fmt.startswith("gguf") else widest  # transformers' GGUF reader dequantizes to fp32
-        merged = {"merged model (fp32)": shape.total_params * 4, "reloaded export": shape.total_params * reload}
-        weights = merged if target == "original" or src.quantize != "nf4" else {"trained model": trained, **merged}
-    return check_fits({**weights, **activation_terms(shape, 4, work)}, facts, available_memory_bytes(src.device),
-                      "tunekit export", "--eval-batches 1 keeps fewer reference logits")
-
-
-def _threads() -> int:
-    import torch
-
-    return max(1, torch.get_num_threads())
-
-
-def _hint(fmt: str, candidates: tuple, requantize: Optional[str]) -> str:
-    if fmt == "adapter" or requantize:
-        return ""
-    if len(candidates) > 1:
-        return f" Every dtype tried ({', '.join(gguf_name(c) if fmt == 'gguf' else c for c in candidates)}) was refused."
-    if candidates[0] in ("bf16", "fp16"):
-        return (" A wider --dtype keeps small fine-tune updates that this one rounds away; without --dtype,"
-                " export picks the narrowest that keeps the gain.")
-    if candidates[0] in llamacpp.QUANT_TYPES:
-        return " A wider type (Q8_0, f16) keeps more of it."
-    return ""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -52,6 +52,14 @@ SE_MARGIN = 2.0
 # (5.4e-3 on SmolLM2 QLoRA).
 KL_FALLBACK = 3e-3
 KL_ADAPTER = 1e-5
+# Both bounds apply to the top-k estimate of KL (tunekit.export.fidelity.kl_topk), unchanged. Its
+# error is R (KL_tail - KL_top) with R the trained model's mass beyond its top 64 tokens: for rounding
+# noise spread over the vocabulary the two divergences agree (the estimate is the KL up to how
+# concentrated the top tokens' weights are), and where an export moves the top tokens most, as a
+# rounded-away adapter does (it loses the update that raised them), KL_top is the larger and the
+# estimate reads high: what the exact KL would refuse, it refuses. It under-reads only a change
+# confined to the tail, by at most R times the tail's divergence. Identical logits give exactly 0,
+# so KL_ADAPTER still means "reloads exactly". The report carries R (kl_tail_mass).
 # The task check (tunekit.export.task): the share of the trained model's task gain (accuracy or
 # exact match over base) an export must keep, when the rows can tell (McNemar's statistic over the
 # rows lost and won >= TASK_Z, about 2% one-sided). Exports that only round the trained model
@@ -142,7 +150,8 @@ def table(label: str, report: dict) -> str:
              f"({f['response_tokens']} response), {report.get('checked_by', '')}".rstrip(", "),
              f"  {'':<11}{'loss':>9}{'ppl':>11}"]
     lines += [f"  {name:<11}{loss:>9.4f}{ppl:>11.4g}  {note}".rstrip() for name, loss, ppl, note in rows]
-    lines.append(f"  gain kept {kept} of {f['gain']:.4f} nats/token   KL(trained||exported) {f['kl_mean']:.2e}   "
+    est = f" ({f['kl_estimate'].split()[0]} est.)" if f.get("kl_estimate") else ""
+    lines.append(f"  gain kept {kept} of {f['gain']:.4f} nats/token   KL(trained||exported) {f['kl_mean']:.2e}{est}   "
                  f"max |logit diff| {f['max_abs_logit_diff']:.3f}   top-1 {100 * f['top1_agreement']:.2f}%")
     if f.get("task"):
         t = f["task"]

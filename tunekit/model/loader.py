@@ -15,6 +15,9 @@ from tunekit.model.folder import resolve_model_path  # noqa: F401  (re-exported)
 from tunekit.speed.device import compute_dtype  # noqa: F401  (re-exported: the precision policy lives with the device facts)
 
 log = logging.getLogger(__name__)
+# The modules a 4-bit load keeps in high precision: the output head, as in QLoRA. A streamed merge
+# (tunekit.export.stream) rounds every other Linear weight through NF4 as this loader does.
+NF4_SKIP_MODULES = ("lm_head",)
 
 
 
@@ -77,7 +80,7 @@ def load_kwargs(quantize: str, dtype: torch.dtype, device: torch.device,
             bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=dtype,
             # the output head stays in high precision, as in QLoRA
-            llm_int8_skip_modules=["lm_head"],
+            llm_int8_skip_modules=list(NF4_SKIP_MODULES),
             **({"bnb_4bit_quant_storage": quant_storage} if quant_storage is not None else {}),
         )
         kwargs["device_map"] = device_map(device)

@@ -39,7 +39,6 @@ class Workload:
     kv_tokens: int  # tokens whose keys and values are cached at the peak (0: no cache)
     forward_tokens: int  # tokens of the largest forward
     logit_rows: int  # positions whose fp32 logits exist at once
-    kept_logit_rows: int = 0  # positions whose fp32 logits are kept across forwards (export's reference)
 
 
 def inference_memory(shape: ModelShape, quantize: str, compute_bytes: int, work: Workload,
@@ -58,8 +57,6 @@ def activation_terms(shape: ModelShape, compute_bytes: int, work: Workload) -> d
         "working set (one block)": work.forward_tokens * (3 * d + shape.q_dim + 2 * shape.kv_dim + 3 * m) * e,
         "logits": 2 * work.logit_rows * shape.vocab_size * 4,
     }
-    if work.kept_logit_rows:
-        terms["kept logits"] = work.kept_logit_rows * shape.vocab_size * 4
     return {k: v for k, v in terms.items() if v}
 
 

@@ -1,0 +1,302 @@
+"""One export of a finished run, step by step (`tunekit export`; the command is tunekit.commands.export).
+
+    prepare          the held-out batches and task rows; the memory check (tunekit.export.memory)
+    measure_trained  one load of the base: its loss, then the trained model's loss and logit summary
+                     (tunekit.export.fidelity.Reference)
+    merge            the trained model becomes what the candidates are written from: the merged fp32
+                     model (in memory), the LoRA's tensors (gguf-adapter), or nothing at all: a streamed
+                     merge (tunekit.export.stream) reads the base's files as it writes each candidate,
+                     so the trained model is freed before any candidate loads
+    build            each candidate dtype in turn written into the temp folder, reloaded as its consumer
+                     does, measured and gated (tunekit.export.gate); the report of the one kept
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from tunekit import TunekitError, __version__
+from tunekit.export import artifacts, gguf_adapter, stream
+from tunekit.export.fidelity import HalfLinearsInFp32, UpcastHalfWeights, compare, measure_reference, token_nll
+from tunekit.export.gate import decide, table
+from tunekit.export.memory import export_memory_check
+from tunekit.export.task import compare_task, scorer_for, task_check
+from tunekit.infer import llamacpp
+from tunekit.runs.heldout import heldout_batches
+from tunekit.runs.load import apply_and_load, load_base, load_original_base, load_tokenizer_for
+from tunekit.speed.device import cpu_emulated_dtypes
+
+log = logging.getLogger("tunekit")
+REPORT = "fidelity.json"
+LOSSY = ("q4_k_m", "q5_k_m")
+
+
+def gguf_name(dtype: str) -> str:
+    return llamacpp.QUANT_TYPES[dtype][1] if dtype in llamacpp.QUANT_TYPES else {"fp16": "f16", "fp32": "f32"}.get(dtype, dtype)
+
+
+class Export:
+    """One export, step by step: prepare (data, memory check), measure_trained (the reference),
+    merge (streamed: nothing here; in memory: the merged fp32 model), then build (each candidate
+    written into the temp folder, reloaded, measured and gated; the report)."""
+
+    def __init__(self, src, fmt: str, out: Path, candidates: tuple, target: Optional[str], checked_by: str,
+                 repack: bool, started: float, options: dict):
+        self.fmt, self.out, self.candidates, self.checked_by, self.repack = fmt, out, candidates, checked_by, repack
+        self.opt = options
+        # The check measures the trained weights' own function: base, adapter and every candidate computed
+        # in fp32 (the trainer's bf16 arithmetic is a rounding of that function, as a bf16 export's is, and
+        # against an exact fp32 merge it alone reads KL ~4e-3 on the default model, the size of what the
+        # KL fallback of the gate must tell apart). What the run computed in goes into a re-quantized
+        # export's config.
+        self.policy_dtype = src.dtype
+        self.src = dataclasses.replace(src, dtype=torch.float32)
+        self.target = target  # dequantized | original (tunekit.commands.export.merge_target); None: not merged
+        self.plan = None  # a streamed merge's plan (tunekit.export.stream); None: merged in memory
+        if fmt == "merged":
+            self.plan, why = stream.plan_stream(self.src, self.target)
+            if self.plan is None:
+                log.info("merging in memory, not streamed: %s", why)
+        self.timings: dict[str, float] = {}
+        self.started = self.clock = started
+        # Where this CPU emulates a half dtype, every forward of the export (reference and candidates
+        # alike) computes its half linears in fp32: one kernel on both sides of each comparison, so an
+        # identical adapter still reloads exactly (bf16 kernels alone differ by KL ~4e-3 on SmolLM2).
+        self.emulated = cpu_emulated_dtypes()
+        self.trained = self.merged = self.prepared = self.nll_merge_base = None
+        self.exact = None
+
+    def lap(self, name: str) -> None:
+        now = time.time()
+        self.timings[name] = round(self.timings.get(name, 0.0) + now - self.clock, 2)
+        self.clock = now
+
+    def memory_check(self, candidates: tuple) -> str:
+        return export_memory_check(self.src, self.src.facts, self.fmt, self.target, candidates, self.batches,
+                                   self.plan is not None, self.reference_source().dtype)
+
+    def prepare(self, eval_batches: int, data: Optional[str], task_rows: int) -> None:
+        src = self.src
+        self.tokenizer = load_tokenizer_for(src)
+        self.batches = heldout_batches(src.run, self.tokenizer, eval_batches)
+        log.info("%s", self.memory_check(self.candidates))
+        self.batches = [{k: v.to(src.device) for k, v in b.items()} for b in self.batches]
+        self.task, self.task_note = task_check(src.run.cfg, self.tokenizer, data, task_rows)
+        self.lap("held_out_data")
+        log.info("exporting %s (method %s, base %s%s) as %s to %s", src.run.run_dir, src.method, src.base_path,
+                 ", 4-bit NF4" if src.quantize == "nf4" else "", self.fmt, self.out)
+
+    def reference_source(self):
+        """The source the trained model is measured from: fp32, except a 16-bit base under a streamed
+        merge, which stays in its stored dtype and computes in fp32 (UpcastHalfWeights: the same
+        function in one 16-bit copy's memory)."""
+        if self.plan is None or self.src.quantize == "nf4" or not stream.reference_in_storage(self.src):
+            return self.src
+        return dataclasses.replace(self.src, dtype=stream.stored_dtype(self.src))
+
+    def measure_trained(self) -> None:
+        """One load of the base: its loss, then (same storage) the trained model's figures and loss."""
+        src, task, tok = self.reference_source(), self.task, self.tokenizer
+        with HalfLinearsInFp32(self.emulated), UpcastHalfWeights():
+            base = load_base(src)
+            if task is not None:
+                task.base = task.score(base, tok)
+            self.ref, self.trained = measure_reference(base, lambda b: apply_and_load(src, b), self.batches)
+            del base  # its storage is the trained model's now
+            if task is not None:
+                task.trained = task.score(self.trained, tok)
+        self.lap("load_and_measure_trained")
+
+    def merge(self) -> None:
+        """The trained model becomes what the candidates are written from (or goes, when streamed)."""
+        src = self.src
+        if self.fmt == "gguf-adapter":  # the LoRA's tensors, and the base it trained over as a plain fp32 model
+            self.prepared = gguf_adapter.prepare(src, self.trained)
+            self.trained = None
+            self.lap("read_adapter")
+        elif self.fmt != "adapter":
+            if self.plan is not None:  # merged as it is written; nothing may stay loaded beside the candidate
+                self.trained = None
+                artifacts.free()
+                return
+            if src.quantize == "nf4" and self.target == "dequantized":
+                self.merged = src.method_impl.merge(self.trained)  # fp32: dequantized NF4 codes + delta, exact
+            else:
+                self.trained = None  # the 4-bit model goes before the fp32 original comes
+                artifacts.free()
+                base = load_original_base(src)
+                if src.quantize == "nf4":
+                    with HalfLinearsInFp32(self.emulated):
+                        self.nll_merge_base = token_nll(base, self.batches)
+                self.merged = src.method_impl.merge(apply_and_load(src, base))
+            self.trained = None
+            self.lap("merge")
+
+    def label(self, d: Optional[str]) -> str:
+        fmt = self.fmt
+        if fmt == "adapter":
+            return "adapter"
+        if fmt == "gguf-adapter":
+            return f"gguf-adapter {gguf_name(d)} (over the {'dequantized NF4 ' if self.src.quantize == 'nf4' else ''}base)"
+        into = {"dequantized": "into the dequantized NF4 weights", "original": "into the original weights"}[self.target]
+        if self.opt["requantize"]:
+            return f"merged nf4 (re-quantized from {d}, {into})"
+        return f"{fmt} {gguf_name(d) if fmt == 'gguf' else d} ({into})"
+
+    def write_and_reload(self, tmp: Path, d: Optional[str]):
+        """Write one candidate into tmp and reload it as its consumer does: (logits source, tokenizer)."""
+        src, fmt, tok, out = self.src, self.fmt, self.tokenizer, self.out
+        if fmt == "adapter":
+            artifacts.write_adapter(src, self.trained, tok, tmp)
+            self.lap("write")
+            return artifacts.reload_adapter(src, tmp), artifacts.reload_tokenizer(tmp)
+        if fmt == "merged":
+            if self.plan is not None:
+                def write_plain(folder: Path, dtype: str = d) -> None:
+                    stream.write_merged(self.plan, tok, folder, artifacts.TORCH_DTYPES[dtype], src.device)
+            else:
+                def write_plain(folder: Path, dtype: str = d) -> None:
+                    artifacts.write_merged(self.merged, tok, folder, dtype)
+            if self.opt["requantize"]:
+                artifacts.write_requantized_nf4(src, write_plain, tok, tmp, d, self.policy_dtype)
+            else:
+                write_plain(tmp)
+            self.lap("write")
+            return artifacts.reload_merged(tmp, src.device), artifacts.reload_tokenizer(tmp)
+        n_ctx = max(int(b["attention_mask"].sum(1).max()) for b in self.batches)
+        if fmt == "gguf-adapter":
+            model = gguf_adapter.write_and_load(self.prepared, tok, tmp, out.name, d, n_ctx, _threads(), self.repack)
+            self.lap("write")
+            return model.logits, llamacpp.LlamaCppTokenizer(model)
+        artifacts.write_gguf_file(src, self.merged, tok, tmp / out.name, d)
+        self.lap("write")
+        if self.checked_by.startswith("llama.cpp"):
+            model = llamacpp.LlamaCppModel(tmp / out.name, n_ctx, _threads(), self.repack)
+            return model.logits, llamacpp.LlamaCppTokenizer(model)
+        with artifacts.gguf_parsed_once():
+            return (artifacts.reload_gguf_transformers(tmp / out.name, src.device),
+                    artifacts.reload_tokenizer(tmp, gguf_file=out.name))
+
+    def attempt(self, tmp: Path, d: Optional[str]) -> dict:
+        """Write one candidate into tmp, reload it as its consumer does, measure it."""
+        fmt, opt = self.fmt, self.opt
+        exported, exported_tok = self.write_and_reload(tmp, d)
+        self.lap("reload")
+        with HalfLinearsInFp32(self.emulated) as half:  # the same numbers up to summation order, ~7x faster
+            fid = compare(self.ref, exported, self.nll_merge_base)
+        if half.seen:
+            fid["half_linears"] = half.describe()
+        if self.task is None:
+            fid["task_skipped"] = self.task_note
+        elif (scorer := scorer_for(exported)) is None:
+            fid["task_skipped"] = f"{self.checked_by} gives logits only here, no task scorer"
+        else:
+            with HalfLinearsInFp32(self.emulated):
+                fid["task"] = compare_task(self.task, self.task.score(scorer, self.tokenizer))
+        fid["tokenizer_agreement"] = artifacts.tokenizer_agreement(self.tokenizer, exported_tok, self.batches)
+        lossy = bool(opt["requantize"]) or d in LOSSY
+        gate = decide(fid, adapter=fmt == "adapter", lossy=lossy, min_gain=opt["min_gain"],
+                      kl_threshold=opt["kl_threshold"], min_task_gain=opt["min_task_gain"])
+        if gate["rule"] == "kl (gain not measurable)" and self.nll_merge_base is not None and opt["kl_threshold"] is None:
+            # Merged into the original weights, the export is not meant to match the trained
+            # model (NF4 rounding apart): where KL decides, it is KL against the exact fp32 merge.
+            fid["kl_vs_exact_merge"] = compare(self.exact_merge_reference(), exported)["kl_mean"]
+            gate = decide(dict(fid, kl_mean=fid["kl_vs_exact_merge"]), adapter=False, lossy=lossy,
+                          min_gain=opt["min_gain"], min_task_gain=opt["min_task_gain"])
+            gate["against"] = "the exact fp32 merge"
+        if fmt in ("gguf", "gguf-adapter") and self.checked_by.startswith("llama.cpp"):
+            exported_tok.model.close()
+        del exported, exported_tok
+        self.lap("compare")
+        return {"dtype": d, "fidelity": fid, "gate": gate, "accepted": gate["accepted"]}
+
+    def exact_merge_reference(self):
+        """The merged fp32 model's own figures (measured once, on demand)."""
+        if self.exact is None:
+            with HalfLinearsInFp32(self.emulated):
+                self.exact = measure_reference(self.merged, lambda m: m, self.batches)[0]
+        return self.exact
+
+    def build(self, tmp: Path) -> dict:
+        """Try the candidates in order into tmp; the report of the last one tried (accepted, or refused
+        and --force) is written beside it; a refusal without --force raises."""
+        tried, candidates, name = [], self.candidates, (gguf_name if self.fmt == "gguf" else str)
+        for i, d in enumerate(candidates):
+            for p in tmp.iterdir():  # a refused candidate's files
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+            if i and self.plan is not None:  # a wider candidate than the one checked before the export began
+                log.info("%s", self.memory_check((d,)))
+            tried.append(self.attempt(tmp, d))
+            if tried[-1]["accepted"]:
+                break
+            if i + 1 < len(candidates):
+                print(f"{self.label(d)}: {tried[-1]['gate']['why']}; trying {name(candidates[i + 1])}", flush=True)
+        result = tried[-1]
+        report = self.report(tried)
+        print(table(self.label(result["dtype"]), report), flush=True)
+        if not result["accepted"] and not self.opt["force"]:
+            raise TunekitError(f"export refused: {self.label(result['dtype'])}: {result['gate']['why']}; nothing written "
+                               f"at {self.out}.{_hint(self.fmt, candidates, self.opt['requantize'])} --force writes it "
+                               "anyway; --min-gain F changes the bound")
+        if report.get("dtype_why") and result["dtype"] != candidates[0]:
+            print(f"dtype: {report['dtype_why']}", flush=True)
+        (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        return report
+
+    def report(self, tried: list[dict]) -> dict:
+        """The fidelity report of the last candidate tried (what fidelity.json holds)."""
+        src, fmt, opt, candidates, result = self.src, self.fmt, self.opt, self.candidates, tried[-1]
+        name = gguf_name if fmt.startswith("gguf") else str
+        report = {
+            "format": fmt, "dtype": None if fmt == "adapter" else name(result["dtype"]),
+            "dtype_asked": "auto" if len(candidates) > 1 or opt["dtype"] in (None, "auto") else opt["dtype"],
+            "dtype_tried": [{"dtype": t["dtype"], "gain_kept": t["fidelity"]["gain_kept"],
+                             "kl_mean": t["fidelity"]["kl_mean"], "accepted": t["accepted"]} for t in tried],
+            "requantize": opt["requantize"], "merge_into": self.target,
+            "merged_by": None if self.fmt != "merged" else "streamed" if self.plan is not None else "in memory",
+            "path": str(self.out), "run_dir": str(src.run.run_dir.absolute()), "method": src.method,
+            "base_model": src.base_path, "base_quantize": src.quantize, "checked_by": self.checked_by,
+            "device": src.facts.describe(),
+            "gate": result["gate"], "accepted": result["accepted"], "forced": bool(opt["force"] and not result["accepted"]),
+            "fidelity": result["fidelity"],
+            "tokens_compared": "KL (estimated from the trained model's top-k tokens), logit diff (over them), top-1: "
+                               "every non-padding position of the held-out batches; loss, perplexity, gain kept: "
+                               "response tokens",
+            "tunekit_version": __version__,
+        }
+        if len(candidates) > 1 and result["accepted"]:
+            names = ", ".join(gguf_name(c) if fmt == "gguf" else c for c in candidates)
+            report["dtype_why"] = (f"{report['dtype']}: the narrowest of {names} that passes the gate "
+                                   f"({result['gate']['rule']} >= {result['gate']['bound']:g})"
+                                   if result["gate"]["rule"] == "gain_kept" else
+                                   f"{report['dtype']}: the narrowest of {', '.join(candidates)} that passes the gate")
+        if fmt == "gguf-adapter":  # which base the check applied it over, and which one the user must
+            report["base_gguf"] = self.prepared.about_base
+        report["timings_s"] = dict(self.timings, total=round(time.time() - self.started, 2))
+        report["export_s"] = report["timings_s"]["total"]
+        return report
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def _hint(fmt: str, candidates: tuple, requantize: Optional[str]) -> str:
+    if fmt == "adapter" or requantize:
+        return ""
+    if len(candidates) > 1:
+        return f" Every dtype tried ({', '.join(gguf_name(c) if fmt == 'gguf' else c for c in candidates)}) was refused."
+    if candidates[0] in ("bf16", "fp16"):
+        return (" A wider --dtype keeps small fine-tune updates that this one rounds away; without --dtype,"
+                " export picks the narrowest that keeps the gain.")
+    if candidates[0] in llamacpp.QUANT_TYPES:
+        return " A wider type (Q8_0, f16) keeps more of it."
+    return ""

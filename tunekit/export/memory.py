@@ -1,0 +1,117 @@
+"""Will an export fit on its device? The planner's check, made before any model loads.
+
+An export runs in phases, and what one phase holds is freed before the next loads, so the check
+is on the largest phase (tunekit.plan.inference.check_fits adds the CUDA allocator's margin):
+
+streamed merge (tunekit.export.stream: LoRA, `--format merged`)
+    reference  the trained model (the base as trained: 4-bit NF4 projections, every other weight
+               in fp32, or a 16-bit base as stored, computing in fp32; the fp32 adapter), one check
+               batch's forward (a block's working set and its
+               fp32 logits), the reference figures (tunekit.export.fidelity.Reference: top-k logits
+               and ids, per position)
+    merge      one tensor's merge (its stored copy, fp32 weight, NF4 codes, dequantized fp32 weight,
+               output), the reference figures
+    compare    the candidate as it ships (bf16 / fp16 / fp32), one check batch's forward, the
+               reference figures
+in memory (every other format or method)
+    the trained model (4-bit runs merged into the dequantized weights: it becomes the merge) or the
+    original weights in fp32, the merged fp32 model, the reloaded candidate, the forward, the figures.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from tunekit import TunekitError
+from tunekit.export.fidelity import TOP_K
+from tunekit.plan.inference import Workload, activation_terms, check_fits
+from tunekit.plan.memory import base_weight_bytes
+from tunekit.plan.shape import PROJECTIONS, ModelShape
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+HINT = "--eval-batches 1 holds one batch's forward less"
+
+
+def reference_bytes(shape: ModelShape, positions: int) -> int:
+    """The reference figures of `positions` held-out positions: top-k ids (int64) and logits (fp32), the lse."""
+    return positions * (min(TOP_K, shape.vocab_size) * (8 + 4) + 4)
+
+
+def merge_tensor_bytes(shape: ModelShape, stored: int, out: int) -> int:
+    """Peak bytes of one tensor's streamed merge (tunekit.export.stream.merged_weight): for a projection of
+    n weights, its stored copy (`stored` bytes each), the fp32 weight and the NF4 codes (0.5), then the
+    dequantized fp32 weight beside them (8.5 + stored per weight); a tensor that is only cast (the
+    embeddings, an untied head): its stored copy and its output."""
+    largest = max(i * o for p in PROJECTIONS for i, o in [shape.projection(p)])
+    return max(int((8.5 + stored) * largest), (stored + out) * shape.embedding_params)
+
+
+def streamed_phases(shape: ModelShape, quantize: str, adapter_bytes: int, dtype: str, work: Workload,
+                    positions: int, held: int = 4, stored: int = 4) -> dict[str, dict[str, int]]:
+    """{phase: {term: bytes}} of a streamed merged export whose candidate is stored in `dtype`. held:
+    bytes per weight the reference pass holds what is not 4-bit in (4: fp32; 2: a 16-bit base as
+    stored, computing in fp32); stored: bytes per weight in the base's files."""
+    ref = {"reference figures (top-k)": reference_bytes(shape, positions)}
+    forward = activation_terms(shape, 4, work)  # the trained model computes in fp32; a candidate's logits are fp32
+    return {
+        "reference": {"trained model (fp32 compute)": base_weight_bytes(shape, quantize, held) + adapter_bytes,
+                      **forward, **ref},
+        "merge": {"one tensor's merge (fp32)": merge_tensor_bytes(shape, stored, DTYPE_BYTES[dtype]), **ref},
+        "compare": {f"candidate ({dtype})": shape.total_params * DTYPE_BYTES[dtype], **forward, **ref},
+    }
+
+
+def in_memory_terms(shape: ModelShape, quantize: str, adapter_bytes: int, fmt: str, target: Optional[str],
+                    reload_bytes: int, work: Workload, positions: int) -> dict[str, int]:
+    """{term: bytes} at the peak of an export that merges on the loaded model (or ships the adapter)."""
+    trained = base_weight_bytes(shape, quantize, 4) + adapter_bytes
+    if fmt == "adapter":
+        weights = {"trained model": trained, "reloaded adapter export": trained}
+    else:
+        merged = {"merged model (fp32)": shape.total_params * 4, "reloaded export": shape.total_params * reload_bytes}
+        weights = merged if target == "original" or quantize != "nf4" else {"trained model": trained, **merged}
+    return {**weights, **activation_terms(shape, 4, work), "reference figures (top-k)": reference_bytes(shape, positions)}
+
+
+def peak(phases: dict[str, dict[str, int]]) -> tuple[str, dict[str, int]]:
+    """The phase holding the most, and its terms."""
+    name = max(phases, key=lambda p: sum(phases[p].values()))
+    return name, phases[name]
+
+
+def export_memory_check(src, facts, fmt: str, target: Optional[str], candidates: tuple, batches: list[dict],
+                        streamed: bool, reference_dtype=None) -> str:
+    """The check for an opened run (tunekit.runs.open.Source) and its held-out batches: a line for
+    the log, or one TunekitError naming the largest terms. The candidates tried in order are
+    checked at the first one's width when streamed (export checks a wider one again before
+    trying it), at the widest in memory."""
+    from tunekit.infer import llamacpp
+    from tunekit.plan.shape import model_shape
+    from tunekit.speed.device import available_memory_bytes
+
+    try:
+        shape = model_shape(src.base_path, None)
+    except TunekitError as e:
+        return f"memory: not checked ({e})"
+    tokens = max(int(b["input_ids"].numel()) for b in batches)
+    positions = sum(int(b["attention_mask"].sum()) for b in batches)
+    work = Workload(kv_tokens=0, forward_tokens=tokens, logit_rows=tokens)
+    adapter = 2 * sum(f.stat().st_size for f in src.adapter_dir.glob("*.safetensors"))  # bf16 files read as fp32
+    available = available_memory_bytes(src.device)
+    if streamed:
+        import torch
+
+        from tunekit.export.stream import stored_dtype
+
+        held = torch.empty((), dtype=reference_dtype or torch.float32).element_size()
+        stored = torch.empty((), dtype=stored_dtype(src)).element_size()
+        phase, terms = peak(streamed_phases(shape, src.quantize, adapter, candidates[0], work, positions, held, stored))
+        where = f"streamed merge, {candidates[0]}: the peak is its {phase} phase"
+        try:
+            return f"{check_fits(terms, facts, available, 'tunekit export', HINT)} ({where})"
+        except TunekitError as e:
+            raise TunekitError(f"{e} ({where})") from None
+    widest = max(4 if c in (None, "fp32") or c in llamacpp.QUANT_TYPES else 2 for c in candidates)
+    reload = 4 if fmt.startswith("gguf") else widest  # transformers' GGUF reader dequantizes to fp32
+    return check_fits(in_memory_terms(shape, src.quantize, adapter, fmt, target, reload, work, positions),
+                      facts, available, "tunekit export", HINT)
