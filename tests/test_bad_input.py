@@ -74,11 +74,23 @@ def places_of(world: dict, case: Case) -> dict:
     return {**world, "out": world["w"] / "outs" / case.id, "cwd": world["w"] / "cwds" / case.id}
 
 
+# Rows that tests other than test_bad_input read from `results`.
+READ_ELSEWHERE = ("eval-config-python-tag", "lr-inf", "model-bert")
+
+
+def _selected(session) -> set[str]:
+    """The rows this session runs: all of them, or those `-k` selects (and the ones read elsewhere)."""
+    ids = {item.callspec.params["case"].id for item in session.items  # every module's (xdist): this one's rows
+           if getattr(item, "callspec", None) is not None and isinstance(item.callspec.params.get("case"), Case)}
+    return ids | set(READ_ELSEWHERE)
+
+
 @pytest.fixture(scope="module")
-def results(world):
-    """Run the whole catalogue in one forking interpreter; {id: result}."""
+def results(world, request):
+    """Run the catalogue (the rows selected) in one forking interpreter; {id: result}."""
     cases = []
-    for case in CASES:
+    selected = _selected(request.session)
+    for case in (c for c in CASES if c.id in selected):
         places = places_of(world, case)
         places["cwd"].mkdir()
         places["cwd"].chmod(0o777)

@@ -18,16 +18,16 @@ def _fmt(x: float) -> str:
 
 def number(key: str, value: Any, *, gt: Optional[float] = None, ge: Optional[float] = None,
            lt: Optional[float] = None, le: Optional[float] = None, integer: bool = False,
-           allow_inf: bool = False) -> None:
+           allow_inf: bool = False, unit: str = "") -> None:
     """`value` is a (finite, unless allow_inf) number within the given bounds, else TunekitError.
 
-    The message states the whole allowed range: "method.dropout: must be in [0, 1), got 2.0".
+    The message states the whole allowed range, NaN included (float() and Hydra both read "nan" and
+    "inf" as numbers, and NaN fails no comparison, so it must be named, not compared):
+    "method.dropout: must be in [0, 1), got 2.0", "--memory: must be > 0 GiB and finite, got nan".
     """
     kind = "an integer" if integer else "a number"
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
         raise TunekitError(f"{key}: must be {kind}, got {value!r}")
-    if math.isnan(value):
-        raise TunekitError(f"{key}: must be {kind}, got nan")
     lower = (f"[{_fmt(ge)}" if ge is not None else f"({_fmt(gt)}") if (ge is not None or gt is not None) else None
     upper = (f"{_fmt(le)}]" if le is not None else f"{_fmt(lt)})") if (le is not None or lt is not None) else None
     if lower and upper:
@@ -38,10 +38,12 @@ def number(key: str, value: Any, *, gt: Optional[float] = None, ge: Optional[flo
         allowed = ("<= " if le is not None else "< ") + upper[:-1]
     else:
         allowed = "finite"
-    ok = ((gt is None or value > gt) and (ge is None or value >= ge) and (lt is None or value < lt)
-          and (le is None or value <= le) and (allow_inf or math.isfinite(value)))
+    allowed += f" {unit}" if unit else ""
+    ok = (not math.isnan(value) and (gt is None or value > gt) and (ge is None or value >= ge)
+          and (lt is None or value < lt) and (le is None or value <= le) and (allow_inf or math.isfinite(value)))
     if not ok:
-        if not math.isfinite(value) and allowed != "finite":
+        # NaN or inf against a range open on one side: the range alone would not say they are out
+        if not math.isfinite(value) and not allow_inf and not (lower and upper) and not allowed.startswith("finite"):
             allowed += " and finite"
         raise TunekitError(f"{key}: must be {allowed}, got {_fmt(value)}")
 
