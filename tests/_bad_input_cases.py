@@ -47,6 +47,8 @@ def raw(id, args, culprit, **kw):
 
 
 M, D = "{w}/models", "{w}/data"
+LONG = "a" * 300  # a folder name longer than any file system allows
+DEEP = "/".join(["b" * 200] * 20)  # 20 names of 200 bytes: each allowed, together over PATH_MAX
 OFFLINE = {"HF_HUB_OFFLINE": "1"}
 
 CASES = [
@@ -289,6 +291,13 @@ CASES = [
     train("out-locked", "output_dir={w}/locked", "output_dir: {w}/locked is in use by another tunekit run (pid "),
     train("out-hand-made-checkpoint", "output_dir={w}/handmade trainer.resume=true",
           "output_dir: {w}/handmade/checkpoints/step-000002 is not a tunekit checkpoint (no trainer_state.json)"),
+    # a name over the file system's NAME_MAX (255 bytes), and a path that leaves no room under PATH_MAX
+    train("out-name-too-long", f"output_dir={{w}}/{LONG}",
+          f"output_dir: the name '{'a' * 20}...{'a' * 12}' is 300 bytes long, more than the 255 a file or folder name"),
+    train("out-name-too-long-inside", f"output_dir={{w}}/{LONG}/run", "output_dir: the name 'aaaa"),
+    train("out-path-too-long", f"output_dir={{w}}/{DEEP}", "bytes tunekit needs for the files inside it that passes the 4096"),
+    raw("doctor-out-name-too-long", f"doctor --out {{w}}/{LONG}", "--out: the name 'aaaa"),
+    raw("eval-out-name-too-long", f"eval {{w}}/nope --out {{w}}/{LONG}/eval.json", "--out: the name 'aaaa"),
     train("out-allow-nonempty-word", "trainer.allow_nonempty_output_dir=maybe", "trainer.allow_nonempty_output_dir:"),
     # ---- training-side inputs: keys added with +, positions, targets, symlinks, runs with nothing to resume
     train("plus-key-typo", "+trainer.lr_typo=1", "trainer.lr_typo: unknown config key"),

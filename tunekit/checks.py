@@ -1,12 +1,15 @@
 """Range checks shared by config validation and the methods' `check_config`: one line naming the key.
 
 Plain functions of (key, value); they know nothing about the config object, so layers and methods
-can use them on the plain values they are given.
+can use them on the plain values they are given. `path_fits` is the same kind of check for a path
+tunekit will create (output_dir, doctor's --out, eval's --out).
 """
 
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Any, Optional
 
 from tunekit import TunekitError
@@ -65,3 +68,44 @@ def names(key: str, value: Any, what: str = "module names") -> list[str]:
     if dupes:
         raise TunekitError(f"{key}: {dupes[0]!r} is listed twice")
     return items
+
+
+# What tunekit writes inside a folder it creates, beyond the folder's own path: the deepest is a
+# checkpoint's adapter built in its scratch folder, about 110 bytes; the rest is room to spare.
+INSIDE_BYTES = 256
+
+
+def _limit(folder: str, name: str, default: int) -> int:
+    try:
+        return os.pathconf(folder, name)
+    except (OSError, ValueError):
+        return default
+
+
+def path_fits(key: str, path) -> None:
+    """Every name in `path` within the bytes its file system allows (NAME_MAX, 255 on most), and the
+    whole, with what tunekit writes inside it, within PATH_MAX: else TunekitError naming the key.
+
+    Otherwise the first stat() or mkdir() of it fails with "File name too long" (ENAMETOOLONG),
+    wherever that happens to be. Nothing is created; the limits are read from the deepest folder of
+    the path that exists (a mount may have its own)."""
+    full = os.path.abspath(os.path.expanduser(str(path)))
+    parts = Path(full).parts
+    existing = parts[0]
+    for part in parts[1:]:
+        step = os.path.join(existing, part)
+        if len(os.fsencode(part)) > 255 or not os.path.isdir(step):
+            break
+        existing = step
+    name_max = _limit(existing, "PC_NAME_MAX", 255)
+    for part in parts[1:]:
+        size = len(os.fsencode(part))
+        if size > name_max:
+            shown = part if len(part) <= 40 else f"{part[:20]}...{part[-12:]}"
+            raise TunekitError(f"{key}: the name {shown!r} is {size} bytes long, more than the {name_max} a file or "
+                               f"folder name may have on this file system; choose a shorter {key}")
+    path_max = _limit(existing, "PC_PATH_MAX", 4096)
+    size = len(os.fsencode(full))
+    if size + INSIDE_BYTES > path_max:
+        raise TunekitError(f"{key}: {full[:60]}... is {size} bytes long; with the {INSIDE_BYTES} bytes tunekit needs for "
+                           f"the files inside it that passes the {path_max} a path may have; choose a shorter {key}")

@@ -19,7 +19,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 
 from tunekit import TunekitError
-from tunekit.checks import number, one_of
+from tunekit.checks import number, one_of, path_fits
 
 
 class Optimizer(str, Enum):
@@ -397,6 +397,7 @@ def check_output_dir(path: str, key: str = "output_dir") -> None:
     say nothing for root, and a read-only mount or a sandbox can refuse what os.access allows.
     """
     _optional_text(key, path, "a folder for the run")
+    path_fits(key, path)  # before any stat(): a name over NAME_MAX fails each one with ENAMETOOLONG
     p = Path(path).expanduser()
     # A symlink whose target is missing, or a loop of symlinks: exists() says False, so it would pass
     # for a new folder, and creating it fails later with a traceback.

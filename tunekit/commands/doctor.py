@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from tunekit import TunekitError, __version__
+from tunekit.checks import path_fits
 from tunekit.commands.forkserver import Launcher, start_method
 from tunekit.commands.parse import Parser
 
@@ -377,6 +378,7 @@ def main(argv: list[str]) -> None:
     if bad:
         raise TunekitError(f"doctor: {bad[0]!r} is not a KEY=VALUE config override")
     check_overrides(args.steps, args.overrides)
+    path_fits("--out", args.out)  # a name too long for the file system fails every stat() below
     out = Path(args.out).expanduser().absolute()
     # A doctor that stopped before its report (a wrong --model, an interrupt) leaves only its logs/
     # folder: that is still its own output, which a new run may replace.
