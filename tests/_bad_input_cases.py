@@ -308,6 +308,14 @@ CASES = [
           "method.target_modules: 'layers' names ModuleList modules (model.layers), not Linear projections"),
     train("lora-targets-attention", "method.target_modules=[self_attn]",
           "method.target_modules: 'self_attn' names LlamaAttention modules"),
+    # the head's LoRA would get no gradient (the loss reads the head's weight); a tied head is the embeddings too
+    train("lora-targets-tied-head", "method.target_modules=[lm_head]",
+          "method.target_modules: 'lm_head' is the output head of LlamaForCausalLM, and its weight is the input "
+          "embeddings' (tie_word_embeddings is true for {tiny}/config.json)"),
+    train("lora-targets-tied-head-among-others", "recipe=qlora method.target_modules=[q_proj,lm_head]",
+          "drop 'lm_head' from method.target_modules"),
+    train("lora-targets-untied-head", f"model.path={M}/untied method.target_modules=[lm_head]",
+          "method.target_modules: 'lm_head' is the output head of LlamaForCausalLM: a LoRA on it would not train"),
     train("lora-targets-embeddings", "method.target_modules=[embed_tokens]",
           "method.target_modules: 'embed_tokens' names Embedding modules"),
     train("out-symlink-loop", "output_dir={w}/loop", "output_dir: {w}/loop is a symlink loop"),

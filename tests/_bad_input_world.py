@@ -126,6 +126,10 @@ def build_world(w: Path, tiny: Path) -> None:
     save_file({k: torch.full_like(v, float("nan")) for k, v in tensors.items()},
               model("nan", weights=False) / "model.safetensors", metadata={"format": "pt"})
     model("wider", cfg={**config, "hidden_size": 96, "head_dim": 16})
+    # the tiny model with an output head of its own (the tiny model's is tied to its embeddings)
+    save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].clone()},
+              model("untied", cfg={**config, "tie_word_embeddings": False}, weights=False) / "model.safetensors",
+              metadata={"format": "pt"})
     f = model("badtok", tokenizer=False)
     (f / "tokenizer.json").write_text('{"version": "1.0", "model": ')
     f = model("truncated", weights=False)

@@ -519,6 +519,7 @@ def _check_models(cfg: TrainConfig) -> None:
     skeleton = model_skeleton(str(student), student_key)
     check_weights_fit(student, skeleton, student_key)
     check_method_config(cfg.method, skeleton, plain(cfg.model.quantize))
+    get_method(cfg.method.name).check_training(cfg.method, skeleton)  # what a run cannot train (LoRA on the head)
 
 
 def check_trainable(cfg: TrainConfig) -> None:
