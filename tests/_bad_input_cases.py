@@ -244,6 +244,22 @@ CASES = [
     train("model-truncated-weights", f"model.path={M}/truncated", "model.path: {w}/models/truncated/model.safetensors is truncated"),
     train("model-garbage-weights", f"model.path={M}/garbage", "model.safetensors is not a valid safetensors file"),
     train("model-missing-shard", f"model.path={M}/sharded", "lacks 1 weight file(s) its model.safetensors.index.json lists"),
+    # chat templates that reach for Python's internals: refused before any renders (nothing runs)
+    train("model-template-escape", f"model.path={M}/hostile_template",
+          "model.path: {w}/models/hostile_template/chat_template.jinja: the chat template reaches '__init__' (line 1), "
+          "'__globals__' (line 1), which jinja's sandbox refuses"),
+    train("model-template-escape-in-config", f"model.path={M}/hostile_config_template",
+          "model.path: {w}/models/hostile_config_template/tokenizer_config.json (its chat_template): the chat template "
+          "reaches '__init__'"),
+    train("model-template-escape-at-render", f"model.path={M}/sneaky_template",
+          "{w}/models/sneaky_template/chat_template.jinja: the chat template tried to reach what jinja's sandbox "
+          "refuses (access to attribute '__init__' of 'type' object is unsafe.); the sandbox stopped it"),
+    train("model-template-syntax", f"model.path={M}/broken_template",
+          "model.path: {w}/models/broken_template/chat_template.jinja: not a valid chat template (line 1: "),
+    generate("generate-template-escape", f"--model {M}/hostile_config_template --prompt hi",
+             "--model: {w}/models/hostile_config_template/tokenizer_config.json (its chat_template): the chat template "
+             "reaches '__init__'"),
+    raw("chat-template-escape", f"chat --model {M}/hostile_template", "--model: {w}/models/hostile_template/chat_template.jinja"),
     # weights that do not fit their config.json (transformers would fill the gaps with random values)
     train("model-weights-too-few-layers", f"model.path={M}/threelayers",
           "model.path: the weights in {w}/models/threelayers do not fit its config.json: 9 weight(s) the config expects "

@@ -103,6 +103,7 @@ def build_world(w: Path, tiny: Path) -> None:
         "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system turns here') }}{% endif %}"
         "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    _hostile_templates(model, tok_files)
     model("threelayers", cfg={**config, "num_hidden_layers": 3})
     model("onelayer", cfg={**config, "num_hidden_layers": 1})
     import torch
@@ -153,6 +154,37 @@ def build_world(w: Path, tiny: Path) -> None:
     (w / "ro").mkdir()
     (w / "ro").chmod(0o555)
     _bad_runs_and_adapters(w, tiny, config["hidden_size"])
+
+
+# A template that formats the turns as ChatML, with `extra` rendered after them.
+CHATML_AND = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+              "{% endfor %}EXTRA{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def _hostile_templates(model, tok_files) -> None:
+    """Model folders whose chat template reaches for Python's internals (the classic way out of
+    jinja's sandbox: a type's __init__, then its function's __globals__, then os), as
+    chat_template.jinja, as tokenizer_config.json's chat_template, and built at render time where
+    no parse can see the name; and a template that does not parse."""
+    def templated(name: str, template: str, in_config: bool = False) -> None:
+        f = model(name, tokenizer=False)
+        for p in tok_files:
+            if p.name not in ("chat_template.jinja", "tokenizer_config.json"):
+                (f / p.name).symlink_to(p)
+        config = json.loads(next(p for p in tok_files if p.name == "tokenizer_config.json").read_text())
+        config.pop("chat_template", None)
+        if in_config:
+            config["chat_template"] = template
+        else:
+            (f / "chat_template.jinja").write_text(template)
+        (f / "tokenizer_config.json").write_text(json.dumps(config))
+
+    escape = "{{ namespace.__init__.__globals__['os'].system('touch pwned') }}"
+    templated("hostile_template", CHATML_AND.replace("EXTRA", escape))
+    templated("hostile_config_template", CHATML_AND.replace("EXTRA", escape), in_config=True)
+    # '__in' ~ 'it__' is a name only the rendering builds: the sandbox itself stops it there
+    templated("sneaky_template", CHATML_AND.replace("EXTRA", "{{ (namespace|attr('__in' ~ 'it__')).globals }}"))
+    templated("broken_template", CHATML_AND.replace("EXTRA", "{% if %}"))
 
 
 def _bad_runs_and_adapters(w: Path, tiny: Path, hidden: int) -> None:

@@ -207,6 +207,9 @@ LOADED = [
      "--system: the tokenizer's chat template refuses a system turn (no system turns here)"),
     ("chat-stdin-not-utf8", ["chat", "--model", "{tiny}", "--max-new-tokens", "2"], "caf\udce9\n",
      "stdin: not UTF-8 text (byte 0xe9)"),
+    # a name the template builds while it renders: no parse sees it, jinja's sandbox stops it there
+    ("generate-template-escape-at-render", ["generate", "--model", "{w}/models/sneaky_template", "--prompt", "hi"], None,
+     "{w}/models/sneaky_template/chat_template.jinja: the chat template tried to reach what jinja's sandbox refuses"),
 ]
 
 
@@ -220,7 +223,7 @@ def test_refused_after_the_model_loads(world, argv, stdin, culprit):
         r = run_cli(args, cwd, input=stdin)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert lines[-1].startswith(f"tunekit: error: {culprit}"), lines[-1]
+    assert lines[-1].startswith(f"tunekit: error: {_fill(culprit, {**world, 'out': cwd, 'cwd': cwd})}"), lines[-1]
     assert "prompt is" not in culprit or "with --max-new-tokens 64 that is more than the model's context of 512" in lines[-1]
     assert not r.stdout.strip()
 

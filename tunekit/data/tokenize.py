@@ -23,7 +23,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from tunekit import TunekitError
 from tunekit.data.formats import DataError
+from tunekit.model.template import sandbox_refusal
 
 IGNORE = -100
 
@@ -52,10 +54,23 @@ def end_of_turn_ids(tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+def render_chat(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
+    """The chat template's text for `messages` (every rendering of a template goes through here). A
+    template that jinja's sandbox stops (it reached for Python's internals in a way no check before
+    could see) is one TunekitError naming its file; the template's other errors are the caller's."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as e:
+        refused = sandbox_refusal(tokenizer, e)
+        if refused is None:
+            raise
+        raise refused from None
+
+
 def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
     if not messages and not generation_prompt:
         return ""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return render_chat(tokenizer, messages, generation_prompt)
 
 
 def _ids(tokenizer, text: str) -> list[int]:
@@ -94,6 +109,8 @@ def encode_chat(tokenizer, messages: list[dict], where: str,
         try:
             before = _render(tokenizer, messages[:i], generation_prompt=True)
             after = _render(tokenizer, messages[: i + 1], generation_prompt=False)
+        except TunekitError:
+            raise
         except Exception as e:  # jinja2's TemplateError: templates raise_exception() on turns they refuse
             reason = " ".join(str(e).split())[:200] or type(e).__name__
             raise DataError(f"{where}: the tokenizer's chat template refuses this conversation ({reason})") from None
