@@ -150,15 +150,17 @@ def encode_text(tokenizer, text: str) -> tuple[list[int], list[int]]:
 
 
 def encode_example(tokenizer, messages: Optional[list[dict]], row: dict, where: str, max_len: int,
-                   ends: Optional[frozenset[int]] = None):
-    """Returns {"input_ids", "labels"} (each (seq,), seq <= max_len), or None if no trained token
-    survives the truncation."""
+                   ends: Optional[frozenset[int]] = None) -> tuple[Optional[dict], Optional[int]]:
+    """(example, lost): the example {"input_ids", "labels"} (each (seq,), seq <= max_len), or None if no
+    trained token survives the truncation; `lost` is None where the row fits max_len, else how many
+    trained tokens the cut took (0 when it took context only)."""
     if messages is None:
         input_ids, labels = encode_text(tokenizer, row["text"])
     else:
         input_ids, labels = encode_chat(tokenizer, messages, where, ends)
+    lost = sum(label != IGNORE for label in labels[max_len:]) if len(input_ids) > max_len else None
     input_ids, labels = input_ids[:max_len], labels[:max_len]
     # labels[0] is never predicted (no token before it), so it does not count as trained
     if all(label == IGNORE for label in labels[1:]):
-        return None
-    return {"input_ids": input_ids, "labels": labels}
+        return None, lost
+    return {"input_ids": input_ids, "labels": labels}, lost

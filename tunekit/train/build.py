@@ -116,12 +116,19 @@ class RecipeSetup:
         """The tokenizer, the train / held-out splits, and the collate function (padded or packed)."""
         cfg = self.cfg
         self.tokenizer = load_tokenizer(self.model_path)
-        self.train_data, self.val_data = load_splits(
+        splits = load_splits(
             cfg.data.path, cfg.data.val_path, plain(cfg.data.format), self.tokenizer, cfg.data.max_seq_len,
             cfg.data.val_fraction, cfg.data.max_val_examples, cfg.seed,
         )
+        self.train_data, self.val_data = splits
+        # Rows longer than data.max_seq_len lose their end, replies included: said once here, and in
+        # summary.json, so that a cut that costs a share of the training signal is seen.
+        train, val = splits.train.truncation(), splits.val.truncation()
+        self.data_report = {"max_seq_len": cfg.data.max_seq_len, "train": train.as_dict(), "held_out": val.as_dict(),
+                            "dropped_rows": {d.path: len(d.rows) for d in splits.dropped}}
         self._info(f"data: {len(self.train_data)} train / {len(self.val_data)} held-out examples"
-                   + (", packed" if cfg.data.packing else ""))
+                   + (", packed" if cfg.data.packing else "")
+                   + f"; data.max_seq_len={cfg.data.max_seq_len}: {train.phrase('training')}, {val.phrase('held-out')}")
         self.collate = collate_packed if cfg.data.packing else collate
 
     def _plan_memory(self) -> None:
