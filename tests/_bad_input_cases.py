@@ -340,6 +340,18 @@ CASES = [
     train("resume-finished", "output_dir={w}/finished trainer.resume=true",
           "trainer.max_steps: the run in {w}/finished is finished; its checkpoint {w}/finished/checkpoints/step-000002 "
           "is at step 2, already at trainer.max_steps=2: nothing to resume. To train longer, raise trainer.max_steps"),
+    # a finished run resumed with its seed or its recipe changed: every conflict in the one line
+    train("resume-finished-seed-changed", "output_dir={w}/finished trainer.resume=true seed=1",
+          "trainer.resume: the run in {w}/finished cannot be resumed as configured, for 2 reasons: (1) "
+          "trainer.max_steps: the run in {w}/finished is finished; its checkpoint {w}/finished/checkpoints/step-000002 "
+          "is at step 2, already at trainer.max_steps=2: nothing to resume. To train longer, raise trainer.max_steps "
+          "above 2; (2) trainer.resume: this config differs from the run saved in "
+          "{w}/finished/checkpoints/step-000002 in seed (0 -> 1); these shape the trained weights"),
+    train("resume-finished-recipe-changed", "output_dir={w}/finished trainer.resume=true recipe=qlora",
+          "for 2 reasons: (1) trainer.max_steps: the run in {w}/finished is finished"),
+    train("resume-seed-changed", "output_dir={w}/stepfive trainer.resume=true trainer.max_steps=9 seed=3",
+          "trainer.resume: this config differs from the run saved in {w}/stepfive/checkpoints/step-000005 in "
+          "seed (0 -> 3)"),
     train("resume-past-max-steps", "output_dir={w}/stepfive trainer.resume=true",
           "trainer.max_steps: the checkpoint {w}/stepfive/checkpoints/step-000005 is at step 5, past"),
     train("resume-finished-no-checkpoint", "output_dir={w}/finished_bare trainer.resume=true",

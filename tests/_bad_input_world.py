@@ -15,8 +15,9 @@ def _jsonl(path: Path, rows) -> None:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
 
 
-def build_world(w: Path, tiny: Path) -> None:
-    """Every bad file and folder the catalogue names, under w (world-readable)."""
+def build_world(w: Path, tiny: Path, run_fingerprint: dict) -> None:
+    """Every bad file and folder the catalogue names, under w (world-readable). run_fingerprint: what
+    the catalogue's train rows train (tunekit.train.resume.fingerprint), recorded by its hand-made runs."""
     d, m = w / "data", w / "models"
     d.mkdir()
     m.mkdir()
@@ -153,7 +154,7 @@ def build_world(w: Path, tiny: Path) -> None:
     (w / "locked").mkdir()  # held by the test process itself (the `world` fixture), as by a running run
     (w / "ro").mkdir()
     (w / "ro").chmod(0o555)
-    _bad_runs_and_adapters(w, tiny, config["hidden_size"])
+    _bad_runs_and_adapters(w, tiny, config["hidden_size"], run_fingerprint)
 
 
 # A template that formats the turns as ChatML, with `extra` rendered after them.
@@ -187,7 +188,7 @@ def _hostile_templates(model, tok_files) -> None:
     templated("broken_template", CHATML_AND.replace("EXTRA", "{% if %}"))
 
 
-def _bad_runs_and_adapters(w: Path, tiny: Path, hidden: int) -> None:
+def _bad_runs_and_adapters(w: Path, tiny: Path, hidden: int, run_fingerprint: dict) -> None:
     """Hand-made run and adapter folders for eval, export and generate: configs and headers only,
     no model is ever loaded for them."""
     import torch
@@ -229,11 +230,12 @@ def _bad_runs_and_adapters(w: Path, tiny: Path, hidden: int) -> None:
     (w / "killed" / "config.yaml").write_text(f"recipe: lora\nmodel:\n  path: {tiny}\ndata:\n  path: {w}/data/alpaca.jsonl\n")
     (ckpt / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": str(tiny)}))
     save_file({"base_model.model.x.lora_A.weight": torch.zeros(8, 64)}, ckpt / "adapter_model.safetensors")
-    build_resume_world(w)
+    build_resume_world(w, run_fingerprint)
 
 
-def build_resume_world(w: Path) -> None:
-    """Run folders to resume that hold nothing to resume, or files resume cannot read back."""
+def build_resume_world(w: Path, run_fingerprint: dict) -> None:
+    """Run folders to resume that hold nothing to resume, or files resume cannot read back; their
+    checkpoints record run_fingerprint, so that only what a row changes differs."""
     from safetensors.torch import save_file
 
     (w / "loop").symlink_to(w / "loop2")
@@ -254,7 +256,7 @@ def build_resume_world(w: Path) -> None:
         ckpt = out / "checkpoints" / f"step-{step:06d}"
         ckpt.mkdir()
         save_file({}, str(ckpt / "optimizer.safetensors"))
-        state = {"format": 2, "step": step, "rng": [{}], "fingerprint": {},
+        state = {"format": 2, "step": step, "rng": [{}], "fingerprint": run_fingerprint,
                  "files": {"optimizer.safetensors": sha256_file(ckpt / "optimizer.safetensors")}}
         (ckpt / "trainer_state.json").write_text(json.dumps(state_edit(state) if state_edit else state))
 

@@ -61,13 +61,22 @@ def world(tiny_model_dir, tiny_data):
     for sub in ("outs", "cwds"):
         (w / sub).mkdir()
         (w / sub).chmod(0o777)
-    build_world(w, Path(tiny_model_dir))
+    build_world(w, Path(tiny_model_dir), _train_fingerprint({"tiny": tiny_model_dir, "data": tiny_data, "w": w}))
     lock = RunLock.acquire(w / "locked")
     untouched = {name: snapshot(w / name) for name in UNTOUCHED}
     yield {"w": w, "tiny": Path(tiny_model_dir), "data": Path(tiny_data), "untouched": untouched}
     lock.release()
     (w / "ro").chmod(0o755)
     shutil.rmtree(w, ignore_errors=True)
+
+
+def _train_fingerprint(places: dict) -> dict:
+    """What the catalogue's train rows (TRAIN_BASE) train, as a checkpoint records it."""
+    from tunekit.commands.compose import compose_configs
+    from tunekit.train.resume import fingerprint
+
+    (cfg,) = compose_configs(shlex.split(_fill(TRAIN_BASE, {**places, "out": places["w"] / "outs" / "x"})))
+    return fingerprint(cfg, 1)
 
 
 def places_of(world: dict, case: Case) -> dict:

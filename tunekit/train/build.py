@@ -90,7 +90,10 @@ class RecipeSetup:
                                f"({self.lock.describe_stale()})")
                 check_output_dir(self.output_dir, cfg.trainer.resume, cfg.trainer.allow_nonempty_output_dir)
                 if cfg.trainer.resume:
-                    check_resumable(self.output_dir, cfg.trainer.max_steps)
+                    # the fingerprint here too: a changed recipe or seed is named with any other conflict
+                    # (rank 0; _find_checkpoint computes it on every rank, with the auto settings resolved)
+                    self.fingerprint = fingerprint(cfg, self.strategy.world_size)
+                    check_resumable(self.output_dir, cfg.trainer.max_steps, self.fingerprint)
                 for line in cleanup_leftovers(self.output_dir):
                     self._info(f"leftover of an interrupted save: {line}")
             except (TunekitError, OSError) as e:
@@ -150,7 +153,8 @@ class RecipeSetup:
         """The run's fingerprint, and with trainer.resume the newest intact checkpoint (`resume_from`,
         its `resume_state`), checked against it before any model loads; (None, None) otherwise.
         check_resumable (in _lock_output_dir) has already refused a run with nothing to resume."""
-        self.fingerprint = fingerprint(self.cfg, self.strategy.world_size)
+        # again, with the `auto` settings resolved; the data files' hashes of _lock_output_dir reused
+        self.fingerprint = fingerprint(self.cfg, self.strategy.world_size, hashes=self.fingerprint)
         self.resume_from, self.resume_state = None, None
         if not self.cfg.trainer.resume:
             return

@@ -47,6 +47,7 @@ class TrainRecipe(RecipeSetup):
         self.cfg = cfg
         self.output_dir = Path(output_dir)
         self.lock = None  # rank 0's RunLock on output_dir, from setup() on
+        self.fingerprint = None  # what the run trains (tunekit.train.resume.fingerprint), from setup() on
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
