@@ -29,7 +29,7 @@ from tunekit.plan.choose import resolve_memory_settings
 from tunekit.speed import device as dev
 from tunekit.speed import packed_attention, precision, threads
 from tunekit.speed import torch_compile as compiled
-from tunekit.train.checkpoint import atomic_write_text, cleanup_leftovers, find_resumable, load_checkpoint, read_state
+from tunekit.train.checkpoint import atomic_write_text, find_resumable, load_checkpoint, read_state
 from tunekit.train.loss_scale import LossScaler
 from tunekit.train.objective import DistillObjective, SFTObjective, check_same_vocabulary, model_inputs
 from tunekit.train.optim import build_optimizer, warmup_cosine
@@ -94,7 +94,8 @@ class RecipeSetup:
                     # (rank 0; _find_checkpoint computes it on every rank, with the auto settings resolved)
                     self.fingerprint = fingerprint(cfg, self.strategy.world_size)
                     check_resumable(self.output_dir, cfg.trainer.max_steps, self.fingerprint)
-                for line in cleanup_leftovers(self.output_dir):
+                # what killed runs' saves left, removed; then this run's scratch home, where its saves go
+                for line in self.lock.open_scratch():
                     self._info(f"leftover of an interrupted save: {line}")
             except (TunekitError, OSError) as e:
                 self.release()

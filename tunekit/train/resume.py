@@ -20,7 +20,7 @@ from tunekit import TunekitError
 from tunekit.train.checkpoint import STATE_JSON, find_resumable, read_state
 from tunekit.config import plain
 from tunekit.owned import is_scratch
-from tunekit.train.runlock import LOCK_NAME
+from tunekit.train.runlock import LOCK_NAME, recorded_scratch
 
 # Keys (or key prefixes, ending in ".") a resumed run may change.
 MAY_CHANGE = (
@@ -135,8 +135,8 @@ def check_not_foreign(out: Path, allow_nonempty: bool) -> None:
 
 def _tunekit_entry(p: Path) -> bool:
     """What tunekit may have left in a folder before its config.yaml: its lock, a marked scratch
-    folder, the student a distillation builds first."""
-    return p.name in (LOCK_NAME, "student_base") or is_scratch(p)
+    folder or a scratch home its lock file names, the student a distillation builds first."""
+    return p.name in (LOCK_NAME, "student_base") or is_scratch(p) or p.name in recorded_scratch(p.parent)
 
 
 def _check_checkpoint_names(out: Path) -> None:
