@@ -47,6 +47,8 @@ def raw(id, args, culprit, **kw):
 
 
 M, D = "{w}/models", "{w}/data"
+LONG = "a" * 300  # a folder name longer than any file system allows
+DEEP = "/".join(["b" * 200] * 20)  # 20 names of 200 bytes: each allowed, together over PATH_MAX
 OFFLINE = {"HF_HUB_OFFLINE": "1"}
 
 CASES = [
@@ -69,14 +71,17 @@ CASES = [
     train("lr-0", "trainer.lr=0", "trainer.lr: must be > 0, got 0"),
     train("lr-neg", "trainer.lr=-1e-4", "trainer.lr: must be > 0"),
     train("lr-inf", "trainer.lr=inf", "trainer.lr: must be > 0 and finite, got inf"),
-    train("lr-nan", "trainer.lr=nan", "trainer.lr: must be a number, got nan"),
+    train("lr-nan", "trainer.lr=nan", "trainer.lr: must be > 0 and finite, got nan"),
     train("lr-text", "trainer.lr=fast", "trainer.lr: Value 'fast'"),
     train("weight_decay-neg", "trainer.weight_decay=-1", "trainer.weight_decay: must be >= 0"),
     train("weight_decay-inf", "trainer.weight_decay=inf", "trainer.weight_decay: must be >= 0 and finite"),
+    train("weight_decay-nan", "trainer.weight_decay=nan", "trainer.weight_decay: must be >= 0 and finite, got nan"),
     train("weight_decay-huge", "trainer.weight_decay=10000", "trainer.weight_decay: lr * weight_decay"),
     train("max_grad_norm-neg", "trainer.max_grad_norm=-1", "trainer.max_grad_norm: must be > 0, got -1"),
     train("max_grad_norm-0", "trainer.max_grad_norm=0", "trainer.max_grad_norm: must be > 0, got 0"),
-    train("max_grad_norm-nan", "trainer.max_grad_norm=nan", "trainer.max_grad_norm: must be a number"),
+    train("max_grad_norm-nan", "trainer.max_grad_norm=nan", "trainer.max_grad_norm: must be > 0, got nan"),
+    train("dist_timeout-nan", "trainer.dist_timeout_s=nan", "trainer.dist_timeout_s: must be >= 60 and finite, got nan"),
+    train("dist_timeout-inf", "trainer.dist_timeout_s=inf", "trainer.dist_timeout_s: must be >= 60 and finite, got inf"),
     train("optimizer-unknown", "trainer.optimizer=sgd", "trainer.optimizer: Invalid value 'sgd'"),
     train("resume-not-bool", "trainer.resume=maybe", "trainer.resume:"),
     # ---- top level
@@ -91,6 +96,8 @@ CASES = [
     train("val_fraction-0", "data.val_fraction=0", "data.val_fraction: must be in (0, 1), got 0"),
     train("val_fraction-1", "data.val_fraction=1", "data.val_fraction: must be in (0, 1), got 1"),
     train("val_fraction-neg", "data.val_fraction=-0.1", "data.val_fraction: must be in (0, 1)"),
+    train("val_fraction-nan", "data.val_fraction=nan", "data.val_fraction: must be in (0, 1), got nan"),
+    train("val_fraction-inf", "data.val_fraction=inf", "data.val_fraction: must be in (0, 1), got inf"),
     train("max_seq_len-4", "data.max_seq_len=4", "data.max_seq_len: must be >= 8, got 4"),
     train("max_seq_len-over-model", "data.max_seq_len=100000",
           "data.max_seq_len: 100000 is more than the 512 positions"),
@@ -110,6 +117,11 @@ CASES = [
     train("lora-alpha-neg", "method.alpha=-8", "method.alpha: must be > 0, got -8"),
     train("lora-alpha-0", "method.alpha=0", "method.alpha: must be > 0"),
     train("lora-alpha-inf", "method.alpha=inf", "method.alpha: must be > 0 and finite"),
+    train("lora-alpha-nan", "method.alpha=nan", "method.alpha: must be > 0 and finite, got nan"),
+    train("lora-dropout-nan", "method.dropout=nan", "method.dropout: must be in [0, 1), got nan"),
+    train("loraplus-nan", "method.loraplus_lr_ratio=nan", "method.loraplus_lr_ratio: must be > 0 and finite, got nan"),
+    train("loraplus-inf", "method.loraplus_lr_ratio=inf", "method.loraplus_lr_ratio: must be > 0 and finite, got inf"),
+    train("loraplus-neg", "method.loraplus_lr_ratio=-16", "method.loraplus_lr_ratio: must be > 0, got -16"),
     train("lora-dropout-2", "method.dropout=2.0", "method.dropout: must be in [0, 1), got 2"),
     train("lora-dropout-neg", "method.dropout=-0.1", "method.dropout: must be in [0, 1)"),
     train("lora-dropout-1", "method.dropout=1", "method.dropout: must be in [0, 1), got 1"),
@@ -135,6 +147,10 @@ CASES = [
     train("full-on-4bit", "method.name=full model.quantize=nf4", "method.name=full: cannot train a 4-bit base"),
     # ---- distill.*, kernels.*, tracker.*
     train("distill-alpha", "recipe=distill distill.alpha=1.5", "distill.alpha: must be in [0, 1], got 1.5"),
+    train("distill-alpha-nan", "recipe=distill distill.alpha=nan", "distill.alpha: must be in [0, 1], got nan"),
+    train("distill-temperature-nan", "recipe=distill distill.temperature=nan",
+          "distill.temperature: must be > 0 and finite, got nan"),
+    train("distill-beta-nan", "recipe=distill distill.beta=nan", "distill.beta: must be in (0, 1), got nan"),
     train("distill-temperature-0", "recipe=distill distill.temperature=0", "distill.temperature: must be > 0"),
     train("distill-temperature-inf", "recipe=distill distill.temperature=inf", "distill.temperature: must be > 0 and finite"),
     train("distill-beta-0", "recipe=distill distill.beta=0", "distill.beta: must be in (0, 1)"),
@@ -228,6 +244,22 @@ CASES = [
     train("model-truncated-weights", f"model.path={M}/truncated", "model.path: {w}/models/truncated/model.safetensors is truncated"),
     train("model-garbage-weights", f"model.path={M}/garbage", "model.safetensors is not a valid safetensors file"),
     train("model-missing-shard", f"model.path={M}/sharded", "lacks 1 weight file(s) its model.safetensors.index.json lists"),
+    # chat templates that reach for Python's internals: refused before any renders (nothing runs)
+    train("model-template-escape", f"model.path={M}/hostile_template",
+          "model.path: {w}/models/hostile_template/chat_template.jinja: the chat template reaches '__init__' (line 1), "
+          "'__globals__' (line 1), which jinja's sandbox refuses"),
+    train("model-template-escape-in-config", f"model.path={M}/hostile_config_template",
+          "model.path: {w}/models/hostile_config_template/tokenizer_config.json (its chat_template): the chat template "
+          "reaches '__init__'"),
+    train("model-template-escape-at-render", f"model.path={M}/sneaky_template",
+          "{w}/models/sneaky_template/chat_template.jinja: the chat template tried to reach what jinja's sandbox "
+          "refuses (access to attribute '__init__' of 'type' object is unsafe.); the sandbox stopped it"),
+    train("model-template-syntax", f"model.path={M}/broken_template",
+          "model.path: {w}/models/broken_template/chat_template.jinja: not a valid chat template (line 1: "),
+    generate("generate-template-escape", f"--model {M}/hostile_config_template --prompt hi",
+             "--model: {w}/models/hostile_config_template/tokenizer_config.json (its chat_template): the chat template "
+             "reaches '__init__'"),
+    raw("chat-template-escape", f"chat --model {M}/hostile_template", "--model: {w}/models/hostile_template/chat_template.jinja"),
     # weights that do not fit their config.json (transformers would fill the gaps with random values)
     train("model-weights-too-few-layers", f"model.path={M}/threelayers",
           "model.path: the weights in {w}/models/threelayers do not fit its config.json: 9 weight(s) the config expects "
@@ -275,6 +307,13 @@ CASES = [
     train("out-locked", "output_dir={w}/locked", "output_dir: {w}/locked is in use by another tunekit run (pid "),
     train("out-hand-made-checkpoint", "output_dir={w}/handmade trainer.resume=true",
           "output_dir: {w}/handmade/checkpoints/step-000002 is not a tunekit checkpoint (no trainer_state.json)"),
+    # a name over the file system's NAME_MAX (255 bytes), and a path that leaves no room under PATH_MAX
+    train("out-name-too-long", f"output_dir={{w}}/{LONG}",
+          f"output_dir: the name '{'a' * 20}...{'a' * 12}' is 300 bytes long, more than the 255 a file or folder name"),
+    train("out-name-too-long-inside", f"output_dir={{w}}/{LONG}/run", "output_dir: the name 'aaaa"),
+    train("out-path-too-long", f"output_dir={{w}}/{DEEP}", "bytes tunekit needs for the files inside it that passes the 4096"),
+    raw("doctor-out-name-too-long", f"doctor --out {{w}}/{LONG}", "--out: the name 'aaaa"),
+    raw("eval-out-name-too-long", f"eval {{w}}/nope --out {{w}}/{LONG}/eval.json", "--out: the name 'aaaa"),
     train("out-allow-nonempty-word", "trainer.allow_nonempty_output_dir=maybe", "trainer.allow_nonempty_output_dir:"),
     # ---- training-side inputs: keys added with +, positions, targets, symlinks, runs with nothing to resume
     train("plus-key-typo", "+trainer.lr_typo=1", "trainer.lr_typo: unknown config key"),
@@ -285,6 +324,14 @@ CASES = [
           "method.target_modules: 'layers' names ModuleList modules (model.layers), not Linear projections"),
     train("lora-targets-attention", "method.target_modules=[self_attn]",
           "method.target_modules: 'self_attn' names LlamaAttention modules"),
+    # the head's LoRA would get no gradient (the loss reads the head's weight); a tied head is the embeddings too
+    train("lora-targets-tied-head", "method.target_modules=[lm_head]",
+          "method.target_modules: 'lm_head' is the output head of LlamaForCausalLM, and its weight is the input "
+          "embeddings' (tie_word_embeddings is true for {tiny}/config.json)"),
+    train("lora-targets-tied-head-among-others", "recipe=qlora method.target_modules=[q_proj,lm_head]",
+          "drop 'lm_head' from method.target_modules"),
+    train("lora-targets-untied-head", f"model.path={M}/untied method.target_modules=[lm_head]",
+          "method.target_modules: 'lm_head' is the output head of LlamaForCausalLM: a LoRA on it would not train"),
     train("lora-targets-embeddings", "method.target_modules=[embed_tokens]",
           "method.target_modules: 'embed_tokens' names Embedding modules"),
     train("out-symlink-loop", "output_dir={w}/loop", "output_dir: {w}/loop is a symlink loop"),
@@ -293,6 +340,18 @@ CASES = [
     train("resume-finished", "output_dir={w}/finished trainer.resume=true",
           "trainer.max_steps: the run in {w}/finished is finished; its checkpoint {w}/finished/checkpoints/step-000002 "
           "is at step 2, already at trainer.max_steps=2: nothing to resume. To train longer, raise trainer.max_steps"),
+    # a finished run resumed with its seed or its recipe changed: every conflict in the one line
+    train("resume-finished-seed-changed", "output_dir={w}/finished trainer.resume=true seed=1",
+          "trainer.resume: the run in {w}/finished cannot be resumed as configured, for 2 reasons: (1) "
+          "trainer.max_steps: the run in {w}/finished is finished; its checkpoint {w}/finished/checkpoints/step-000002 "
+          "is at step 2, already at trainer.max_steps=2: nothing to resume. To train longer, raise trainer.max_steps "
+          "above 2; (2) trainer.resume: this config differs from the run saved in "
+          "{w}/finished/checkpoints/step-000002 in seed (0 -> 1); these shape the trained weights"),
+    train("resume-finished-recipe-changed", "output_dir={w}/finished trainer.resume=true recipe=qlora",
+          "for 2 reasons: (1) trainer.max_steps: the run in {w}/finished is finished"),
+    train("resume-seed-changed", "output_dir={w}/stepfive trainer.resume=true trainer.max_steps=9 seed=3",
+          "trainer.resume: this config differs from the run saved in {w}/stepfive/checkpoints/step-000005 in "
+          "seed (0 -> 3)"),
     train("resume-past-max-steps", "output_dir={w}/stepfive trainer.resume=true",
           "trainer.max_steps: the checkpoint {w}/stepfive/checkpoints/step-000005 is at step 5, past"),
     train("resume-finished-no-checkpoint", "output_dir={w}/finished_bare trainer.resume=true",
@@ -341,6 +400,13 @@ CASES = [
     raw("plan-memory-inf", "plan --memory inf", "plan: --memory: must be > 0 GiB and finite, got inf"),
     raw("chat-temperature-nan", "chat --temperature nan", "--temperature: must be >= 0 and finite, got nan"),
     raw("chat-temperature-inf", "chat --temperature inf", "--temperature: must be >= 0 and finite, got inf"),
+    raw("chat-temperature-neg", "chat --temperature -0.5", "chat: --temperature: must be >= 0, got -0.5"),
+    raw("chat-top-p-nan", "chat --top-p nan", "chat: --top-p: must be in (0, 1], got nan"),
+    raw("chat-top-p-inf", "chat --top-p inf", "chat: --top-p: must be in (0, 1], got inf"),
+    raw("chat-top-p-0", "chat --top-p 0", "chat: --top-p: must be in (0, 1], got 0"),
+    raw("plan-override-nan", "plan trainer.lr=nan", "trainer.lr: must be > 0 and finite, got nan"),
+    raw("doctor-override-nan", "doctor --out {out} trainer.max_grad_norm=nan", "trainer.max_grad_norm: must be > 0, got nan"),
+    raw("doctor-override-key", "doctor --out {out} trainer.max_stpes=3", "trainer.max_stpes: unknown config key"),
     generate("generate-rows-not-utf8", f"--rows {D}/latin1.jsonl", "{w}/data/latin1.jsonl: not UTF-8 text (byte 0xe9"),
     generate("generate-adapter-truncated", "--adapter {w}/adapters/truncated --prompt hi",
              "--adapter: {w}/adapters/truncated/adapter_model.safetensors is truncated"),

@@ -15,8 +15,9 @@ def _jsonl(path: Path, rows) -> None:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
 
 
-def build_world(w: Path, tiny: Path) -> None:
-    """Every bad file and folder the catalogue names, under w (world-readable)."""
+def build_world(w: Path, tiny: Path, run_fingerprint: dict) -> None:
+    """Every bad file and folder the catalogue names, under w (world-readable). run_fingerprint: what
+    the catalogue's train rows train (tunekit.train.resume.fingerprint), recorded by its hand-made runs."""
     d, m = w / "data", w / "models"
     d.mkdir()
     m.mkdir()
@@ -103,6 +104,7 @@ def build_world(w: Path, tiny: Path) -> None:
         "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system turns here') }}{% endif %}"
         "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    _hostile_templates(model, tok_files)
     model("threelayers", cfg={**config, "num_hidden_layers": 3})
     model("onelayer", cfg={**config, "num_hidden_layers": 1})
     import torch
@@ -126,6 +128,10 @@ def build_world(w: Path, tiny: Path) -> None:
     save_file({k: torch.full_like(v, float("nan")) for k, v in tensors.items()},
               model("nan", weights=False) / "model.safetensors", metadata={"format": "pt"})
     model("wider", cfg={**config, "hidden_size": 96, "head_dim": 16})
+    # the tiny model with an output head of its own (the tiny model's is tied to its embeddings)
+    save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].clone()},
+              model("untied", cfg={**config, "tie_word_embeddings": False}, weights=False) / "model.safetensors",
+              metadata={"format": "pt"})
     f = model("badtok", tokenizer=False)
     (f / "tokenizer.json").write_text('{"version": "1.0", "model": ')
     f = model("truncated", weights=False)
@@ -148,10 +154,41 @@ def build_world(w: Path, tiny: Path) -> None:
     (w / "locked").mkdir()  # held by the test process itself (the `world` fixture), as by a running run
     (w / "ro").mkdir()
     (w / "ro").chmod(0o555)
-    _bad_runs_and_adapters(w, tiny, config["hidden_size"])
+    _bad_runs_and_adapters(w, tiny, config["hidden_size"], run_fingerprint)
 
 
-def _bad_runs_and_adapters(w: Path, tiny: Path, hidden: int) -> None:
+# A template that formats the turns as ChatML, with `extra` rendered after them.
+CHATML_AND = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+              "{% endfor %}EXTRA{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def _hostile_templates(model, tok_files) -> None:
+    """Model folders whose chat template reaches for Python's internals (the classic way out of
+    jinja's sandbox: a type's __init__, then its function's __globals__, then os), as
+    chat_template.jinja, as tokenizer_config.json's chat_template, and built at render time where
+    no parse can see the name; and a template that does not parse."""
+    def templated(name: str, template: str, in_config: bool = False) -> None:
+        f = model(name, tokenizer=False)
+        for p in tok_files:
+            if p.name not in ("chat_template.jinja", "tokenizer_config.json"):
+                (f / p.name).symlink_to(p)
+        config = json.loads(next(p for p in tok_files if p.name == "tokenizer_config.json").read_text())
+        config.pop("chat_template", None)
+        if in_config:
+            config["chat_template"] = template
+        else:
+            (f / "chat_template.jinja").write_text(template)
+        (f / "tokenizer_config.json").write_text(json.dumps(config))
+
+    escape = "{{ namespace.__init__.__globals__['os'].system('touch pwned') }}"
+    templated("hostile_template", CHATML_AND.replace("EXTRA", escape))
+    templated("hostile_config_template", CHATML_AND.replace("EXTRA", escape), in_config=True)
+    # '__in' ~ 'it__' is a name only the rendering builds: the sandbox itself stops it there
+    templated("sneaky_template", CHATML_AND.replace("EXTRA", "{{ (namespace|attr('__in' ~ 'it__')).globals }}"))
+    templated("broken_template", CHATML_AND.replace("EXTRA", "{% if %}"))
+
+
+def _bad_runs_and_adapters(w: Path, tiny: Path, hidden: int, run_fingerprint: dict) -> None:
     """Hand-made run and adapter folders for eval, export and generate: configs and headers only,
     no model is ever loaded for them."""
     import torch
@@ -193,11 +230,12 @@ def _bad_runs_and_adapters(w: Path, tiny: Path, hidden: int) -> None:
     (w / "killed" / "config.yaml").write_text(f"recipe: lora\nmodel:\n  path: {tiny}\ndata:\n  path: {w}/data/alpaca.jsonl\n")
     (ckpt / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": str(tiny)}))
     save_file({"base_model.model.x.lora_A.weight": torch.zeros(8, 64)}, ckpt / "adapter_model.safetensors")
-    build_resume_world(w)
+    build_resume_world(w, run_fingerprint)
 
 
-def build_resume_world(w: Path) -> None:
-    """Run folders to resume that hold nothing to resume, or files resume cannot read back."""
+def build_resume_world(w: Path, run_fingerprint: dict) -> None:
+    """Run folders to resume that hold nothing to resume, or files resume cannot read back; their
+    checkpoints record run_fingerprint, so that only what a row changes differs."""
     from safetensors.torch import save_file
 
     (w / "loop").symlink_to(w / "loop2")
@@ -218,7 +256,7 @@ def build_resume_world(w: Path) -> None:
         ckpt = out / "checkpoints" / f"step-{step:06d}"
         ckpt.mkdir()
         save_file({}, str(ckpt / "optimizer.safetensors"))
-        state = {"format": 2, "step": step, "rng": [{}], "fingerprint": {},
+        state = {"format": 2, "step": step, "rng": [{}], "fingerprint": run_fingerprint,
                  "files": {"optimizer.safetensors": sha256_file(ckpt / "optimizer.safetensors")}}
         (ckpt / "trainer_state.json").write_text(json.dumps(state_edit(state) if state_edit else state))
 

@@ -211,9 +211,10 @@ def need_llama_cpp() -> None:
 
 
 # ---------------------------------------------------------------- what a killed run leaves
-def _in_a_child_that_dies(act) -> int:
-    """Run act() in a forked child that ends with os._exit, as a SIGKILL would end it: no finally
-    block, no exit handler, no cleanup of its own. Returns the child's pid (dead and reaped)."""
+def _in_a_child(act) -> tuple[int, bool]:
+    """Run act() in a forked child that ends with os._exit: with status 9 as a SIGKILL would end it
+    (no finally block, no exit handler, no cleanup of its own), unless act() ends it with another.
+    Returns (the child's pid, dead and reaped; whether it died that way)."""
     pid = os.fork()
     if pid == 0:
         try:
@@ -221,17 +222,68 @@ def _in_a_child_that_dies(act) -> int:
         finally:
             os._exit(9)
     _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 9
+    code = os.waitstatus_to_exitcode(status)
+    assert code in (0, 9), code
+    return pid, code == 9
+
+
+def _in_a_child_that_dies(act) -> int:
+    pid, died = _in_a_child(act)
+    assert died
     return pid
 
 
-def die_mid_save(target: Path, at: str = "write") -> int:
+# The calls that create, write, rename or remove a file or folder: a kill can land after any of them.
+FS_CALLS = (("os", "open"), ("os", "mkdir"), ("os", "rename"), ("os", "replace"), ("os", "rmdir"), ("os", "unlink"),
+            ("os", "pwrite"), ("os", "write"), ("io", "open"), ("builtins", "open"))
+
+
+def _die_after_call(n: int) -> None:
+    """In a child process: end it (as a SIGKILL would, no cleanup) right after its n-th FS_CALLS call."""
+    import builtins
+    import io
+
+    modules, calls = {"os": os, "io": io, "builtins": builtins}, [0]
+
+    def counted(real):
+        def call(*args, **kwargs):
+            result = real(*args, **kwargs)
+            calls[0] += 1
+            if calls[0] == n:
+                os._exit(9)
+            return result
+        return call
+
+    for module, name in FS_CALLS:
+        setattr(modules[module], name, counted(getattr(modules[module], name)))
+
+
+def die_mid_save(target: Path, at: str | int = "write", save=None) -> int | None:
     """What a run killed while saving `target` through tunekit.owned leaves behind: the save runs in a
     child process that dies at `at`: "write" (a file half written into the new folder), "rename"
     (the old target already moved aside, the new one not yet in its place), "renamed" (the new one in
     place, the old one not yet removed) or "file" (atomic_write of a file, half written). Returns the
-    dead child's pid."""
+    dead child's pid.
+
+    `at` a number n: the child runs save() (by default an atomic_dir of a small folder at `target`)
+    and dies right after its n-th call that creates, writes, renames or removes (FS_CALLS): every
+    point of a save, one per n. Returns None where save() made fewer calls (it finished)."""
     from tunekit import owned
+
+    if isinstance(at, int):
+        def run_to_the_kill():
+            _die_after_call(at)
+            try:
+                (save or (lambda: owned.atomic_dir(target, lambda d: (d / "new.txt").write_text("new"))))()
+            except BaseException:  # a save that fails is not a kill: status 3, the test fails
+                import traceback
+
+                traceback.print_exc()
+                os._exit(3)
+            os._exit(0)
+
+        pid, died = _in_a_child(run_to_the_kill)
+        return pid if died else None
 
     def act():
         if at == "file":

@@ -13,6 +13,7 @@ return_assistant_tokens_mask is a second, independent reference.
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 from transformers import AutoTokenizer
@@ -205,3 +206,22 @@ def test_generation_and_task_rows_end_where_training_ended_the_reply(smollm2, na
     ids, labels = encode_chat(tok, CHAT, "x.jsonl: row 1")
     rows, skipped = task_rows([{"input_ids": ids, "labels": labels}], tok)
     assert skipped == 0 and rows[0].answer[-1] == end
+
+
+def test_template_check_passes_these_templates_and_finds_every_way_to_name_an_internal(smollm2, tmp_path):
+    """tunekit.model.template parses every template above (the {% generation %} block included) and
+    finds none of them hostile; the same attribute named as .attr, ['attr'] or |attr('attr') is found,
+    with its line, as jinja's sandbox would refuse it. The folder check names the file it read."""
+    from tunekit import TunekitError
+    from tunekit.model.template import check_chat_templates, unsafe_access
+
+    for template in [smollm2.chat_template, *(t[0] for t in TEMPLATES.values() if t[0] is not None)]:
+        assert unsafe_access(template) == []
+    assert unsafe_access("{{ x.__class__ }}\n{{ y['__globals__'] }}\n{{ z|attr('__init__') }}{{ g.gi_frame }}") == [
+        ("__class__", 1), ("__globals__", 2), ("__init__", 3), ("gi_frame", 3)]
+    assert unsafe_access("{{ m['_id'] }}{{ m._private }}") == []  # a dict key, which the sandbox allows
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "default", "template": "{{ messages }}"}, {"name": "tools", "template": "{{ cycler.__init__ }}"}]}))
+    with pytest.raises(TunekitError, match=r"^model.path: .*tokenizer_config.json \(its chat_template 'tools'\): "
+                                           r"the chat template reaches '__init__' \(line 1\)"):
+        check_chat_templates(tmp_path, "model.path")

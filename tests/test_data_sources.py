@@ -51,6 +51,38 @@ def test_rows_truncated_to_no_trained_token_are_dropped_and_reported_once(tmp_pa
                      "(their replies start past it): row 2, row 5"]
 
 
+def test_rows_cut_but_still_trained_are_counted_with_the_trained_tokens_they_lose(tmp_path, tok):
+    """Text rows train on every token: a row of n words is n tokens plus an EOS, of which all but the
+    first are trained tokens. At data.max_seq_len=16, rows of 30, 20 and 16 words lose 15, 5 and 1
+    trained tokens; rows of 5 and 15 words fit. A chat row cut after its reply's <|im_end|> loses
+    context only (ChatML's newline): cut, 0 lost. Each split counts its own rows."""
+    words = (5, 30, 20, 16, 15)
+    rows = [{"text": " ".join(["word"] * n)} for n in words]
+    assert [len(tok(r["text"])["input_ids"]) for r in rows] == list(words)  # one token a word, no BOS
+    ex = tokenize_rows(rows, "text", "t.jsonl", tok, 16)
+    assert ex.truncation().as_dict() == {"rows": 5, "truncated_rows": 3, "trained_tokens": 5 + 15 * 4,
+                                         "trained_tokens_lost": 15 + 5 + 1}
+    assert ex.truncation().phrase("training") == "3 of 5 training rows cut, losing 21 of 86 trained tokens (24.4%)"
+
+    chat = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    [whole] = tokenize_rows([chat], "chat", "c.jsonl", tok, 512)
+    assert tok.decode(whole["input_ids"][-2:]) == "<|im_end|>\n" and whole["labels"][-1] == IGNORE
+    cut = tokenize_rows([chat], "chat", "c.jsonl", tok, len(whole["input_ids"]) - 1)
+    assert cut.truncation().as_dict() == {"rows": 1, "truncated_rows": 1, "trained_tokens": 3, "trained_tokens_lost": 0}
+    assert cut[0]["labels"] == whole["labels"][:-1]
+
+    train = _jsonl(tmp_path / "train.jsonl", rows)
+    val = _jsonl(tmp_path / "val.jsonl", [rows[1], rows[0]])
+    splits = load_splits(str(train), str(val), "auto", tok, 16, 0.1, 1, 0)  # max_val_examples=1: the first
+    assert splits.train.truncation() == ex.truncation()
+    assert splits.val.truncation().as_dict() == {"rows": 1, "truncated_rows": 1, "trained_tokens": 15,
+                                                 "trained_tokens_lost": 15}
+    held = load_splits(str(train), None, "auto", tok, 16, 0.4, None, 0)  # the file split in two: counts split too
+    both = [held.train.truncation(), held.val.truncation()]
+    assert [t.rows for t in both] == [3, 2] and sum(t.truncated_rows for t in both) == 3
+    assert sum(t.trained_tokens_lost for t in both) == 21
+
+
 def test_multi_turn_row_cut_in_its_second_reply_trains_the_first(tok):
     chat = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
                          {"role": "user", "content": "word " * 100}, {"role": "assistant", "content": "Bye."}]}

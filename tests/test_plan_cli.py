@@ -84,7 +84,10 @@ def test_ia3_is_planned_through_its_own_terms(capsys):
 @pytest.mark.parametrize("args, culprit", [
     (["trainer.max_stpes=3"], "trainer.max_stpes: unknown config key"),
     (["model.preset=llama-9"], "model.preset: unknown preset 'llama-9'"),
-    (["method.target_modules=[lm_head]"], "method.target_modules: the planner models the projections"),
+    # a size without a model folder: the planner's own refusal; a model folder: training's, which plans share
+    (["model.preset=llama-3-8b", "method.target_modules=[lm_head]"],
+     "method.target_modules: the planner models the projections"),
+    (["method.target_modules=[lm_head]"], "method.target_modules: 'lm_head' is the output head of LlamaForCausalLM"),
 ])
 def test_plan_errors_are_one_line(args, culprit, capsys):
     code, _, err = run_main(["plan", "recipe=qlora", *args], capsys)

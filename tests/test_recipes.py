@@ -47,6 +47,13 @@ def test_qlora_writes_every_output(qlora_run):
     assert [r["step"] for r in evals] == [0, 2, 4]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["last_val_loss"] < summary["first_val_loss"]  # lr 1e-3 on a tiny model: visible drop
+    # what data.max_seq_len cut from rows that still train, said once and kept (exact figures:
+    # tests/test_data_sources.py); the tiny data's longest rows pass 64 tokens
+    data = summary["data"]
+    assert data["max_seq_len"] == 64 and data["train"]["rows"] + data["held_out"]["rows"] == 48
+    assert data["train"]["truncated_rows"] > 0 and data["train"]["trained_tokens_lost"] > 0 and data["dropped_rows"] == {}
+    assert r.stderr.count("data.max_seq_len=64: ") == 1
+    assert f"{data['train']['truncated_rows']} of {data['train']['rows']} training rows cut" in r.stderr
     # the precision policy of this CPU, logged once, and what the run's tensors and attention had: bf16
     # compute where the CPU has native bf16 (AVX512-BF16 or AMX-BF16, read here from the kernel's own
     # flags, not through tunekit), fp32 elsewhere

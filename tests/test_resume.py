@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import signal
@@ -13,8 +14,9 @@ from safetensors.torch import load_file
 
 from _helpers import (die_holding_lock, die_mid_save, lost_or_changed, plant_lookalikes, read_jsonl, run_cli, snapshot,
                       tiny_args)
-from tunekit.owned import PREFIX
-from tunekit.train.runlock import LOCK_NAME
+from tunekit.owned import HOME_PREFIX, PREFIX, atomic_dir, atomic_write_text, discard, is_scratch
+from tunekit.train.checkpoint import damage
+from tunekit.train.runlock import LOCK_NAME, RunLock
 
 # LoRA dropout on, so the resumed run must also restore the random stream exactly.
 COMMON = ("recipe=lora", "method.dropout=0.1", "trainer.max_steps=4")
@@ -205,3 +207,60 @@ def test_user_files_survive_a_run_a_crash_a_resume_and_an_export(tiny_model_dir,
     assert sorted(p.name for p in exports.iterdir()) == sorted(
         {n.split("/")[0] for n in beside} | {"mine-adapter"})
     assert lost_or_changed(run, mine) == []
+
+
+def _tunekit_left(run: Path) -> list[str]:
+    """tunekit's names under a run folder other than its outputs (the user's .tunekit.tmp-notes aside)."""
+    return sorted(str(p.relative_to(run)) for p in run.rglob(".tunekit*") if ".tunekit.tmp-notes" not in p.parts)
+
+
+def test_a_kill_at_any_point_of_a_save_leaves_nothing_after_the_resume(full_run, tiny_model_dir, tiny_data, tmp_path):
+    """A run killed (SIGKILL) after each call of its saves that creates, writes, renames or removes, one
+    kill a try: as it starts (the lock, its scratch home), replaces a checkpoint, writes a new one,
+    prunes it, rewrites config.yaml and ends. After each, the next run's start leaves nothing of
+    tunekit's but its outputs, the checkpoint whole and every look-alike of the user's as it was
+    (.tunekit.tmp-notes included: tunekit's prefix, not tunekit's). Then a real resume after a kill
+    mid-save trains on and leaves nothing either."""
+    run = crashed_copy(full_run, tmp_path / "run")
+    ck = run / "checkpoints"
+    mine, in_ck = plant_lookalikes(run), plant_lookalikes(ck, tag="ck")
+    pristine = shutil.copytree(ck / "step-000002", tmp_path / "step-2")
+    config = (run / "config.yaml").read_text()
+    copy = lambda d: shutil.copytree(pristine, d, dirs_exist_ok=True)  # noqa: E731
+
+    def a_run_saving():  # what a run does in its folder, in that order
+        lock = RunLock.acquire(run)
+        lock.open_scratch()
+        atomic_dir(ck / "step-000002", copy)  # replaced: the old one moves aside first
+        atomic_dir(ck / "step-000003", copy)
+        discard(ck / "step-000003")  # pruned
+        atomic_write_text(run / "config.yaml", config)
+        lock.release()
+
+    seen = {"unmarked home": 0, "moved aside": 0}
+    for n in itertools.count(1):
+        if die_mid_save(run, at=n, save=a_run_saving) is None:
+            break
+        seen["unmarked home"] += any(p.name.startswith(HOME_PREFIX) and not is_scratch(p) for p in run.iterdir())
+        seen["moved aside"] += not (ck / "step-000002").exists()
+        lock = RunLock.acquire(run)  # the next run starts
+        lock.open_scratch()
+        lock.release()
+        assert _tunekit_left(run) == [], n
+        assert lost_or_changed(run, mine) == [] and lost_or_changed(ck, in_ck) == [], n
+        assert damage(ck / "step-000002") is None and (run / "config.yaml").read_text() == config, n
+        if (ck / "step-000003").exists():  # the kill came after it was in place: whole, the run's
+            assert damage(ck / "step-000003") is None, n
+            shutil.rmtree(ck / "step-000003")
+    # every point of the sequence was a kill, those where the old design left an unmarked folder too
+    assert n > 40 and seen["unmarked home"] > 0 and seen["moved aside"] > 0, (n, seen)
+
+    # a kill with step-000002 moved aside, then the real resume: puts it back, trains on, leaves nothing
+    mid = next(k for k in itertools.count(1) if die_mid_save(run, at=k, save=a_run_saving) is None
+               or not (ck / "step-000002").exists())
+    assert not (ck / "step-000002").exists(), mid
+    r = run_cli(["train", *tiny_args(tiny_model_dir, tiny_data, run, *COMMON, "trainer.resume=true")], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"leftover of an interrupted save: restored {ck / 'step-000002'} from {HOME_PREFIX}" in r.stderr
+    assert "resumed from" in r.stderr and (run / "summary.json").is_file()
+    assert _tunekit_left(run) == [] and lost_or_changed(run, mine) == [] and lost_or_changed(ck, in_ck) == []

@@ -101,3 +101,38 @@ def test_two_runs_started_together_on_one_output_dir(tiny_model_dir, tiny_data, 
     assert err.count("done in ") == 1 and "Traceback" not in err
     assert [row["step"] for row in read_jsonl(out / "metrics.jsonl") if "loss" in row] == [1]
     assert not (out / LOCK_NAME).exists()
+
+
+def test_a_home_made_just_before_the_kill_is_the_next_runs_to_remove_and_nothing_else(tmp_path):
+    """A run killed right after it made its scratch home, before the home's marker: only its lock
+    record names the folder, which is enough. A fresh run counts it as tunekit's (not as a file of the
+    user's), takes the lock over and removes it; a folder named the same way that no record names (a
+    user's look-alike, unmarked) is the user's: named as such, and left as it was."""
+    from itertools import count
+
+    from _helpers import die_mid_save, lost_or_changed, plant_lookalikes
+    from tunekit.owned import HOME_PREFIX, is_scratch
+    from tunekit.train.resume import check_not_foreign
+
+    out = tmp_path / "run"
+    lookalike = out / f"{HOME_PREFIX}0123456789abcdef"
+    mine = plant_lookalikes(lookalike)
+
+    def unmarked_homes():
+        return [p for p in out.iterdir() if p.name.startswith(HOME_PREFIX) and p != lookalike and not is_scratch(p)]
+
+    for n in count(1):  # kill one call later each time, until the home exists without its marker
+        assert die_mid_save(out, at=n, save=lambda: RunLock.acquire(out).open_scratch()) is not None
+        if unmarked_homes():
+            break
+        lock = RunLock.acquire(out)  # as the next run would: this try's leftovers removed, start clean
+        lock.open_scratch()
+        lock.release()
+    [home] = unmarked_homes()
+    with pytest.raises(TunekitError, match=rf"holds no tunekit run \({re.escape(lookalike.name)}\)"):
+        check_not_foreign(out, allow_nonempty=False)  # the look-alike only: the home is tunekit's
+    lock = RunLock.acquire(out)
+    assert lock.scratch == [home.name]
+    assert lock.open_scratch() == [f"removed {home}"]
+    lock.release()
+    assert sorted(p.name for p in out.iterdir()) == [lookalike.name] and lost_or_changed(lookalike, mine) == []

@@ -19,7 +19,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 
 from tunekit import TunekitError
-from tunekit.checks import number, one_of
+from tunekit.checks import number, one_of, path_fits
 
 
 class Optimizer(str, Enum):
@@ -279,20 +279,15 @@ def validate(cfg: TrainConfig) -> None:
     """Every check that needs no model weights, cheapest first; each raises TunekitError naming the
     key (or the file and row). Runs before anything loads (tunekit.commands.compose.check_overrides) and again in the job.
 
-    1. values and ranges of every key          (no imports beyond this module)
+    1. values and ranges of every key, the method's own checks (ranges and names, no model):
+       check_settings
     2. output_dir can be created and written   (a probe folder, removed at once)
     3. the libraries a choice needs            (bitsandbytes, wandb)
     4. data files: every row read and checked  (no tokenizer)
-    5. the method's own checks                 (tunekit.methods: ranges and names, no model)
-    6. model folders: config.json, weights, tokenizer; the method's targets against the model
+    5. model folders: config.json, weights, tokenizer; the method's targets against the model
        built on the meta device (no weights)
     """
-    # The two keys that also take `auto` become an int / a bool, or "auto" for TrainRecipe.setup
-    # to resolve from the memory plan.
-    cfg.trainer.micro_batch_size = _auto_int(cfg.trainer.micro_batch_size, "trainer.micro_batch_size")
-    cfg.model.gradient_checkpointing = _auto_bool(cfg.model.gradient_checkpointing, "model.gradient_checkpointing")
-    cfg.model.offload_activations = _auto_bool(cfg.model.offload_activations, "model.offload_activations")
-    check_values(cfg)
+    check_settings(cfg)
     if cfg.model.preset is not None:
         from tunekit.plan.shape import preset_shape
 
@@ -300,15 +295,26 @@ def validate(cfg: TrainConfig) -> None:
     check_output_dir(cfg.output_dir)
     _check_libraries(cfg)
     _check_data(cfg.data)
-    from tunekit.methods import check_method_config, fill_method_defaults
-
-    fill_method_defaults(cfg.method)  # a null key: the chosen method's default
-    check_method_config(cfg.method, None, plain(cfg.model.quantize))
     from tunekit.methods.registry import ignored_keys
 
     for key in ignored_keys(cfg.method):
         logging.getLogger("tunekit").warning("%s: method %r has no such key; it is ignored", key, cfg.method.name)
     _check_models(cfg)
+
+
+def check_settings(cfg: TrainConfig) -> None:
+    """The values of every key, the method's own included: all of validate() that reads no file and
+    no model (`tunekit doctor` checks its overrides with it before its runs start)."""
+    # The two keys that also take `auto` become an int / a bool, or "auto" for TrainRecipe.setup
+    # to resolve from the memory plan.
+    cfg.trainer.micro_batch_size = _auto_int(cfg.trainer.micro_batch_size, "trainer.micro_batch_size")
+    cfg.model.gradient_checkpointing = _auto_bool(cfg.model.gradient_checkpointing, "model.gradient_checkpointing")
+    cfg.model.offload_activations = _auto_bool(cfg.model.offload_activations, "model.offload_activations")
+    check_values(cfg)
+    from tunekit.methods import check_method_config, fill_method_defaults
+
+    fill_method_defaults(cfg.method)  # a null key: the chosen method's default
+    check_method_config(cfg.method, None, plain(cfg.model.quantize))
 
 
 def check_values(cfg: TrainConfig) -> None:
@@ -391,6 +397,7 @@ def check_output_dir(path: str, key: str = "output_dir") -> None:
     say nothing for root, and a read-only mount or a sandbox can refuse what os.access allows.
     """
     _optional_text(key, path, "a folder for the run")
+    path_fits(key, path)  # before any stat(): a name over NAME_MAX fails each one with ENAMETOOLONG
     p = Path(path).expanduser()
     # A symlink whose target is missing, or a loop of symlinks: exists() says False, so it would pass
     # for a new folder, and creating it fails later with a traceback.
@@ -512,6 +519,7 @@ def _check_models(cfg: TrainConfig) -> None:
     skeleton = model_skeleton(str(student), student_key)
     check_weights_fit(student, skeleton, student_key)
     check_method_config(cfg.method, skeleton, plain(cfg.model.quantize))
+    get_method(cfg.method.name).check_training(cfg.method, skeleton)  # what a run cannot train (LoRA on the head)
 
 
 def check_trainable(cfg: TrainConfig) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import sys
 from pathlib import Path
 from typing import Callable, Optional, TextIO
@@ -24,7 +23,7 @@ from typing import Callable, Optional, TextIO
 import torch
 
 from tunekit import TunekitError
-from tunekit.commands.parse import Parser, add_device_argument
+from tunekit.commands.parse import Parser, add_device_argument, check_number
 
 log = logging.getLogger("tunekit")
 DEFAULT_CONTEXT = 2048  # a model whose config.json names no max_position_embeddings
@@ -176,16 +175,15 @@ def main(argv: list[str], stdin: TextIO | None = None, stdout: TextIO | None = N
     from tunekit.runs.memory import check_memory
     from tunekit.runs.open import base_source, open_source
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     if args.max_new_tokens <= 0:
         raise TunekitError(f"--max-new-tokens: must be > 0, got {args.max_new_tokens}")
-    # float() takes "nan" and "inf": NaN passes every comparison's negation, and either one turns the
-    # sampling probabilities into NaN (torch.multinomial then fails mid-reply)
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise TunekitError(f"--temperature: must be >= 0 and finite, got {args.temperature:g}")
-    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
-        raise TunekitError(f"--top-p: must be in (0, 1], got {args.top_p:g}")
+    # NaN or inf turns the sampling probabilities into NaN (torch.multinomial then fails mid-reply);
+    # top-p is a probability mass, of which 0 keeps no token
+    check_number(parser, "--temperature", args.temperature, ge=0)
+    check_number(parser, "--top-p", args.top_p, gt=0, le=1)
     facts = command_facts(args.device)
     src = (open_source(args.source, args.model, args.quantize, args.dtype, facts=facts) if args.source
            else base_source(args.model, args.quantize, args.dtype, facts))

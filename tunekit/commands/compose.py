@@ -149,10 +149,11 @@ def is_multirun(argv: list[str]) -> bool:
     return bool({"-m", "--multirun"} & set(argv))
 
 
-def compose_configs(overrides: list[str]) -> list:
+def compose_configs(overrides: list[str], check=None) -> list:
     """Compose every job of the command line (each point of a -m sweep) and validate it.
 
     Returns the validated TrainConfig objects; `tunekit plan` plans them, `train` checks them.
+    `check`: what validates each job (default tunekit.config.validate, every check).
     """
     from hydra import compose, initialize_config_module
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -171,7 +172,7 @@ def compose_configs(overrides: list[str]) -> list:
     except Exception as e:  # Hydra and OmegaConf raise a dozen types; all mean "bad config"
         raise TunekitError(_hydra_message(e)) from None
     for cfg in configs:  # outside the handler above: a TunekitError here already names its culprit
-        validate(cfg)
+        (check or validate)(cfg)
     return configs
 
 

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from tunekit import TunekitError, __version__
+from tunekit.checks import path_fits
 from tunekit.commands.forkserver import Launcher, start_method
 from tunekit.commands.parse import Parser
 
@@ -79,10 +80,7 @@ class Doctor:
 
     # -------------------------------------------------------------- helpers
     def _train_args(self, run: Path, fused: str, *extra: str) -> list[str]:
-        save = max(1, self.steps // 2)
-        args = ["train", "recipe=qlora", f"output_dir={run}", f"trainer.max_steps={self.steps}",
-                f"trainer.save_every={save}", f"trainer.eval_every={save}", f"kernels.fused_lora={fused}",
-                "method.dropout=0", *self.overrides, *extra]
+        args = ["train", f"output_dir={run}", *settings(self.steps, fused, self.overrides), *extra]
         if self.model:
             args.append(f"model.path={self.model}")
         if self.data:
@@ -343,6 +341,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def settings(steps: int, fused: str, overrides: list[str]) -> list[str]:
+    """The config of every training run of the report (with its output_dir, --model and --data)."""
+    save = max(1, steps // 2)
+    return ["recipe=qlora", f"trainer.max_steps={steps}", f"trainer.save_every={save}", f"trainer.eval_every={save}",
+            f"kernels.fused_lora={fused}", "method.dropout=0", *overrides]
+
+
+def check_overrides(steps: int, overrides: list[str]) -> None:
+    """A wrong key or value among the overrides (trainer.lr=nan) stops the doctor now, in the line
+    `tunekit train` would print, not in every run's log after the kernel checks. Values only: the
+    runs themselves check --model, --data and the targets against that model."""
+    from tunekit.commands.compose import compose_configs
+    from tunekit.config import check_settings
+
+    compose_configs(settings(steps, "auto", overrides), check=check_settings)
+
+
 MARKER = ".tunekit-doctor"  # written first into --out: what lets a later doctor replace the folder
 
 
@@ -362,6 +377,8 @@ def main(argv: list[str]) -> None:
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         raise TunekitError(f"doctor: {bad[0]!r} is not a KEY=VALUE config override")
+    check_overrides(args.steps, args.overrides)
+    path_fits("--out", args.out)  # a name too long for the file system fails every stat() below
     out = Path(args.out).expanduser().absolute()
     # A doctor that stopped before its report (a wrong --model, an interrupt) leaves only its logs/
     # folder: that is still its own output, which a new run may replace.

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from tunekit import TunekitError
+from tunekit.checks import path_fits
 from tunekit.runs.heldout import heldout_examples
 from tunekit.commands.parse import Parser, add_device_argument
 
@@ -181,6 +182,8 @@ def _evaluate(args, src, gguf, gguf_load_s: float, start: float) -> dict:
 
 def main(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
+    if args.out:  # refused before the scoring, not after it when eval.json cannot be written
+        path_fits("--out", args.out)
     report = evaluate(args)
     source = Path(args.source).expanduser()
     out = Path(args.out) if args.out else (source.with_name(source.name + ".eval.json") if source.is_file()

@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from tunekit import TunekitError
+from tunekit.checks import number
 
 
 class Parser(argparse.ArgumentParser):
@@ -18,6 +19,19 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         command = self.prog.removeprefix("tunekit ").strip()
         raise TunekitError(f"{command}: {message} (see {self.prog} --help)")
+
+
+def check_number(parser: argparse.ArgumentParser, option: str, value, **bounds) -> None:
+    """A numeric option against its range, as a parser error (`plan: --memory: must be > 0 GiB and finite,
+    got nan`). The same check as the config keys' (tunekit.checks.number): argparse's float() takes
+    "nan", "inf" and negatives, and a NaN passes every `not (x > 0)`-style test. None (an option left
+    out) passes. `bounds`: number()'s gt, ge, lt, le, allow_inf, unit."""
+    if value is None:
+        return
+    try:
+        number(option, value, **bounds)
+    except TunekitError as e:
+        parser.error(str(e))
 
 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import asdict, replace
 from typing import Optional
 
 from tunekit import TunekitError
-from tunekit.commands.parse import Parser
+from tunekit.commands.parse import Parser, check_number
 from tunekit.config import plain
 from tunekit.speed.device import available_memory_bytes, compute_dtype, default_device, dtype_name, planning_facts
 from tunekit.plan import GiB, Plan, predict
@@ -44,10 +43,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.gpus < 1:
         p.error(f"--gpus: must be >= 1, got {args.gpus}")
-    # float() takes "nan" and "inf": a NaN budget compares false with everything (every plan would
-    # "fit"), an infinite one fits anything, so both are refused with the negatives
-    if args.memory is not None and not (math.isfinite(args.memory) and args.memory > 0):
-        p.error(f"--memory: must be > 0 GiB and finite, got {args.memory:g}")
+    # a NaN budget compares false with everything (every plan would "fit"), an infinite one fits anything
+    check_number(p, "--memory", args.memory, gt=0, unit="GiB")
     return args
 
 

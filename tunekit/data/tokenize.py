@@ -23,7 +23,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from tunekit import TunekitError
 from tunekit.data.formats import DataError
+from tunekit.model.template import sandbox_refusal
 
 IGNORE = -100
 
@@ -52,10 +54,23 @@ def end_of_turn_ids(tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+def render_chat(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
+    """The chat template's text for `messages` (every rendering of a template goes through here). A
+    template that jinja's sandbox stops (it reached for Python's internals in a way no check before
+    could see) is one TunekitError naming its file; the template's other errors are the caller's."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as e:
+        refused = sandbox_refusal(tokenizer, e)
+        if refused is None:
+            raise
+        raise refused from None
+
+
 def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
     if not messages and not generation_prompt:
         return ""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return render_chat(tokenizer, messages, generation_prompt)
 
 
 def _ids(tokenizer, text: str) -> list[int]:
@@ -94,6 +109,8 @@ def encode_chat(tokenizer, messages: list[dict], where: str,
         try:
             before = _render(tokenizer, messages[:i], generation_prompt=True)
             after = _render(tokenizer, messages[: i + 1], generation_prompt=False)
+        except TunekitError:
+            raise
         except Exception as e:  # jinja2's TemplateError: templates raise_exception() on turns they refuse
             reason = " ".join(str(e).split())[:200] or type(e).__name__
             raise DataError(f"{where}: the tokenizer's chat template refuses this conversation ({reason})") from None
@@ -133,15 +150,17 @@ def encode_text(tokenizer, text: str) -> tuple[list[int], list[int]]:
 
 
 def encode_example(tokenizer, messages: Optional[list[dict]], row: dict, where: str, max_len: int,
-                   ends: Optional[frozenset[int]] = None):
-    """Returns {"input_ids", "labels"} (each (seq,), seq <= max_len), or None if no trained token
-    survives the truncation."""
+                   ends: Optional[frozenset[int]] = None) -> tuple[Optional[dict], Optional[int]]:
+    """(example, lost): the example {"input_ids", "labels"} (each (seq,), seq <= max_len), or None if no
+    trained token survives the truncation; `lost` is None where the row fits max_len, else how many
+    trained tokens the cut took (0 when it took context only)."""
     if messages is None:
         input_ids, labels = encode_text(tokenizer, row["text"])
     else:
         input_ids, labels = encode_chat(tokenizer, messages, where, ends)
+    lost = sum(label != IGNORE for label in labels[max_len:]) if len(input_ids) > max_len else None
     input_ids, labels = input_ids[:max_len], labels[:max_len]
     # labels[0] is never predicted (no token before it), so it does not count as trained
     if all(label == IGNORE for label in labels[1:]):
-        return None
-    return {"input_ids": input_ids, "labels": labels}
+        return None, lost
+    return {"input_ids": input_ids, "labels": labels}, lost

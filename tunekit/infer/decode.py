@@ -65,12 +65,12 @@ def encode_prompts(tokenizer, prompts: Sequence[str], chat_template: bool = True
 def encode_messages(tokenizer, messages: list[dict], chat_template: bool = True) -> list[int]:
     """A conversation rendered with the chat template, ending in the assistant's generation prompt.
     Without the template (raw text mode) the messages' contents are simply joined."""
-    from tunekit.data.tokenize import ensure_chat_template
+    from tunekit.data.tokenize import ensure_chat_template, render_chat
 
     if not chat_template:
         return tokenizer("\n".join(m["content"] for m in messages), add_special_tokens=True)["input_ids"]
     ensure_chat_template(tokenizer)
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = render_chat(tokenizer, messages, generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -105,6 +105,34 @@ def check_targets(targets: list[str], model: nn.Module | None) -> list[str]:
     return targets
 
 
+def check_not_head(targets: list[str], model: nn.Module) -> None:
+    """No LoRA on the output head (lm_head) in training. tunekit's loss applies the head as its weight
+    matrix, in chunks over the trained positions (tunekit.losses.sft), never through the module peft
+    would wrap: a LoRA there gets no gradient, and the first backward pass fails ("element 0 of
+    tensors does not require grad") after the model has loaded and the run folder has been started
+    (or, beside other targets, it silently stays at its start). Where the head is tied to the input
+    embeddings (tie_word_embeddings), it is one tensor with them besides: a merge would change the
+    embeddings too. Both are refused before a run loads anything; loading an adapter that has one
+    (an older run's, peft's) is export's and eval's business, not refused here."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        return
+    name = next((n for n, m in model.named_modules() if m is head), None)
+    hit = next((t for t in targets if name is not None and (name == t or name.endswith("." + t))), None)
+    if hit is None:
+        return
+    todo = f"drop {hit!r} from method.target_modules (to train the head, use method.name=full)"
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if getattr(model.config, "tie_word_embeddings", False) and inputs is not None and head.weight is inputs.weight:
+        where = Path(getattr(model.config, "name_or_path", "") or ".") / "config.json"
+        raise TunekitError(f"method.target_modules: {hit!r} is the output head of {type(model).__name__}, and its "
+                           f"weight is the input embeddings' (tie_word_embeddings is true for {where}): a LoRA on it "
+                           f"would not train (tunekit's loss reads the head's weight, not a layer wrapped around it), "
+                           f"and merging it would change the embeddings too; {todo}")
+    raise TunekitError(f"method.target_modules: {hit!r} is the output head of {type(model).__name__}: a LoRA on it "
+                       f"would not train (tunekit's loss reads the head's weight, not a layer wrapped around it); {todo}")
+
+
 def peft_config(c: LoRAConfig):
     """peft's LoraConfig of tunekit's LoRA keys."""
     from peft import LoraConfig
@@ -143,6 +171,9 @@ class LoRA(Method):
         # validation, model None, and `start`).
         variants.check_combination(c, quantize if model is None else _quantize_of(model, quantize),
                                    training=model is None)
+
+    def check_training(self, cfg, model: nn.Module) -> None:
+        check_not_head(list(self.settings(cfg).target_modules), model)
 
     def apply(self, model: nn.Module, cfg) -> nn.Module:
         from peft import get_peft_model

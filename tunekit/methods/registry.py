@@ -93,6 +93,11 @@ class Method:
         `quantize`: also that what the config names exists in it. Config validation calls this
         before anything loads (through `check_method_config`), and `apply` calls it again."""
 
+    def check_training(self, cfg, model: nn.Module) -> None:
+        """Raise TunekitError for what a run cannot train, though an adapter made so could still be
+        loaded (an older run's, or peft's): checked before a run, never when loading one. `model`:
+        the base's skeleton on the meta device."""
+
     def check_context(self, cfg, seq_len: int, limit: int, where: str) -> None:
         """Raise TunekitError if `seq_len` positions (data.max_seq_len) plus what the method adds
         exceed the `limit` positions the model in `where` was built for."""

@@ -352,6 +352,9 @@ def _check_model_folder(folder: Path, key: str) -> dict:
         read_json(folder / "tokenizer_config.json", key)
     if (folder / "tokenizer.json").is_file():
         _looks_whole(folder / "tokenizer.json", key)
+    from tunekit.model.template import check_chat_templates
+
+    check_chat_templates(folder, key)  # code that comes with the model: parsed, never rendered, here
     return config
 
 

@@ -41,6 +41,10 @@ def load_tokenizer(path: str, key: str = "model.path"):
     embeddings of the model that folder holds. `key` is the config key or flag naming the folder."""
     from transformers import AutoTokenizer
 
+    from tunekit.model.template import check_chat_templates
+
+    if Path(path).is_dir():  # also the tokenizer a run saved beside its adapter, which no model check reads
+        check_chat_templates(Path(path), key)
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # tokenizers, sentencepiece and json raise their own types for a bad file

@@ -29,7 +29,7 @@ from tunekit.plan.choose import resolve_memory_settings
 from tunekit.speed import device as dev
 from tunekit.speed import packed_attention, precision, threads
 from tunekit.speed import torch_compile as compiled
-from tunekit.train.checkpoint import atomic_write_text, cleanup_leftovers, find_resumable, load_checkpoint, read_state
+from tunekit.train.checkpoint import atomic_write_text, find_resumable, load_checkpoint, read_state
 from tunekit.train.loss_scale import LossScaler
 from tunekit.train.objective import DistillObjective, SFTObjective, check_same_vocabulary, model_inputs
 from tunekit.train.optim import build_optimizer, warmup_cosine
@@ -90,8 +90,12 @@ class RecipeSetup:
                                f"({self.lock.describe_stale()})")
                 check_output_dir(self.output_dir, cfg.trainer.resume, cfg.trainer.allow_nonempty_output_dir)
                 if cfg.trainer.resume:
-                    check_resumable(self.output_dir, cfg.trainer.max_steps)
-                for line in cleanup_leftovers(self.output_dir):
+                    # the fingerprint here too: a changed recipe or seed is named with any other conflict
+                    # (rank 0; _find_checkpoint computes it on every rank, with the auto settings resolved)
+                    self.fingerprint = fingerprint(cfg, self.strategy.world_size)
+                    check_resumable(self.output_dir, cfg.trainer.max_steps, self.fingerprint)
+                # what killed runs' saves left, removed; then this run's scratch home, where its saves go
+                for line in self.lock.open_scratch():
                     self._info(f"leftover of an interrupted save: {line}")
             except (TunekitError, OSError) as e:
                 self.release()
@@ -116,12 +120,19 @@ class RecipeSetup:
         """The tokenizer, the train / held-out splits, and the collate function (padded or packed)."""
         cfg = self.cfg
         self.tokenizer = load_tokenizer(self.model_path)
-        self.train_data, self.val_data = load_splits(
+        splits = load_splits(
             cfg.data.path, cfg.data.val_path, plain(cfg.data.format), self.tokenizer, cfg.data.max_seq_len,
             cfg.data.val_fraction, cfg.data.max_val_examples, cfg.seed,
         )
+        self.train_data, self.val_data = splits
+        # Rows longer than data.max_seq_len lose their end, replies included: said once here, and in
+        # summary.json, so that a cut that costs a share of the training signal is seen.
+        train, val = splits.train.truncation(), splits.val.truncation()
+        self.data_report = {"max_seq_len": cfg.data.max_seq_len, "train": train.as_dict(), "held_out": val.as_dict(),
+                            "dropped_rows": {d.path: len(d.rows) for d in splits.dropped}}
         self._info(f"data: {len(self.train_data)} train / {len(self.val_data)} held-out examples"
-                   + (", packed" if cfg.data.packing else ""))
+                   + (", packed" if cfg.data.packing else "")
+                   + f"; data.max_seq_len={cfg.data.max_seq_len}: {train.phrase('training')}, {val.phrase('held-out')}")
         self.collate = collate_packed if cfg.data.packing else collate
 
     def _plan_memory(self) -> None:
@@ -143,7 +154,8 @@ class RecipeSetup:
         """The run's fingerprint, and with trainer.resume the newest intact checkpoint (`resume_from`,
         its `resume_state`), checked against it before any model loads; (None, None) otherwise.
         check_resumable (in _lock_output_dir) has already refused a run with nothing to resume."""
-        self.fingerprint = fingerprint(self.cfg, self.strategy.world_size)
+        # again, with the `auto` settings resolved; the data files' hashes of _lock_output_dir reused
+        self.fingerprint = fingerprint(self.cfg, self.strategy.world_size, hashes=self.fingerprint)
         self.resume_from, self.resume_state = None, None
         if not self.cfg.trainer.resume:
             return

@@ -9,8 +9,9 @@ output_dir/checkpoints/step-000020/
                              Written last: its presence marks a complete checkpoint.
 
 Checkpoints get shared, so loading one must never run code: everything is safetensors (raw
-tensors) or JSON (plain values). Each checkpoint is built in a marked scratch folder (tunekit.owned)
-and renamed into place, so a crash leaves the old set of checkpoints or the new one; a file damaged later
+tensors) or JSON (plain values). Each checkpoint is built in the run's scratch home (tunekit.owned)
+and renamed into place, and a pruned one leaves through it, so a crash leaves the old set of
+checkpoints or the new one, each whole; a file damaged later
 (truncated copy, disk error) fails its checksum, and resume falls back to the newest intact one.
 """
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from tunekit import TunekitError
 from tunekit.train.optim import load_state
 # The atomic writes live in tunekit.owned (what tunekit may delete); imported from here by older callers.
-from tunekit.owned import atomic_dir, atomic_write_text, cleanup_leftovers, sha256_file  # noqa: F401
+from tunekit.owned import atomic_dir, atomic_write_text, cleanup_leftovers, discard, sha256_file  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def save_checkpoint(output_dir: Path, step: int, save_adapter: Callable[[Path], 
         kept = f"the last good checkpoint, {last}, is intact" if last else "no earlier checkpoint was saved"
         raise TunekitError(f"{_save_error(e, target)}; {kept}") from None
     for old in checkpoint_dirs(output_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        discard(old)  # whole or gone: half of one, without its trainer_state.json, would pass for the user's
     return target
 
 

@@ -47,6 +47,7 @@ class TrainRecipe(RecipeSetup):
         self.cfg = cfg
         self.output_dir = Path(output_dir)
         self.lock = None  # rank 0's RunLock on output_dir, from setup() on
+        self.fingerprint = None  # what the run trains (tunekit.train.resume.fingerprint), from setup() on
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -293,7 +294,7 @@ class TrainRecipe(RecipeSetup):
                 "wall_s": wall_s, "trainable_params": self.trainable_params,
                 "bits_per_param": self.bits_per_param, "world_size": self.strategy.world_size,
                 "device": self.facts.describe(), "compute_dtype": str(self.dtype).removeprefix("torch."),
-                "precision": self._precision_report(), "memory": self._memory_report(),
+                "precision": self._precision_report(), "memory": self._memory_report(), "data": self.data_report,
                 "kernels": self.lora_path.as_dict(),
                 **({"loss_scaling": {**self.scaler.state_dict(), "skipped_steps": self.scaler.skipped}}
                    if self.scaler.enabled else {}),

@@ -14,13 +14,13 @@ import os
 import re
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from tunekit import TunekitError
 from tunekit.train.checkpoint import STATE_JSON, find_resumable, read_state
 from tunekit.config import plain
 from tunekit.owned import is_scratch
-from tunekit.train.runlock import LOCK_NAME
+from tunekit.train.runlock import LOCK_NAME, recorded_scratch
 
 # Keys (or key prefixes, ending in ".") a resumed run may change.
 MAY_CHANGE = (
@@ -52,8 +52,10 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def fingerprint(cfg, world_size: int) -> dict[str, Any]:
-    """{dotted config key: value} of everything that must not change on resume, plus data hashes."""
+def fingerprint(cfg, world_size: int, hashes: Optional[dict] = None) -> dict[str, Any]:
+    """{dotted config key: value} of everything that must not change on resume, plus data hashes
+    (those of `hashes`, an earlier fingerprint of the same data files, where given: hashing a large
+    file twice costs seconds)."""
     from tunekit.data.formats import DEFAULT_DATA_DIR
 
     flat = _flatten(asdict(cfg))
@@ -64,8 +66,11 @@ def fingerprint(cfg, world_size: int) -> dict[str, Any]:
     val = Path(data.val_path) if data.val_path else (DEFAULT_DATA_DIR / "val.jsonl" if not data.path else None)
     from tunekit.data.sources import data_fingerprint  # a file's sha256; also save_to_disk folders, hub ids
 
-    kept["data.path:sha256"] = data_fingerprint(train)
-    kept["data.val_path:sha256"] = data_fingerprint(val, "data.val_path") if val is not None else None
+    if hashes is not None:
+        kept.update({k: v for k, v in hashes.items() if k.endswith(":sha256")})
+    else:
+        kept["data.path:sha256"] = data_fingerprint(train)
+        kept["data.val_path:sha256"] = data_fingerprint(val, "data.val_path") if val is not None else None
     kept["world_size"] = world_size
     if kept.get("trainer.strategy") == "ddp":
         # the default, as before the key existed: checkpoints written then still resume
@@ -73,11 +78,12 @@ def fingerprint(cfg, world_size: int) -> dict[str, Any]:
     return kept
 
 
-def check_same_run(saved: dict, current: dict, ckpt: Path) -> None:
-    """Refuse to resume `ckpt` when anything in the fingerprint differs; name what differs."""
+def run_changes(saved: dict, current: dict, ckpt: Path) -> Optional[str]:
+    """What differs between a checkpoint's fingerprint and this config's, as the end of a sentence
+    ("this config differs from the run saved in CKPT in seed (0 -> 1); ..."), or None."""
     changed = [k for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
     if not changed:
-        return
+        return None
 
     def show(key: str) -> str:
         if key.endswith(":sha256"):
@@ -85,9 +91,15 @@ def check_same_run(saved: dict, current: dict, ckpt: Path) -> None:
         return f"{key} ({saved.get(key)!r} -> {current.get(key)!r})"
 
     listed = ", ".join(show(k) for k in changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
-    raise TunekitError(f"trainer.resume: this config differs from the run saved in {ckpt} in {listed}; these "
-                       "shape the trained weights or the data order, so resuming would mix two runs. Restore them, "
-                       "or train into a new output_dir")
+    return (f"this config differs from the run saved in {ckpt} in {listed}; these shape the trained weights or the "
+            "data order, so resuming would mix two runs. Restore them, or train into a new output_dir")
+
+
+def check_same_run(saved: dict, current: dict, ckpt: Path) -> None:
+    """Refuse to resume `ckpt` when anything in the fingerprint differs; name what differs."""
+    changes = run_changes(saved, current, ckpt)
+    if changes:
+        raise TunekitError(f"trainer.resume: {changes}")
 
 
 def check_output_dir(output_dir: Path, resume: bool, allow_nonempty: bool = False) -> None:
@@ -123,8 +135,8 @@ def check_not_foreign(out: Path, allow_nonempty: bool) -> None:
 
 def _tunekit_entry(p: Path) -> bool:
     """What tunekit may have left in a folder before its config.yaml: its lock, a marked scratch
-    folder, the student a distillation builds first."""
-    return p.name in (LOCK_NAME, "student_base") or is_scratch(p)
+    folder or a scratch home its lock file names, the student a distillation builds first."""
+    return p.name in (LOCK_NAME, "student_base") or is_scratch(p) or p.name in recorded_scratch(p.parent)
 
 
 def _check_checkpoint_names(out: Path) -> None:
@@ -144,7 +156,7 @@ def _check_checkpoint_names(out: Path) -> None:
                                f"checkpoint's name, which a save would replace; move it out of {root}")
 
 
-def check_resumable(output_dir: Path, max_steps: int) -> None:
+def check_resumable(output_dir: Path, max_steps: int, current: Optional[dict] = None) -> None:
     """trainer.resume=true: refuse, before anything loads or is written, a run with nothing to resume.
 
     A damaged checkpoint (files that fail their checksum, a trainer_state.json without a whole-number
@@ -152,7 +164,9 @@ def check_resumable(output_dir: Path, max_steps: int) -> None:
     was; with none intact the first damaged one is named. A finished run (adapter/ and summary.json)
     resumes only to train longer: otherwise no step would run, and summary.json, config.yaml and
     metrics.jsonl would be rewritten over the run's own. So would they from a checkpoint already at or
-    past trainer.max_steps. metrics.jsonl is rewritten on resume: it must read back whole first.
+    past trainer.max_steps. `current`, this config's fingerprint: a change to what the run trains is
+    refused too, in the same message as the steps (a user who raised max_steps should not find the
+    changed seed only then). metrics.jsonl is rewritten on resume: it must read back whole first.
     """
     from tunekit.train.tracking import check_metrics
 
@@ -168,10 +182,24 @@ def check_resumable(output_dir: Path, max_steps: int) -> None:
                                "written) and has no checkpoint to continue from; to train longer, train into a new "
                                "output_dir with a larger trainer.max_steps")
         return
-    step = read_state(ckpt)["step"]
-    if step >= max_steps:
+    state = read_state(ckpt)
+    conflicts = []
+    if state["step"] >= max_steps:
         run = f"the run in {out} is finished; its" if finished else "the"
-        raise TunekitError(f"trainer.max_steps: {run} checkpoint {ckpt} is at step {step}, "
-                           f"{'already at' if step == max_steps else 'past'} trainer.max_steps={max_steps}: "
-                           f"nothing to resume. To train longer, raise trainer.max_steps above {step}")
+        conflicts.append(f"trainer.max_steps: {run} checkpoint {ckpt} is at step {state['step']}, "
+                         f"{'already at' if state['step'] == max_steps else 'past'} trainer.max_steps={max_steps}: "
+                         f"nothing to resume. To train longer, raise trainer.max_steps above {state['step']}")
+    changes = None
+    if current is not None:
+        # `auto` settings take their value from the memory plan, later: compared then (_find_checkpoint)
+        later = {k for k, v in current.items() if v == "auto"}
+        changes = run_changes({k: v for k, v in state.get("fingerprint", {}).items() if k not in later},
+                              {k: v for k, v in current.items() if k not in later}, ckpt)
+    if changes:
+        conflicts.append(f"trainer.resume: {changes}")
+    if len(conflicts) == 1:
+        raise TunekitError(conflicts[0])
+    if conflicts:  # every one in one line: fixing the first must not only reveal the next
+        raise TunekitError(f"trainer.resume: the run in {out} cannot be resumed as configured, for "
+                           f"{len(conflicts)} reasons: " + "; ".join(f"({i}) {c}" for i, c in enumerate(conflicts, 1)))
     check_metrics(out / "metrics.jsonl")
