@@ -370,6 +370,17 @@ CASES = [
     # ---- export and generate: generic argument errors (their own rows come with their rewrites)
     export("export-no-run-dir", "--format adapter --out {out}", "export: the following arguments are required: RUN_DIR"),
     export("export-bad-format", "{w} --format zip --out {out}", "export: argument --format: invalid choice: 'zip'"),
+    # float options: NaN and inf would pass or refuse every export whatever it kept
+    export("export-kl-nan", "{w}/fakerun --format merged --out {out} --kl-threshold nan",
+           "--kl-threshold: must be >= 0 nats/token and finite, got nan"),
+    export("export-kl-inf", "{w}/fakerun --format merged --out {out} --kl-threshold inf",
+           "--kl-threshold: must be >= 0 nats/token and finite, got inf"),
+    export("export-kl-negative", "{w}/fakerun --format merged --out {out} --kl-threshold -0.1",
+           "--kl-threshold: must be >= 0 nats/token, got -0.1"),
+    export("export-min-gain-nan", "{w}/fakerun --format merged --out {out} --min-gain nan",
+           "--min-gain: must be in [0, 1.5], got nan"),
+    export("export-min-task-gain-inf", "{w}/fakerun --format merged --out {out} --min-task-gain inf",
+           "--min-task-gain: must be in [0, 1.5], got inf"),
     export("export-run-missing", "{w}/nope --format adapter --out {out}", "RUN_DIR: no such folder: {w}/nope"),
     export("export-not-a-run", f"{D} --format adapter --out {{out}}", "RUN_DIR: {w}/data is not a tunekit run (no config.yaml"),
     generate("generate-no-prompt", "", "--prompt: give at least one --prompt"),

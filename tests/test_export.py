@@ -427,15 +427,16 @@ def test_gate_bounds_can_be_moved_and_adapters_must_be_exact():
 
 # ---------------------------------------------------------------- refusal, interruption, errors
 def test_refusal_via_cli_leaves_previous_export_untouched(runs, tmp_path):
-    out = tmp_path / "adapter"
-    export(runs["qlora"], "adapter", out, eval_batches=1)
+    out = tmp_path / "merged"
+    export(runs["qlora"], "merged", out, dtype="bf16", eval_batches=1)
     before = tree_digest(out)
-    # KL >= 0 always, so a negative bound forces a refusal
-    r = run_cli(["export", str(runs["qlora"]), "--format", "adapter", "--out", str(out), "--kl-threshold", "-1",
-                 "--eval-batches", "1"], tmp_path)
+    # a bf16 merge rounds the trained weights, so its KL is above 0: a bound of 0 forces a refusal
+    r = run_cli(["export", str(runs["qlora"]), "--format", "merged", "--dtype", "bf16", "--out", str(out),
+                 "--kl-threshold", "0", "--eval-batches", "1"], tmp_path)
     assert r.returncode != 0
     assert "REFUSED" in r.stdout
-    assert r.stderr.strip().splitlines()[-1].startswith("tunekit: error: export refused: adapter: KL")
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("tunekit: error: export refused: merged bf16") and "--kl-threshold 0" in last, last
     assert tree_digest(out) == before and not leftovers(tmp_path)
 
 
@@ -444,9 +445,9 @@ def test_refusal_writes_nothing_unless_forced(runs, fmt, tmp_path):
     out = tmp_path / ("x.gguf" if fmt == "gguf" else "x")
     dtype = "bf16" if fmt == "merged" else "fp16"
     with pytest.raises(TunekitError, match="export refused"):
-        export(runs["lora"], fmt, out, dtype=dtype, kl_threshold=-1.0, eval_batches=1)
+        export(runs["lora"], fmt, out, dtype=dtype, kl_threshold=0.0, eval_batches=1)  # any rounding exceeds 0
     assert list(tmp_path.iterdir()) == []
-    report = export(runs["lora"], fmt, out, dtype=dtype, kl_threshold=-1.0, force=True, eval_batches=1)
+    report = export(runs["lora"], fmt, out, dtype=dtype, kl_threshold=0.0, force=True, eval_batches=1)
     assert not report["accepted"] and report["forced"] and out.exists()
 
 
@@ -495,7 +496,8 @@ def test_cannot_merge_method_suggests_adapter(runs, tmp_path):
     (["{run}", "--format", "gguf", "--dtype", "int3", "--out", "X"], "--dtype: 'int3' is not a dtype of --format gguf"),
     (["{run}", "--format", "adapter", "--merge-into", "original", "--out", "X"], "--merge-into applies to --format merged"),
     (["{run}", "--format", "merged", "--merge-into", "nf4", "--out", "X"], "invalid choice: 'nf4'"),
-    (["{run}", "--format", "merged", "--min-gain", "90", "--out", "X"], "--min-gain: a fraction"),
+    (["{run}", "--format", "merged", "--min-gain", "90", "--out", "X"], "--min-gain: must be in [0, 1.5], got 90"),
+    (["{run}", "--format", "merged", "--kl-threshold", "nan", "--out", "X"], "--kl-threshold: must be >= 0"),
 ])
 def test_cli_errors_are_one_line(runs, args, message, tmp_path):
     args = [a.format(tmp=tmp_path, run=runs["lora"]) for a in args]

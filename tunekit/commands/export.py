@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Optional
 
 from tunekit import TunekitError
+from tunekit.checks import number
 from tunekit.commands.parse import Parser, add_device_argument
 from tunekit.export import gguf_adapter
 from tunekit.export.gate import KL_ADAPTER, MIN_GAIN_KEPT, MIN_GAIN_KEPT_LOSSY, TASK_MIN_GAIN_KEPT, TASK_MIN_GAIN_KEPT_LOSSY
@@ -94,7 +95,8 @@ def merge_target(src, merge_into: Optional[str]) -> str:
 
 
 def _check_arguments(fmt: str, requantize: Optional[str], merge_into: Optional[str], eval_batches: int,
-                     min_gain: Optional[float], min_task_gain: Optional[float], task_rows: int, data: Optional[str]) -> None:
+                     min_gain: Optional[float], min_task_gain: Optional[float], task_rows: int, data: Optional[str],
+                     kl_threshold: Optional[float] = None) -> None:
     """One TunekitError for the first argument that cannot work, before anything is read."""
     if fmt not in FORMATS:
         raise TunekitError(f"--format: unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -106,10 +108,13 @@ def _check_arguments(fmt: str, requantize: Optional[str], merge_into: Optional[s
         raise TunekitError("--merge-into applies to --format merged and gguf (an adapter is not merged)")
     if eval_batches < 1:
         raise TunekitError(f"--eval-batches: must be >= 1, got {eval_batches}")
-    if min_gain is not None and not 0 <= min_gain <= 1.5:
-        raise TunekitError(f"--min-gain: a fraction of the fine-tune's gain (e.g. 0.9), got {min_gain}")
-    if min_task_gain is not None and not 0 <= min_task_gain <= 1.5:
-        raise TunekitError(f"--min-task-gain: a fraction of the fine-tune's task gain (e.g. 0.95), got {min_task_gain}")
+    # fractions of a gain (0.9 keeps 90%; above 1, an export that must beat the trained model); a KL in
+    # nats per token. NaN or inf would pass or refuse every export whatever it kept.
+    for option, value, bounds in (("--min-gain", min_gain, dict(ge=0, le=1.5)),
+                                  ("--min-task-gain", min_task_gain, dict(ge=0, le=1.5)),
+                                  ("--kl-threshold", kl_threshold, dict(ge=0, unit="nats/token"))):
+        if value is not None:
+            number(option, value, **bounds)
     if task_rows < 0:
         raise TunekitError(f"--task-rows: must be >= 0, got {task_rows}")
     if data is not None and not Path(data).expanduser().is_file():
@@ -161,7 +166,7 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
     the held-out rows of the task check (tunekit.export.task; default the run's held-out split,
     task_rows=0 skips it)."""
     started = time.time()
-    _check_arguments(fmt, requantize, merge_into, eval_batches, min_gain, min_task_gain, task_rows, data)
+    _check_arguments(fmt, requantize, merge_into, eval_batches, min_gain, min_task_gain, task_rows, data, kl_threshold)
     candidates = _dtypes(fmt, dtype, requantize)
     facts = command_facts(device)
     src = open_source(run_dir, what="RUN_DIR", facts=facts, runs_only=True)
