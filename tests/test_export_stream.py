@@ -300,3 +300,42 @@ def test_llama3_8b_qlora_merged_export_fits_a_24gib_gpu(tmp_path):
     with pytest.raises(TunekitError, match=r"needs about 63.05 GiB .*merged model \(fp32\) 29.92 GiB"):
         check_fits(in_memory_terms(shape, "nf4", adapter, "merged", "dequantized", 2, work, positions),
                    facts, facts.total_memory, "tunekit export")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_streamed_gguf_holds_the_streamed_merge(qlora_run, tmp_path, dtype):
+    """--format gguf of a LoRA run merges tensor by tensor as the file is written: every tensor of
+    the GGUF is the streamed merge's (checked above against an independent reference), under its
+    llama.cpp name, with q and k rows in llama.cpp's rotary order; the tied head is not written."""
+    import gguf
+
+    from tunekit.export.gguf import gguf_tensor_name, interleave_rotary_rows
+
+    src = _source(qlora_run)
+    plan, why = stream.plan_stream(src, "dequantized")
+    assert plan is not None, why
+    tok = load_tokenizer_for(src)
+    torch_dtype = {"fp32": torch.float32, "fp16": torch.float16}[dtype]
+    (tmp_path / "hf").mkdir()
+    stream.write_merged(plan, tok, tmp_path / "hf", torch_dtype, torch.device("cpu"))
+    stream.write_merged_gguf(plan, tok, tmp_path / "x.gguf", dtype, torch.device("cpu"), "test")
+    merged = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "x.gguf")).tensors}
+    assert "output.weight" not in tensors and len(tensors) == len(merged)
+    for name, want in merged.items():
+        t = tensors[gguf_tensor_name(name)]
+        if ".q_proj." in name:
+            want = interleave_rotary_rows(want, cfg["num_attention_heads"])
+        elif ".k_proj." in name:
+            want = interleave_rotary_rows(want, cfg["num_key_value_heads"])
+        got = torch.from_numpy(t.data.copy()).reshape(want.shape)
+        # the same rounded values: 1-D tensors are stored as f32, from the same fp16/fp32 numbers
+        assert torch.equal(got.to(want.dtype), want) if want.dim() > 1 else torch.equal(got, want.float()), name
+
+
+def test_gguf_export_reports_the_streamed_merge(qlora_run, tmp_path):
+    from tunekit.commands.export import export
+
+    report = export(qlora_run, "gguf", tmp_path / "x.gguf", dtype="fp16", eval_batches=1, task_rows=0)
+    assert report["accepted"] and report["merged_by"] == "streamed"

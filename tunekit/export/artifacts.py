@@ -150,19 +150,19 @@ def write_requantized_nf4(run: Source, write_plain: Callable[[Path], None], toke
 
 
 # ---------------------------------------------------------------- gguf
-def write_gguf_file(run: Source, merged: nn.Module, tokenizer, path: Path, dtype: str) -> None:
-    """bf16/fp16/fp32: written by tunekit; a llama.cpp quantized type: tunekit writes f16 beside
-    `path`, llama.cpp's quantizer turns it into `path`, the f16 file is removed."""
+def write_gguf_file(run: Source, write: Callable[[Path, str, str], None], path: Path, dtype: str) -> None:
+    """bf16/fp16/fp32: written by `write(path, dtype, name)` (from a loaded merged model, or merged
+    tensor by tensor as it is written: tunekit.export.job); a llama.cpp quantized type: f16 written
+    beside `path`, llama.cpp's quantizer turns it into `path`, the f16 file is removed."""
     from tunekit.infer import llamacpp
-    from tunekit.export.gguf import write_gguf
 
     name = f"{Path(run.base_path).name}-{run.method}"
     if dtype not in llamacpp.QUANT_TYPES:
-        write_gguf(merged, tokenizer, path, dtype, name=name)
+        write(path, dtype, name)
         return
     f16 = path.with_name(f".{path.name}.f16")
     try:
-        write_gguf(merged, tokenizer, f16, "fp16", name=name)
+        write(f16, "fp16", name)
         llamacpp.quantize(f16, path, dtype, torch.get_num_threads())
     finally:
         f16.unlink(missing_ok=True)

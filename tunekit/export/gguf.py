@@ -72,8 +72,7 @@ def gguf_tensor_name(hf_name: str) -> str | None:
     return f"blk.{block}.{short}.{kind}" if short else None
 
 
-def _check_llama(model: nn.Module) -> None:
-    cfg = model.config
+def _check_llama(cfg) -> None:
     if cfg.model_type != "llama":
         raise TunekitError(f"--format gguf: only Llama-architecture models are supported, this is "
                            f"{cfg.model_type!r}; use --format merged")
@@ -88,8 +87,7 @@ def _rope_theta(cfg) -> float:
     return float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
 
 
-def _add_model_metadata(w, model: nn.Module, name: str, file_type) -> None:
-    cfg = model.config
+def _add_model_metadata(w, cfg, name: str, file_type) -> None:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_name(name)
     w.add_context_length(cfg.max_position_embeddings)
@@ -160,33 +158,54 @@ def _add_tokenizer(w, tokenizer, vocab_size: int) -> None:
         w.add_chat_template(tokenizer.chat_template)
 
 
-def _as_numpy(t: torch.Tensor, dtype: str) -> tuple[np.ndarray, object]:
-    """A tensor as the array GGUFWriter stores, and its raw ggml type. 1-D tensors stay f32."""
+def _numpy_type(ndim: int, dtype: str):
+    """(numpy dtype, ggml type) a tensor of `ndim` dimensions is stored as. 1-D tensors stay f32."""
     import gguf
 
-    t = t.detach().float().cpu().contiguous()  # the merged model may live on a GPU
-    if t.dim() == 1 or dtype == "fp32":
-        return t.numpy(), gguf.GGMLQuantizationType.F32
+    if ndim == 1 or dtype == "fp32":
+        return np.float32, gguf.GGMLQuantizationType.F32
     if dtype == "fp16":
-        return t.half().numpy(), gguf.GGMLQuantizationType.F16
-    # numpy has no bf16: hand over the raw 16-bit patterns (round-to-nearest-even by torch)
-    return t.bfloat16().view(torch.int16).numpy().view(np.uint16), gguf.GGMLQuantizationType.BF16
+        return np.float16, gguf.GGMLQuantizationType.F16
+    return np.uint16, gguf.GGMLQuantizationType.BF16  # numpy has no bf16: the raw 16-bit patterns
+
+
+def _as_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
+    """A tensor as the array GGUFWriter stores (see _numpy_type)."""
+    t = t.detach().float().cpu().contiguous()  # the merged model may live on a GPU
+    np_type, _ = _numpy_type(t.dim(), dtype)
+    if np_type is np.float32:
+        return t.numpy()
+    if np_type is np.float16:
+        return t.half().numpy()
+    return t.bfloat16().view(torch.int16).numpy().view(np.uint16)  # round-to-nearest-even by torch
 
 
 def write_gguf(model: nn.Module, tokenizer, path: Path, dtype: str = "bf16", name: str = "tunekit-export") -> None:
     """Write `model` (a plain transformers LlamaForCausalLM, any float dtype) to the GGUF file `path`."""
-    import gguf
-
-    _check_llama(model)
     cfg = model.config
     state = model.state_dict()
     tied = bool(getattr(cfg, "tie_word_embeddings", False)) or (
         "lm_head.weight" in state and state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr())
+    write_gguf_tensors(cfg, [(n, tuple(t.shape)) for n, t in state.items()], state.__getitem__, tied, tokenizer,
+                       path, dtype, name)
+
+
+def write_gguf_tensors(cfg, entries: list[tuple[str, tuple]], produce, tied: bool, tokenizer, path: Path,
+                       dtype: str = "bf16", name: str = "tunekit-export") -> None:
+    """Write a Llama model's tensors to the GGUF file `path`, one tensor in memory at a time.
+
+    entries: (Hugging Face name, shape) in file order; produce(name) -> that tensor (any float
+    dtype, any device), called once per written tensor, after the header is out: what a streamed
+    merge computes (tunekit.export.stream) or a loaded model's state."""
+    import gguf
+
+    _check_llama(cfg)
     writer = gguf.GGUFWriter(str(path), "llama")
-    _add_model_metadata(writer, model, name, _types()[dtype][1])
+    _add_model_metadata(writer, cfg, name, _types()[dtype][1])
     _add_tokenizer(writer, tokenizer, cfg.vocab_size)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for hf_name, tensor in state.items():
+    written = []
+    for hf_name, shape in entries:
         if hf_name == "lm_head.weight" and tied:
             continue  # llama.cpp reuses token_embd as the output head when `output` is absent
         out_name = gguf_tensor_name(hf_name)
@@ -194,13 +213,19 @@ def write_gguf(model: nn.Module, tokenizer, path: Path, dtype: str = "bf16", nam
             if hf_name.endswith("rotary_emb.inv_freq"):
                 continue  # recomputed from rope.freq_base
             raise TunekitError(f"--format gguf: no GGUF name for tensor {hf_name!r} (not a plain Llama model?)")
+        np_type, raw = _numpy_type(len(shape), dtype)
+        writer.add_tensor_info(out_name, shape, np.dtype(np_type), int(np.prod(shape)) * np.dtype(np_type).itemsize,
+                               raw_dtype=raw)
+        written.append((hf_name, out_name))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for hf_name, out_name in written:
+        tensor = produce(hf_name)
         if ".attn_q." in out_name:
             tensor = interleave_rotary_rows(tensor, cfg.num_attention_heads)
         elif ".attn_k." in out_name:
             tensor = interleave_rotary_rows(tensor, cfg.num_key_value_heads)
-        array, raw = _as_numpy(tensor, dtype)
-        writer.add_tensor(out_name, array, raw_dtype=raw)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+        writer.write_tensor_data(_as_numpy(tensor, dtype))
+        del tensor
     writer.close()

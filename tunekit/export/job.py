@@ -25,6 +25,7 @@ import torch
 
 from tunekit import TunekitError, __version__
 from tunekit.export import artifacts, gguf_adapter, stream
+from tunekit.export.gguf import write_gguf
 from tunekit.export.fidelity import HalfLinearsInFp32, UpcastHalfWeights, compare, measure_reference, token_nll
 from tunekit.export.gate import decide, table
 from tunekit.export.memory import export_memory_check
@@ -61,7 +62,7 @@ class Export:
         self.src = dataclasses.replace(src, dtype=torch.float32)
         self.target = target  # dequantized | original (tunekit.commands.export.merge_target); None: not merged
         self.plan = None  # a streamed merge's plan (tunekit.export.stream); None: merged in memory
-        if fmt == "merged":
+        if fmt in ("merged", "gguf"):
             self.plan, why = stream.plan_stream(self.src, self.target)
             if self.plan is None:
                 log.info("merging in memory, not streamed: %s", why)
@@ -176,7 +177,13 @@ class Export:
             model = gguf_adapter.write_and_load(self.prepared, tok, tmp, out.name, d, n_ctx, _threads(), self.repack)
             self.lap("write")
             return model.logits, llamacpp.LlamaCppTokenizer(model)
-        artifacts.write_gguf_file(src, self.merged, tok, tmp / out.name, d)
+        if self.plan is not None:  # merged tensor by tensor as the file is written
+            def write_file(path: Path, dtype: str, name: str) -> None:
+                stream.write_merged_gguf(self.plan, tok, path, dtype, src.device, name)
+        else:
+            def write_file(path: Path, dtype: str, name: str) -> None:
+                write_gguf(self.merged, tok, path, dtype, name=name)
+        artifacts.write_gguf_file(src, write_file, tmp / out.name, d)
         self.lap("write")
         if self.checked_by.startswith("llama.cpp"):
             model = llamacpp.LlamaCppModel(tmp / out.name, n_ctx, _threads(), self.repack)
@@ -261,7 +268,8 @@ class Export:
             "dtype_tried": [{"dtype": t["dtype"], "gain_kept": t["fidelity"]["gain_kept"],
                              "kl_mean": t["fidelity"]["kl_mean"], "accepted": t["accepted"]} for t in tried],
             "requantize": opt["requantize"], "merge_into": self.target,
-            "merged_by": None if self.fmt != "merged" else "streamed" if self.plan is not None else "in memory",
+            "merged_by": None if self.fmt not in ("merged", "gguf") else "streamed" if self.plan is not None
+            else "in memory",
             "path": str(self.out), "run_dir": str(src.run.run_dir.absolute()), "method": src.method,
             "base_model": src.base_path, "base_quantize": src.quantize, "checked_by": self.checked_by,
             "device": src.facts.describe(),

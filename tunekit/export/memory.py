@@ -105,7 +105,10 @@ def export_memory_check(src, facts, fmt: str, target: Optional[str], candidates:
 
         held = torch.empty((), dtype=reference_dtype or torch.float32).element_size()
         stored = torch.empty((), dtype=stored_dtype(src)).element_size()
-        phase, terms = peak(streamed_phases(shape, src.quantize, adapter, candidates[0], work, positions, held, stored))
+        # a GGUF candidate is checked as read back at its widest (transformers' GGUF reader, the fallback
+        # where llama.cpp is missing, dequantizes to fp32); llama.cpp holds the file's own types
+        first = "fp32" if fmt == "gguf" else candidates[0]
+        phase, terms = peak(streamed_phases(shape, src.quantize, adapter, first, work, positions, held, stored))
         where = f"streamed merge, {candidates[0]}: the peak is its {phase} phase"
         try:
             return f"{check_fits(terms, facts, available, 'tunekit export', HINT)} ({where})"

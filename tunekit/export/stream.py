@@ -247,26 +247,44 @@ def entries_of(plan: StreamPlan, dtype: torch.dtype) -> list[Entry]:
     return sorted(entries, key=lambda e: order[e.name])
 
 
+def merged_tensor(plan: StreamPlan, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One tensor of the merged model, in `dtype`, rounded once (from fp32 or from its stored dtype).
+    Call it under _exact_fp32_matmuls()."""
+    w = read_tensor(plan.files[name], name)
+    if name not in plan.nf4 and name not in plan.updates:
+        return w.to(dtype)  # a norm, an embedding, a bias: as stored, rounded once
+    a_key, b_key = plan.updates.get(name, (None, None))
+    a = read_tensor(plan.adapter_file, a_key) if a_key else None  # (r, in)
+    b = read_tensor(plan.adapter_file, b_key) if b_key else None  # (out, r)
+    if a is not None and (a.shape[1] != w.shape[1] or b.shape[0] != w.shape[0] or a.shape[0] != b.shape[1]):
+        raise TunekitError(f"{plan.adapter_file}: {a_key} {tuple(a.shape)} and {b_key} {tuple(b.shape)} "
+                           f"do not fit {name} {tuple(w.shape)}: not an adapter of this base")
+    return merged_weight(w, name in plan.nf4, a, b, plan.scale, device).to(dtype)
+
+
 def write_merged(plan: StreamPlan, tokenizer, out_dir: Path, dtype: torch.dtype, device: torch.device,
                  max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     """A standalone HF folder (weights in `dtype`, config, generation config, tokenizer), merged
     tensor by tensor; every tensor is rounded once, from fp32 or from its stored dtype."""
-
-    def produce(e: Entry) -> torch.Tensor:
-        w = read_tensor(plan.files[e.name], e.name)
-        if e.name not in plan.nf4 and e.name not in plan.updates:
-            return w.to(dtype)  # a norm, an embedding, a bias: as stored, rounded once
-        a_key, b_key = plan.updates.get(e.name, (None, None))
-        a = read_tensor(plan.adapter_file, a_key) if a_key else None  # (r, in)
-        b = read_tensor(plan.adapter_file, b_key) if b_key else None  # (out, r)
-        if a is not None and (a.shape[1] != w.shape[1] or b.shape[0] != w.shape[0] or a.shape[0] != b.shape[1]):
-            raise TunekitError(f"{plan.adapter_file}: {a_key} {tuple(a.shape)} and {b_key} {tuple(b.shape)} "
-                               f"do not fit {e.name} {tuple(w.shape)}: not an adapter of this base")
-        return merged_weight(w, e.name in plan.nf4, a, b, plan.scale, device).to(dtype)
-
     with _exact_fp32_matmuls():
-        write_checkpoint(out_dir, entries_of(plan, dtype), produce, max_shard_bytes)
+        write_checkpoint(out_dir, entries_of(plan, dtype), lambda e: merged_tensor(plan, e.name, dtype, device),
+                         max_shard_bytes)
     _write_configs(plan.base, tokenizer, out_dir, dtype)
+
+
+def write_merged_gguf(plan: StreamPlan, tokenizer, path: Path, dtype: str, device: torch.device, name: str) -> None:
+    """The merged model as one GGUF file (bf16, fp16 or fp32 as in tunekit.export.gguf), each tensor
+    merged as it is written: the same tensors write_merged stores, with no model in memory."""
+    from transformers import AutoConfig
+
+    from tunekit.export.gguf import write_gguf_tensors
+
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    cfg = AutoConfig.from_pretrained(plan.base)
+    entries = [(e.name, e.shape) for e in entries_of(plan, torch_dtype)]
+    with _exact_fp32_matmuls():
+        write_gguf_tensors(cfg, entries, lambda n: merged_tensor(plan, n, torch_dtype, device), bool(plan.tied),
+                           tokenizer, path, dtype, name)
 
 
 def _write_configs(base: Path, tokenizer, out_dir: Path, dtype: torch.dtype) -> None:
