@@ -4,12 +4,13 @@ Every question the trainer asks about its hardware is answered here: which devic
 the device map of a 4-bit load, the compute dtype, whether the fused Triton kernels may run,
 memory figures, and the random-number state to checkpoint. The decisions are plain functions of
 facts (device, CUDA capability, dtype, rank) so that tests can ask them about `cuda`, `cuda:1`,
-sm_75 or sm_90 on a machine without a GPU. Only `probe`, the memory readers and the RNG helpers
-touch torch.cuda; nothing else in tunekit does.
+sm_75 or sm_90 on a machine without a GPU. Only `probe`, the memory readers, the RNG helpers and
+`Streams` touch torch.cuda; nothing else in tunekit does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -346,6 +347,49 @@ def offload_context(device: torch.device):
     from tunekit.speed.offload import Offloader
 
     return Offloader(device).hooks()
+
+
+class Streams:
+    """A side stream and the waits between it and the compute stream (tunekit.speed.offload copies
+    activations on it); every method a no-op off CUDA, so the same bookkeeping runs in CPU tests."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.side = torch.cuda.Stream(device) if self.cuda else None
+
+    def on_side(self):
+        return torch.cuda.stream(self.side) if self.cuda else contextlib.nullcontext()
+
+    def side_waits_for_compute(self) -> None:
+        if self.cuda:
+            self.side.wait_stream(torch.cuda.current_stream())
+
+    def compute_waits_for(self, event) -> None:
+        if self.cuda and event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def mark(self):
+        """An event on the side stream after what it was given so far (None off CUDA)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.side)
+        return event
+
+    def keep_for_side(self, t: torch.Tensor) -> None:
+        """`t`'s memory is not reused until the side stream's queued work on it is done."""
+        if self.cuda:
+            t.record_stream(self.side)
+
+    def keep_for_compute(self, t: torch.Tensor) -> None:
+        if self.cuda:
+            t.record_stream(torch.cuda.current_stream())
+
+
+def fused_adamw(device: torch.device) -> Optional[bool]:
+    """Whether torch's AdamW runs fused (one kernel for every tensor's update, its step counters on
+    the device): on a GPU, as transformers' Trainer does there; torch's default (None) elsewhere."""
+    return True if torch.device(device).type == "cuda" else None
 
 
 # ------------------------------------------------------------------ random state

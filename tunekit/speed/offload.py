@@ -16,55 +16,20 @@ it to come back. Here the copies run on a side stream (as torchtune's activation
 Small tensors (under `MIN_BYTES`) and anything not on the GPU stay where they are: the copies and
 their bookkeeping would cost more than they save.
 
-The stream operations sit behind `Streams`; on a CPU they are plain copies with nothing to
-overlap, which is how tests check, on any machine, that gradients are bit-identical with and
+The stream operations sit behind tunekit.speed.device.Streams (the one module that talks to
+torch.cuda); on a CPU they are plain copies with nothing to overlap, which is how tests check, on any machine, that gradients are bit-identical with and
 without offloading and that every tensor backward needs was prefetched but the first.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
 
+from tunekit.speed import device as dev
+
 MIN_BYTES = 1 << 20  # 1 MiB: a block input of Llama-3-8B at 2 x 2048 tokens is 32 MiB in bf16
-
-
-class Streams:
-    """The side stream and the waits between it and the compute stream; no-ops off CUDA."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = torch.device(device).type == "cuda"
-        self.side = torch.cuda.Stream(device) if self.cuda else None
-
-    def on_side(self):
-        return torch.cuda.stream(self.side) if self.cuda else contextlib.nullcontext()
-
-    def side_waits_for_compute(self) -> None:
-        if self.cuda:
-            self.side.wait_stream(torch.cuda.current_stream())
-
-    def compute_waits_for(self, event) -> None:
-        if self.cuda and event is not None:
-            torch.cuda.current_stream().wait_event(event)
-
-    def mark(self):
-        """An event on the side stream after what it was given so far (None off CUDA)."""
-        if not self.cuda:
-            return None
-        event = torch.cuda.Event()
-        event.record(self.side)
-        return event
-
-    def keep_for_side(self, t: torch.Tensor) -> None:
-        """`t`'s memory is not reused until the side stream's queued work on it is done."""
-        if self.cuda:
-            t.record_stream(self.side)
-
-    def keep_for_compute(self, t: torch.Tensor) -> None:
-        if self.cuda:
-            t.record_stream(torch.cuda.current_stream())
 
 
 class Offloader:
@@ -73,7 +38,7 @@ class Offloader:
     def __init__(self, device: torch.device, min_bytes: int = MIN_BYTES):
         self.device = torch.device(device)
         self.min_bytes = min_bytes
-        self.streams = Streams(self.device)
+        self.streams = dev.Streams(self.device)
         self.host: dict[int, torch.Tensor] = {}  # handle -> pinned (or plain, on a CPU) host copy
         self.back: dict[int, tuple[torch.Tensor, Optional[object]]] = {}  # handle -> (device copy, ready event)
         self.next_handle = 0

@@ -9,6 +9,7 @@ import warnings
 import torch
 
 from tunekit import TunekitError
+from tunekit.speed import device as dev
 
 log = logging.getLogger(__name__)
 
@@ -22,10 +23,8 @@ def build_optimizer(name: str, params: list, lr: float, weight_decay: float, dev
     unpaged variant there, which we say once here instead of its per-tensor warning.
     """
     if name == "adamw":
-        # On a GPU torch's fused AdamW: one kernel for every tensor's update and its step counters on
-        # the device, where the default keeps the counters on the host and launches per tensor group
-        # (what transformers' Trainer uses there too, as adamw_torch_fused).
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=device.type == "cuda" or None)
+        # fused on a GPU (tunekit.speed.device.fused_adamw)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=dev.fused_adamw(device))
     import bitsandbytes as bnb
 
     classes = {
