@@ -266,5 +266,5 @@ def test_dora_plans_the_identity_peft_builds_each_forward():
     lora = choose(_cfg(*base), A100_80, 10**15)[2]
     dora = choose(_cfg(*base, "method.use_dora=true"), A100_80, 10**15)[2]
     grown = dora.memory.terms["working set (block backward)"] - lora.memory.terms["working set (block backward)"]
-    assert grown >= 4 * (14336**2 + 3 * 4096 * 14336)  # 1.5 GiB: the identity and three (4096, 14336) fp32 tensors
+    assert grown >= 4 * (14336**2 + 3 * 4096 * 14336)  # 1.42 GiB: the identity and three (4096, 14336) fp32 tensors
     assert dora.peak - lora.peak >= grown

@@ -187,7 +187,7 @@ def dora_transient_bytes(o, shape) -> int:
     """What peft's DoRA layer builds and frees within each forward of its largest target (and again
     in a recomputed block): B A through an identity input, `torch.eye(in)`, and for the weight's row
     norm the dequantized W, B A itself (out, in) and W + s B A. Counted in fp32, the trained weights'
-    dtype peft computes that branch in: 4 (in^2 + 3 out in). Llama-3-8B's down_proj: 1.5 GiB, of
+    dtype peft computes that branch in: 4 (in^2 + 3 out in). Llama-3-8B's down_proj: 1.42 GiB, of
     which the identity alone is 784 MiB; invisible on small models."""
     if not o.dora:
         return 0
