@@ -97,6 +97,14 @@ def settings(tiny: bool) -> dict:
     }
 
 
+def read_metrics(path: Path) -> list[dict]:
+    """A run's metrics.jsonl, as tunekit reads it (imported here, not at the top: the script parses
+    its arguments, and --prepare runs, before tunekit need be importable)."""
+    from tunekit.train.tracking import read_metrics as read
+
+    return read(path)
+
+
 # ---------------------------------------------------------------------------- children
 class GpuSampler:
     """Polls nvidia-smi for the device's used memory while a stage runs (context and every process
@@ -276,7 +284,7 @@ class Check:
                                                           f"model.path={self.model_dirs['small']}",
                                                           f"kernels.cudnn_attention={cudnn}",
                                                           f"output_dir={run_dir}"), 100)
-            steps = [m for m in _jsonl(run_dir / "metrics.jsonl") if "step_time_s" in m]
+            steps = [m for m in read_metrics(run_dir / "metrics.jsonl") if "step_time_s" in m]
             timed = sorted(m["step_time_s"] for m in steps[2:]) or [None]
             summary = run_dir / "summary.json"
             kernel = json.loads(summary.read_text())["precision"]["observed"]["attention"].get("kernel") \
@@ -322,7 +330,7 @@ class Check:
                            planned_step_mib=mem.get("planned_step_peak_mib"),
                            planned_device_mib=mem.get("planned_device_total_mib"),
                            compute_dtype=s.get("compute_dtype"), kernels=s.get("kernels", {}).get("path"),
-                           losses=[m["loss"] for m in _jsonl(run_dir / "metrics.jsonl") if "loss" in m])
+                           losses=[m["loss"] for m in read_metrics(run_dir / "metrics.jsonl") if "loss" in m])
                 # on a GPU the peak is torch's max allocation, the plan's step peak; on a CPU it is
                 # the process's RSS, runtime included: the plan's device total
                 planned = row["planned_step_mib"] if mem.get("measured_as", "").startswith("torch") else \
@@ -403,10 +411,6 @@ class Check:
                 if p.is_file() and p.suffix in keep and rel.parts[0] != "models" and rel.name != "long-rows.jsonl" \
                         and not rel.name.startswith("tokenizer") and p.stat().st_size < 4 * 2**20:
                     tar.add(p, arcname=str(p.relative_to(self.work)))
-
-
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
 
 
 def _fmt(v, nd=1):
