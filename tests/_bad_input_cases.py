@@ -108,6 +108,7 @@ CASES = [
     # ---- model.* values
     train("quantize-unknown", "model.quantize=int3", "model.quantize: Invalid value 'int3'"),
     train("dtype-unknown", "model.dtype=fp8", "model.dtype: Invalid value 'fp8'"),
+    train("cudnn-attention-word", "kernels.cudnn_attention=maybe", "kernels.cudnn_attention: Value 'maybe' is not a valid bool"),
     train("model-path-empty", "model.path=''", "model.path: empty"),
     # ---- method.* (every method, none of them needs the model loaded)
     train("method-unknown", "method.name=nope", "method.name: unknown method 'nope'"),
