@@ -11,8 +11,10 @@ time cap, so that a crash or a hang costs that stage and not the report:
            benchmark's and the export's), Llama-3-8B's widths with 4 blocks (the planner's)
   doctor   `tunekit doctor` on the 135M shape: fused kernel vs twin, fused vs peft training,
            kill + resume, export fidelity
-  attention the 135M shape on short rows of varied length (a new sequence length every micro-batch),
-           with torch's cuDNN attention allowed and not (kernels.cudnn_attention): step times
+  variants the 135M shape, one short run per training path a GPU alone can time: packed rows
+           attending per example or through the dense mask, torch's cuDNN attention allowed and not,
+           padded rows of varied length, fp16 with loss scaling and the fused kernel, activation
+           offloading on a side stream: step times, peaks, first losses, skipped steps
   bench    scripts/bench_train.py on the 1B at 2048 tokens, packed: tunekit against TRL + peft +
            bitsandbytes on the same batches (tokens/s, peak memory, first losses)
   plan     three short `tunekit train` runs; each run's summary holds the measured peak beside the
@@ -43,7 +45,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-STAGES = ("env", "models", "doctor", "attention", "bench", "plan", "export")
+STAGES = ("env", "models", "doctor", "variants", "bench", "plan", "export")
 
 # Model shapes (LlamaConfig keyword arguments). "vocab": None takes the tokenizer's size.
 SHAPES = {
@@ -57,6 +59,18 @@ SHAPES = {
                  num_key_value_heads=2, tie_word_embeddings=True, vocab=None),
 }
 QUIET = ["trainer.eval_every=1000000", "trainer.save_every=1000000", "trainer.eval_samples=0"]
+# The variants stage: (label, overrides on top of settings()["variants_base"]). The first is the
+# reference the others' losses are compared with.
+VARIANTS = [
+    ("packed, per-example attention", "data.packing=true"),
+    ("packed, dense block-diagonal mask", "data.packing=true kernels.packed_attention=false"),
+    ("packed, cuDNN attention off", "data.packing=true kernels.cudnn_attention=false"),
+    ("padded, varied lengths", "data.packing=false"),
+    ("padded, cuDNN attention off", "data.packing=false kernels.cudnn_attention=false"),
+    ("packed, fp16 + loss scaling", "data.packing=true model.dtype=fp16 kernels.fused_lora=on"),
+    ("packed, checkpointing + offload", "data.packing=true model.gradient_checkpointing=true "
+                                        "model.offload_activations=true"),
+]
 
 
 def settings(tiny: bool) -> dict:
@@ -77,8 +91,11 @@ def settings(tiny: bool) -> dict:
                      ("lora, 2x128", "8b-4blocks", "recipe=lora model.gradient_checkpointing=false "
                       "trainer.micro_batch_size=2 data.max_seq_len=128")],
             "plan_steps": 2,
-            "attention": ["recipe=qlora", "trainer.micro_batch_size=2", "data.max_seq_len=64", "trainer.max_steps=3",
-                          "kernels.fused_lora=off", "model.gradient_checkpointing=false"],
+            # the GPU's variants cut to three (offloading and cuDNN are GPU-only); the fp16 row runs the
+            # fused kernel under Triton's interpreter
+            "variants_base": ["recipe=qlora", "trainer.micro_batch_size=2", "data.max_seq_len=64", "trainer.max_steps=3",
+                              "kernels.fused_lora=off", "model.gradient_checkpointing=false"],
+            "variants": VARIANTS[:2] + [VARIANTS[5]],
         }
     return {
         "models": {"small": "small", "1b": "1b", "8b-4blocks": "8b-4blocks"},
@@ -93,7 +110,9 @@ def settings(tiny: bool) -> dict:
                  ("1b lora bf16 no ckpt, 2x2048", "1b", "recipe=lora model.gradient_checkpointing=false "
                   "trainer.micro_batch_size=2 data.max_seq_len=2048")],
         "plan_steps": 3,
-        "attention": ["recipe=qlora", "trainer.micro_batch_size=8", "data.max_seq_len=512", "trainer.max_steps=12"],
+        "variants_base": ["recipe=qlora", "trainer.micro_batch_size=8", "data.max_seq_len=512", "trainer.max_steps=10",
+                          "kernels.fused_lora=off", "model.gradient_checkpointing=false"],
+        "variants": VARIANTS,
     }
 
 
@@ -272,27 +291,45 @@ class Check:
             r["ok"] = False
         return r
 
-    # attention ------------------------------------------------------------------------------
-    def attention(self) -> dict:
-        """The same short run twice, cuDNN's attention allowed (torch's choice) and not: on the first
-        H200 run, rows of varied length stepped ~10x slower per token than fixed-length ones."""
+    # variants -------------------------------------------------------------------------------
+    def variants(self) -> dict:
+        """One short run per training path on the same rows. On the first H200 run, rows of varied
+        length stepped ~10x slower per token than fixed-length ones (cuDNN attention suspected); the
+        fp16, offloading and per-example attention paths had never run on a GPU."""
         rows = []
         data = [f"data.path={self.args.data}"] if self.args.data else []
-        for cudnn in ("true", "false"):
-            run_dir = self.work / f"run-attention-cudnn-{cudnn}"
-            r = self.child(f"attention-{cudnn}", self.cli("train", *self.s["attention"], *data, *QUIET,
-                                                          f"model.path={self.model_dirs['small']}",
-                                                          f"kernels.cudnn_attention={cudnn}",
-                                                          f"output_dir={run_dir}"), 100)
+        for i, (label, overrides) in enumerate(self.s["variants"]):
+            run_dir = self.work / f"run-variant-{i}"
+            r = self.child(f"variant-{i}", self.cli("train", *self.s["variants_base"], *overrides.split(), *data,
+                                                    *QUIET, f"model.path={self.model_dirs['small']}",
+                                                    f"output_dir={run_dir}"), 60)
             steps = [m for m in read_metrics(run_dir / "metrics.jsonl") if "step_time_s" in m]
             timed = sorted(m["step_time_s"] for m in steps[2:]) or [None]
+            row = {"variant": label, "overrides": overrides, **r, "median_step_s": timed[len(timed) // 2],
+                   "tokens": sum(m["input_tokens"] for m in steps), "losses": [m["loss"] for m in steps]}
             summary = run_dir / "summary.json"
-            kernel = json.loads(summary.read_text())["precision"]["observed"]["attention"].get("kernel") \
-                if summary.is_file() else None
-            rows.append({"cudnn_attention": cudnn, **r, "ok": r["rc"] == 0 and summary.is_file(),
-                         "median_step_s": timed[len(timed) // 2], "tokens": sum(m["input_tokens"] for m in steps),
-                         "kernel": kernel, "losses": [round(m["loss"], 4) for m in steps[:3]]})
-        return {"ok": all(r["ok"] for r in rows), "rows": rows}
+            if summary.is_file():
+                sm = json.loads(summary.read_text())
+                mem = sm.get("memory", {})
+                row.update(kernel=sm["precision"]["observed"]["attention"].get("kernel"),
+                           compute_dtype=sm.get("compute_dtype"), lora_path=sm.get("kernels", {}).get("path"),
+                           peak_mib=mem.get("peak_mib"), setup_peak_mib=mem.get("setup_peak_mib"),
+                           offloaded=mem.get("offloaded_activations"),
+                           skipped_steps=sm.get("loss_scaling", {}).get("skipped_steps"),
+                           loss_scale=sm.get("loss_scaling", {}).get("scale"))
+            if steps and steps[2:]:
+                row["tokens_per_s"] = round(sum(m["input_tokens"] for m in steps[2:])
+                                            / sum(m["step_time_s"] for m in steps[2:]), 1)
+            if rows and rows[0]["losses"] and row["losses"]:
+                ref = rows[0]["losses"]
+                row["first_loss_rel_diff"] = abs(row["losses"][0] - ref[0]) / abs(ref[0])
+                n = min(len(ref), len(row["losses"]))
+                row["max_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(row["losses"][:n], ref[:n]))
+            row["ok"] = r["rc"] == 0 and summary.is_file()
+            rows.append(row)
+            if self.deadline - time.monotonic() < 10:
+                break
+        return {"ok": all(r["ok"] for r in rows) and len(rows) == len(self.s["variants"]), "rows": rows}
 
     # bench ----------------------------------------------------------------------------------
     def bench(self) -> dict:
@@ -330,6 +367,9 @@ class Check:
                            planned_step_mib=mem.get("planned_step_peak_mib"),
                            planned_device_mib=mem.get("planned_device_total_mib"),
                            compute_dtype=s.get("compute_dtype"), kernels=s.get("kernels", {}).get("path"),
+                           offloaded=mem.get("offloaded_activations"),
+                           kernel_checks=s.get("kernels", {}).get("checks"),
+                           rejected_checks=s.get("kernels", {}).get("rejected_checks"),
                            losses=[m["loss"] for m in read_metrics(run_dir / "metrics.jsonl") if "loss" in m])
                 # on a GPU the peak is torch's max allocation, the plan's step peak; on a CPU it is
                 # the process's RSS, runtime included: the plan's device total
@@ -367,7 +407,7 @@ class Check:
 
     # ----------------------------------------------------------------------------------------
     def needs(self, stage: str) -> str | None:
-        deps = {"doctor": ["small"], "attention": ["small"], "bench": ["1b"], "plan": ["1b", "8b-4blocks"]}.get(stage, [])
+        deps = {"doctor": ["small"], "variants": ["small"], "bench": ["1b"], "plan": ["1b", "8b-4blocks"]}.get(stage, [])
         missing = [m for m in deps if m not in self.model_dirs]
         return f"no model {missing} (the models stage failed)" if missing else None
 
@@ -417,6 +457,10 @@ def _fmt(v, nd=1):
     return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
 
 
+def _sci(v):
+    return "-" if v is None else f"{v:.1e}"
+
+
 def markdown(res: dict) -> str:
     st = res["stages"]
     env = st.get("env", {})
@@ -434,13 +478,16 @@ def markdown(res: dict) -> str:
         lines += ["", "## doctor", "", "| check | ok |", "|---|---|"]
         lines += [f"| {k} | {c['ok']}{' (' + c['skipped'] + ')' if c.get('skipped') else ''} |"
                   for k, c in st["doctor"]["checks"].items()]
-    att = st.get("attention", {}).get("rows") or []
-    if att:
-        lines += ["", "## attention on varied row lengths (135M shape)", "",
-                  "| cuDNN attention | kernel torch chose | median step s | tokens | first losses | ok |",
-                  "|---|---|---:|---:|---|---|"]
-        lines += [f"| {r['cudnn_attention']} | {r.get('kernel') or '-'} | {_fmt(r.get('median_step_s'), 3)} | "
-                  f"{r.get('tokens')} | {r.get('losses')} | {r['ok']} |" for r in att]
+    var = st.get("variants", {}).get("rows") or []
+    if var:
+        lines += ["", "## training paths (135M shape, the same rows)", "",
+                  "| variant | attention kernel | dtype | LoRA path | median step s | tokens/s | peak MiB | setup peak MiB "
+                  "| offloaded | skipped steps | loss rel. diff (first, max) | ok |",
+                  "|---|---|---|---|---:|---:|---:|---:|---|---:|---|---|"]
+        lines += [f"| {r['variant']} | {r.get('kernel') or '-'} | {r.get('compute_dtype', '-')} | {r.get('lora_path', '-')} | "
+                  f"{_fmt(r.get('median_step_s'), 3)} | {_fmt(r.get('tokens_per_s'), 0)} | {_fmt(r.get('peak_mib'), 0)} | "
+                  f"{_fmt(r.get('setup_peak_mib'), 0)} | {_fmt(r.get('offloaded'))} | {_fmt(r.get('skipped_steps'))} | "
+                  f"{_sci(r.get('first_loss_rel_diff'))}, {_sci(r.get('max_loss_rel_diff'))} | {r['ok']} |" for r in var]
     for mode, block in (st.get("bench", {}).get("results") or {}).items():
         lines += ["", f"## bench (packing {mode})", "",
                   "| system | tokens/s | median step s | peak MiB (CUDA allocated, or RSS) | first losses |",
@@ -461,6 +508,12 @@ def markdown(res: dict) -> str:
                   f"{_fmt(r.get('setup_mib'))} | "
                   f"{_fmt(r.get('planned_step_mib'))} | {_fmt(r.get('planned_device_mib'))} | {_fmt(r.get('planned_over_measured'), 3)} | "
                   f"{r.get('compute_dtype', '-')} | {r.get('kernels', '-')} | {r['ok']} |" for r in rows]
+    shapes = [(r["config"], c) for r in rows for c in (r.get("rejected_checks") or r.get("kernel_checks") or [])]
+    if shapes:
+        lines += ["", "## fused kernel per weight shape (one layer's forward + backward)", "",
+                  "| config | shape | fused ms | peft ms | max rel. err | passed |", "|---|---|---:|---:|---:|---|"]
+        lines += [f"| {cfg} | {tuple(c.get('shape') or ())} | {_fmt(c.get('fused_ms'), 2)} | {_fmt(c.get('peft_ms'), 2)} | "
+                  f"{_sci(c.get('max_rel_err'))} | {c.get('passed')} |" for cfg, c in shapes]
     ex = st.get("export")
     if ex and ex.get("tail"):
         lines += ["", "## export (last lines)", "", "```", *ex["tail"], "```"]
@@ -499,7 +552,7 @@ def parse_args(argv=None):
     bad = [s for s in args.stages if s not in STAGES]
     if bad:
         p.error(f"--stages: unknown {bad}; choose from {','.join(STAGES)}")
-    if set(args.stages) & {"doctor", "attention", "bench", "plan", "export"} and "models" not in args.stages:
+    if set(args.stages) & {"doctor", "variants", "bench", "plan", "export"} and "models" not in args.stages:
         args.stages.append("models")  # they run on its random-init models (stages run in STAGES' order)
     if "export" in args.stages and "plan" not in args.stages:
         args.stages.append("plan")  # the export is of the plan stage's first run

@@ -94,3 +94,26 @@ def test_a_packed_row_trains_as_the_mask_and_as_its_examples(tiny_model_dir, dty
         model.config._attn_implementation = "sdpa"
         crossed, _ = _loss_and_grads(model, {k: v for k, v in packed.items() if k != "position_ids"})
         assert abs(crossed - masked) / masked > 10 * tol
+
+
+@pytest.mark.parametrize("per_example", [True, False])
+def test_the_switch_reaches_the_run_and_its_plan(tiny_model_dir, tiny_data, tmp_path, per_example):
+    """kernels.packed_attention=false keeps transformers' block-diagonal mask for packed rows (the
+    older path, kept to compare against), and the planner then counts the mask."""
+    from tunekit.commands.compose import compose_configs
+    from tunekit.plan.inputs import planner_inputs
+    from tunekit.speed.device import DeviceFacts
+    from tunekit.train.loop import TrainRecipe
+
+    (cfg,) = compose_configs([f"model.path={tiny_model_dir}", f"data.path={tiny_data}", "model.quantize=none",
+                              "data.packing=true", f"kernels.packed_attention={str(per_example).lower()}",
+                              "data.max_seq_len=64", "trainer.max_steps=1", "trainer.micro_batch_size=2",
+                              "trainer.grad_accum=1", "trainer.eval_samples=0", f"output_dir={tmp_path / 'run'}"])
+    assert planner_inputs(cfg, DeviceFacts("cpu", cpu_bf16=True))[1].packed_attention is per_example
+    r = TrainRecipe(cfg, tmp_path / "run")
+    try:
+        r.setup()
+        r.train_step(0)
+        assert (r.model.config._attn_implementation == pa.NAME) is per_example
+    finally:
+        r.cleanup()

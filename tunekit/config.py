@@ -189,6 +189,10 @@ class KernelsConfig:
     # choice). cuDNN builds an execution plan per new sequence length; false leaves torch the flash and
     # memory-efficient kernels, which need none (scripts/gpu_check.sh times both on varied rows)
     cudnn_attention: bool = True
+    # packed rows (data.packing=true) attend per example through SDPA with no mask
+    # (tunekit/speed/packed_attention.py); false: transformers' (T x T) block-diagonal mask, the
+    # older path, kept to compare against (scripts/gpu_check.sh times both)
+    packed_attention: bool = True
 
 
 @dataclass

@@ -42,7 +42,7 @@ def test_gpu_check_dry_run_writes_every_stage(gpu_check):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     result = json.loads((out / "gpu_check.json").read_text())
     stages = result["stages"]
-    assert list(stages) == ["env", "models", "doctor", "attention", "bench", "plan", "export"]
+    assert list(stages) == ["env", "models", "doctor", "variants", "bench", "plan", "export"]
     assert all(s["ok"] for s in stages.values()), {k: s for k, s in stages.items() if not s["ok"]}
     # the benchmark ran both systems on the same batches: same first loss up to summation order
     ratio = stages["bench"]["results"]["on"]["ratios"]["tunekit/trl"]
@@ -51,10 +51,21 @@ def test_gpu_check_dry_run_writes_every_stage(gpu_check):
     rows = stages["plan"]["rows"]
     assert len(rows) == 2 and all(r["measured_mib"] > 0 and r["planned_over_measured"] > 0 for r in rows)
     assert stages["export"]["tail"][-1].startswith("exported merged to")
-    att = stages["attention"]["rows"]  # the same run with cuDNN attention allowed and not: same losses on a CPU
-    assert [r["cudnn_attention"] for r in att] == ["true", "false"] and att[0]["losses"] == att[1]["losses"]
+    # the same rows through per-example attention, the dense mask, and fp16 with loss scaling
+    var = stages["variants"]["rows"]
+    assert [r["variant"] for r in var] == ["packed, per-example attention", "packed, dense block-diagonal mask",
+                                           "packed, fp16 + loss scaling"]
+    from tunekit.speed.device import cpu_has_bf16
+
+    auto = "bfloat16" if cpu_has_bf16() else "float32"  # model.dtype=auto on this CPU
+    assert [r["compute_dtype"] for r in var] == [auto, auto, "float16"]
+    assert var[2]["skipped_steps"] is not None and var[2]["loss_scale"] > 0
+    # per-example attention against the mask in bf16: the first loss within the bound derived in
+    # tests/test_packed_attention.py (1e-3); the next two steps' updates differ by the gradients'
+    # like relative amount times a loss change per step of a few percent at this lr: far below it
+    assert var[1]["max_loss_rel_diff"] < 1e-3
     md = (out / "gpu_check.md").read_text()
-    assert "| doctor | ok |" in md and "tunekit/trl: tokens/s" in md and "planned/measured" in md
+    assert "| doctor | ok |" in md and "| packed, dense block-diagonal mask |" in md and "tunekit/trl: tokens/s" in md and "planned/measured" in md
     with tarfile.open(out / "logs.tar.gz") as tar:
         names = tar.getnames()
     assert "doctor/report.json" in names and "bench.json" in names

@@ -48,7 +48,8 @@ def planner_inputs(cfg, facts: DeviceFacts, teacher_shape: Optional[ModelShape] 
         quantize=_value(cfg.model.quantize), compute_bytes=dtype.itemsize,
         gradient_checkpointing=cfg.model.gradient_checkpointing, micro_batch_size=t.micro_batch_size,
         grad_accum=t.grad_accum, seq_len=cfg.data.max_seq_len, packing=cfg.data.packing,
-        packed_attention=bool(cfg.data.packing) and not cfg.kernels.compile and not method.prepends_positions,
+        packed_attention=bool(cfg.data.packing) and cfg.kernels.packed_attention and not cfg.kernels.compile
+        and not method.prepends_positions,
         optimizer=_value(t.optimizer), dropout_mask_bytes=1 if facts.type == "cuda" else 4,
         offload_activations=offload_activations(getattr(cfg.model, "offload_activations", False), facts,
                                                 cfg.model.gradient_checkpointing is True),

@@ -252,7 +252,8 @@ class RecipeSetup:
         # (tunekit.speed.packed_attention). Not under kernels.compile (a new set of example lengths
         # each step would recompile) nor prompt tuning (its virtual tokens come without positions).
         self.plain_attention = None
-        if cfg.data.packing and not cfg.kernels.compile and not self.method.prepends_positions:
+        if cfg.data.packing and cfg.kernels.packed_attention and not cfg.kernels.compile \
+                and not self.method.prepends_positions:
             self.plain_attention = packed_attention.use(self.model)
             self._info("attention: packed rows attend per example (no dense mask)")
 

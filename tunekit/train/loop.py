@@ -318,10 +318,11 @@ class TrainRecipe(RecipeSetup):
         """This rank's measured training peak beside the plan's: torch's peak allocation on a GPU; on a
         CPU the process's peak RSS, which also holds the runtime and the allocator's retention (the
         plan's device total counts both). `setup_peak_mib`: the same measure over setup (loading and
-        quantizing the base, the kernel proofs), which the step plan does not cover."""
+        quantizing the base, the kernel proofs), which the step plan does not cover.
+        `offloaded_activations`: whether checkpointed blocks' inputs went to host memory."""
         out = {"peak_mib": round(dev.peak_memory_mb(self.device), 1),
                "setup_peak_mib": round(self.setup_peak_mb, 1),
-               "measured_as": dev.peak_memory_kind(self.device)}
+               "measured_as": dev.peak_memory_kind(self.device), "offloaded_activations": bool(self.offload)}
         if self.planned is not None:
             out["planned_step_peak_mib"] = round(self.planned.peak / 2**20, 1)
             out["planned_device_total_mib"] = round(self.planned.device_total() / 2**20, 1)
