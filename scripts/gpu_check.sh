@@ -3,6 +3,7 @@
 #   here, once, with the network:  bash scripts/gpu_check.sh --prepare    (builds .carry/: packages + tokenizer)
 #   on the GPU machine:            bash scripts/gpu_check.sh --out DIR    (name .carry in what travels)
 #   dry run on a CPU:              bash scripts/gpu_check.sh --tiny --out DIR
+#   step profiles (same setup):    bash scripts/gpu_check.sh profile --model DIR --out DIR --variant ...
 # tunekit need not be installed there: the source tree is put on the path under its import names.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -20,4 +21,6 @@ if ! "$PY" -c "import tunekit, tunekit_kernels, tunekit_recipes" 2>/dev/null; th
 fi
 # Not from the repository root: its kernels/ folder would shadow Hugging Face's `kernels` package.
 cd "$(mktemp -d)" || exit 1
-exec "$PY" "$repo/scripts/gpu_check.py" "$@"
+script=gpu_check.py
+if [ "${1:-}" = profile ]; then script=gpu_profile.py; shift; fi
+exec "$PY" "$repo/scripts/$script" "$@"
