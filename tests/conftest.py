@@ -109,3 +109,12 @@ def tiny_data(tmp_path_factory) -> Path:
              "output": f"{i} plus {i} is {2 * i}." + " Adding is easy." * (i % 5)} for i in range(48)]
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out
+
+
+@pytest.fixture(autouse=True)
+def _restore_cudnn_attention_switch():
+    """A training run turns torch's process-wide cuDNN attention switch off (kernels.cudnn_attention)
+    and puts it back in cleanup(); many tests build a run without cleaning up, so each test starts
+    from torch's default here."""
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(True)

@@ -186,9 +186,10 @@ class KernelsConfig:
     # the default 60-step run gains from a machine's second compiled run on
     compile: bool = False
     # torch's cuDNN attention kernel among the SDPA kernels it may choose on a GPU (true: torch's own
-    # choice). cuDNN builds an execution plan per new sequence length; false leaves torch the flash and
-    # memory-efficient kernels, which need none (scripts/gpu_check.sh times both on varied rows)
-    cudnn_attention: bool = True
+    # choice). cuDNN builds an execution plan per new sequence length, and training rows change
+    # length every micro-batch; false leaves torch the flash and memory-efficient kernels, which need
+    # none (docs/speed.md has the GPU figures)
+    cudnn_attention: bool = False
     # packed rows (data.packing=true) attend per example through SDPA with no mask
     # (tunekit/speed/packed_attention.py); false: transformers' (T x T) block-diagonal mask, the
     # older path, kept to compare against (scripts/gpu_check.sh times both)

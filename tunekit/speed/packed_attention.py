@@ -54,13 +54,12 @@ def per_example_attention(module, query: torch.Tensor, key: torch.Tensor, value:
     lengths = list(packed_lengths) if packed_lengths is not None else [query.shape[2]]
     if sum(lengths) != query.shape[2] or (len(lengths) > 1 and query.shape[0] != 1):
         raise RuntimeError(f"{NAME}: example lengths {lengths[:4]}... do not tile a (1, {query.shape[2]}) row")
-    outs, start = [], 0
-    for n in lengths:
-        end = start + n
-        outs.append(F.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], is_causal=True,
-            dropout_p=dropout if module.training else 0.0, scale=scaling, enable_gqa=gqa))
-        start = end
+    # torch.split, not slicing: backward joins the pieces' gradients in one concatenation, where
+    # each slice's backward would write a zero-filled tensor the size of the whole row (n examples:
+    # n row-sized fills per q, k and v per layer, the largest host and memory cost on a GPU profile)
+    drop = dropout if module.training else 0.0
+    outs = [F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop, scale=scaling, enable_gqa=gqa)
+            for q, k, v in zip(*(t.split(lengths, dim=2) for t in (query, key, value)))]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
 
