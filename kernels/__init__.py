@@ -9,8 +9,8 @@ Public API:
     nf4_dequantize(quant, dtype)    -> dense (out, in) weight (Triton, nf4.py)
     fused_lora_linear(x, quant, A, B, scaling, bias=None, dropout_p=0.0)  (Triton, lora.py)
     reference.dequant_nf4_reference, reference.lora_linear_reference (pure torch)
-    fit.configs_for, fit.shared_memory -> which matmul configs fit which GPU's shared memory,
-                                          and a cross-compile to check it (fit.py, needs triton)
+    tiles.configs_for, tiles.shared_memory -> which matmul configs fit which GPU's shared memory,
+                                          and a cross-compile to check it (tiles.py, needs triton)
 """
 
 from __future__ import annotations

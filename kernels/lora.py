@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ._runtime import check_device, interpreting
-from .fit import matmul_configs, prune_for_device
+from .tiles import matmul_configs, prune_for_device
 from .nf4 import nf4_block_scale, nf4_code, nf4_dequantize, nf4_pointer_args
 from .quant import NF4Weight
 from .reference import apply_dropout, dropout_noise
@@ -267,7 +267,7 @@ def matmul_launch(
     """(out, args, constexprs) of the kernel launch ``nf4_lora_matmul`` makes, without launching.
 
     The autotuned meta-parameters (BLOCK_M, BLOCK_P, BLOCK_Q, GROUP_M, warps, stages) come on top.
-    Runs on meta tensors too: kernels/fit.py builds the exact launch it cross-compiles with it.
+    Runs on meta tensors too: kernels/tiles.py builds the exact launch it cross-compiles with it.
     """
     n_out, n_in = quant.shape
     Q, P = (n_in, n_out) if transpose_w else (n_out, n_in)

@@ -184,7 +184,7 @@ def nf4_dequantize(
 
 def dequant_launch(quant: NF4Weight, out: torch.Tensor) -> tuple[tuple, dict, dict]:
     """(args, constexprs, options) of the launch ``nf4_dequantize`` makes (meta tensors work too:
-    kernels/fit.py cross-compiles it)."""
+    kernels/tiles.py cross-compiles it)."""
     # Interpreter cost is per program, so use few large programs there.
     block = 16384 if interpreting() else 1024
     constexprs = dict(

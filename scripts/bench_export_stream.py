@@ -57,7 +57,7 @@ BASELINE = "import torch, transformers, peft, bitsandbytes, safetensors; import 
 # took before.
 DRIVER = """
 import json, os, sys
-from tunekit.speed.threads import openmp_env
+from tunekit.device.threads import openmp_env
 os.environ.update(openmp_env(os.environ, torch_loaded=False))  # as tunekit's main does, before torch loads
 def status():
     d = {}

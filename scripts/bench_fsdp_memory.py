@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 def settled_memory_mb(device: torch.device):
     """Memory held now, after garbage collection and (CPU, glibc) handing freed heap back."""
-    from tunekit.speed import device as dev
+    from tunekit.device import facts as dev
 
     gc.collect()
     if device.type == "cpu":
@@ -51,7 +51,7 @@ def main() -> None:
 
     from accelerate import Accelerator
 
-    from tunekit.speed import device as dev
+    from tunekit.device import facts as dev
     from tunekit.config import MethodConfig
     from tunekit.train.fsdp import Sharded, held_bytes, quant_storage
     from tunekit.methods import get_method

@@ -153,7 +153,7 @@ def measure(overrides: list[str], work: Path, steps: int) -> dict:
     import torch
 
     from tunekit.commands.compose import compose_configs
-    from tunekit.speed.device import probe
+    from tunekit.device.facts import probe
     from tunekit.plan import dynamic_bytes, predict
     from tunekit.plan.inputs import planner_inputs
     from tunekit.commands.plan import resolve_auto

@@ -3,7 +3,7 @@
 
 Each run is the real command, `python -m tunekit.commands.main train recipe=qlora ...` on the embedded
 default model (or --model), with GOMP_SPINCOUNT set explicitly: 300000 (libgomp's own default, what
-a process gets without tunekit) or tunekit's value (tunekit/speed/threads.py). Three scenarios:
+a process gets without tunekit) or tunekit's value (tunekit/device/threads.py). Three scenarios:
 
   alone  one run on an otherwise idle machine: what the setting costs where nothing competes
   pair   two runs started together (two jobs, or `tunekit eval` beside training)
@@ -34,7 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tunekit.speed.threads import SPINCOUNT, cores  # noqa: E402  (no torch: the parent stays light)
+from tunekit.device.threads import SPINCOUNT, cores  # noqa: E402  (no torch: the parent stays light)
 
 SETTINGS = {"libgomp default": "300000", "tunekit": SPINCOUNT}
 SCENARIOS = ("alone", "pair", "busy")

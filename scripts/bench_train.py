@@ -21,7 +21,7 @@ two setups (--baseline):
 
 * trl (default): TRL 1.16's own choices for a PEFT model: no kbit preparation, so the frozen base
   keeps its bf16 embeddings, norms and head and the residual stream is bf16, as under tunekit's
-  precision policy (tunekit.speed.precision); TRL casts the LoRA weights of a 4-bit base to bf16.
+  precision policy (tunekit.device.precision); TRL casts the LoRA weights of a 4-bit base to bf16.
 * kbit: the QLoRA recipe of peft's docs: prepare_model_for_kbit_training (embeddings, norms and head
   widened to fp32, so the residual stream is fp32 and only the matmuls run in bf16) and fp32 LoRA
   weights.
@@ -116,7 +116,7 @@ def build_cfg(spec: dict, out_dir: str):
     # would read as true to TRL and peft).
     import torch
 
-    from tunekit.speed.device import probe
+    from tunekit.device.facts import probe
     from tunekit.commands.plan import resolve_auto
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -383,7 +383,7 @@ def peak_dtypes(gpu: bool) -> tuple[str, ...]:
     """The dtypes whose matmul peak a CPU run measures: fp32, and bf16 where the CPU has it natively."""
     if gpu:
         return ("bfloat16", "float32")
-    from tunekit.speed.device import cpu_has_bf16
+    from tunekit.device.facts import cpu_has_bf16
 
     return ("bfloat16", "float32") if cpu_has_bf16() else ("float32",)
 

@@ -221,7 +221,7 @@ class Check:
                 "    p = torch.cuda.get_device_properties(0)\n"
                 "    d['gpu'] = {'name': p.name, 'capability': list(torch.cuda.get_device_capability(0)),\n"
                 "                'memory_gib': round(p.total_memory / 2**30, 1), 'count': torch.cuda.device_count()}\n"
-                "from tunekit.speed.device import probe\n"
+                "from tunekit.device.facts import probe\n"
                 "dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')\n"
                 "d['tunekit_facts'] = probe(dev).describe()\n"
                 "print('ENV ' + json.dumps(d))\n")

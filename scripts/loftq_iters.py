@@ -3,7 +3,7 @@
 
 For every LoRA target of recipes/recipe/qlora.yaml (its target_modules and r, scaling alpha / r) in
 the embedded default model (SmolLM2-135M, or --model), each original weight W is read alone from the
-model folder and LoftQ (tunekit.methods.loftq) runs N alternations with the settings the loader
+model folder and LoftQ (tunekit.methods.lora.loftq) runs N alternations with the settings the loader
 quantizes with (QuantSettings.from_loader, model.dtype=auto on this machine). Per layer and T:
 err_plain = ||W - dequant(quant W)||_F and err_T = ||W - dequant(Q_T) - s B_T A_T||_F, and the time
 to reach T. Iteration T's start does not depend on how many follow, so one pass gives every T.
@@ -81,7 +81,7 @@ def target_names(model_dir: Path, targets: list[str]) -> list[str]:
 
 
 def measure_layers(model_dir: Path, names: list[str], r: int, scaling: float, iters: int, settings) -> list[dict]:
-    from tunekit.methods.loftq import loftq_iterates, read_original_weight, tensor_key
+    from tunekit.methods.lora.loftq import loftq_iterates, read_original_weight, tensor_key
 
     rows = []
     for i, name in enumerate(names):
@@ -131,7 +131,7 @@ def apply_run(model_dir: Path, rec: dict, dtype, iters: int) -> dict:
     import torch
 
     from tunekit.methods import get_method
-    from tunekit.methods.loftq import apply_loftq, lora_scaling, lora_targets
+    from tunekit.methods.lora.loftq import apply_loftq, lora_scaling, lora_targets
     from tunekit.model import load_base_model
 
     base = load_base_model(str(model_dir), "nf4", dtype, torch.device("cpu"))
@@ -187,7 +187,7 @@ def write_md(path: Path, data: dict) -> None:
     lines += ["", "These are errors of the weights (how far base + adapter start from W), not of the model's outputs "
               "or of a fine-tune's result. T = 1 keeps the loader's own base (quant W) and changes only the LoRA start; "
               "T >= 2 requantizes the base, which every later load of the run (evaluation, export, resume) must "
-              "rebuild from the original weights and the saved base factors (tunekit.methods.loftq_io)."]
+              "rebuild from the original weights and the saved base factors (tunekit.methods.lora.loftq_io)."]
     if data.get("apply"):
         a = data["apply"]
         lines += ["", f"apply_loftq on the loaded 4-bit LoRA model (T={a['iters']}): {a['summary']}; {a['seconds']:.1f} s. "
@@ -207,7 +207,7 @@ def main(argv=None) -> None:
     import torch
     import transformers
 
-    from tunekit.methods.loftq import QuantSettings, settings_record
+    from tunekit.methods.lora.loftq import QuantSettings, settings_record
     from tunekit.model import compute_dtype, default_model_dir
 
     torch.set_num_threads(args.threads)

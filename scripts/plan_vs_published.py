@@ -92,7 +92,7 @@ for label, published, quantize, batch, ctx, sharded in [
 
 
 def plan_row(preset: str, fields: dict, ranks: int, sharded: bool):
-    from tunekit.speed.device import DeviceFacts
+    from tunekit.device.facts import DeviceFacts
     from tunekit.plan import predict
     from tunekit.plan.memory import TrainSetup
     from tunekit.plan.shape import preset_shape

@@ -45,7 +45,7 @@ def fork_server() -> CliServer | None:
     if os.environ.get("TUNEKIT_TEST_FRESH_CLI") == "1":
         return None
     from tunekit.commands.forkserver import start_method
-    from tunekit.speed.device import cuda_device_count
+    from tunekit.device.facts import cuda_device_count
 
     if start_method(cuda_device_count()) != "forkserver":
         return None

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tunekit import TunekitError
-from tunekit.speed import device as dev
+from tunekit.device import facts as dev
 from _helpers import die_holding_lock, die_mid_save, lost_or_changed, plant_lookalikes, snapshot
 from tunekit.train.checkpoint import (atomic_dir, atomic_write_text, cleanup_leftovers, damage, decode_tree, encode_tree,
                                 find_resumable, load_checkpoint, save_checkpoint)

@@ -162,7 +162,7 @@ def test_a_compile_error_becomes_one_message(eager_recipe, monkeypatch):
 def test_the_real_compiler_passes_the_check_with_a_margin(eager_recipe):
     """inductor on this machine: the layer copy's output and gradients within an fp32 bound well inside
     the check's own tolerance, and the check's random lora_B really reached the gradients compared
-    (all of A's and B's). This also pins tunekit/speed/lora_math.py under inductor (it replaced a
+    (all of A's and B's). This also pins tunekit/methods/lora/compute_dtype.py under inductor (it replaced a
     LoRA-layer-only test): torch 2.13's inductor drops `alpha` from `y.add_(a @ b, alpha=s)`, and
     with that form put back this check reads 9.97e-01 at alpha/r = 3.
 
@@ -173,7 +173,7 @@ def test_the_real_compiler_passes_the_check_with_a_margin(eager_recipe):
     random-sign terms; a LoRA gradient carries those of ~20 ops forward and back, again random in
     sign: ~sqrt(20) * 6.7e-7 ~ 3e-6. 2e-5 leaves 7x; a compiler that computes something else (the
     alpha above, a dropped term) is off by O(1) of the trained branch."""
-    assert eager_recipe.lora_path.path == "torch"  # the LoRA math of tunekit/speed/lora_math.py
+    assert eager_recipe.lora_backend.path == "torch"  # the LoRA math of tunekit/methods/lora/compute_dtype.py
     # The two-row batch only: the one-row graph would double inductor's work (most with its cache
     # empty, as on CI); the test below checks that every check covers both batches.
     r = eager_recipe
@@ -306,7 +306,7 @@ def test_in_bf16_a_compiler_that_skips_roundings_passes_where_eager_is_further_o
             return (first, *out[1:]) if isinstance(out, tuple) else first
         return run
 
-    from tunekit.speed.lora_math import CACHE_ATTR
+    from tunekit.methods.lora.compute_dtype import CACHE_ATTR
 
     monkeypatch.setattr(compiled, "compile_fn", fp32_inside)
     monkeypatch.setattr(compiled, "TOL", {torch.bfloat16: 1e-7})

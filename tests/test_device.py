@@ -1,4 +1,4 @@
-"""tunekit.speed.device: every device decision, fed with the facts of devices this machine lacks."""
+"""tunekit.device.facts: every device decision, fed with the facts of devices this machine lacks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tunekit.speed import device as dev
+from tunekit.device import facts as dev
 
 CPU = dev.DeviceFacts("cpu", cpu_bf16=False)
 CPU_BF16 = dev.DeviceFacts("cpu", cpu_bf16=True)
@@ -196,7 +196,7 @@ def test_peak_memory_kind_names_what_is_measured():
     ("cuda:1", 2, "cuda:1"), (" CUDA:0 ", 1, "cuda:0"),
 ])
 def test_a_command_runs_on_the_device_asked_for(requested, gpus, expected):
-    from tunekit.speed.device import command_device
+    from tunekit.device.facts import command_device
 
     assert command_device(requested, gpus) == torch.device(expected)
 
@@ -209,7 +209,7 @@ def test_a_command_runs_on_the_device_asked_for(requested, gpus, expected):
 ])
 def test_a_device_that_is_not_there_is_one_error(requested, gpus, message):
     from tunekit import TunekitError
-    from tunekit.speed.device import command_device
+    from tunekit.device.facts import command_device
 
     with pytest.raises(TunekitError, match=message):
         command_device(requested, gpus)
@@ -217,7 +217,7 @@ def test_a_device_that_is_not_there_is_one_error(requested, gpus, message):
 
 def test_the_inference_check_adds_the_cuda_allocator_margin_only_on_a_gpu():
     from tunekit import TunekitError
-    from tunekit.speed.device import DeviceFacts
+    from tunekit.device.facts import DeviceFacts
     from tunekit.plan import CUDA_ALLOCATOR_MARGIN
     from tunekit.plan.inference import check_fits
 

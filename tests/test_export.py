@@ -98,7 +98,7 @@ def test_merged_export_via_cli_loads_without_tunekit(runs, tmp_path):
     report = json.loads((out / "fidelity.json").read_text())
     assert report["merged_by"] == "streamed" and report["fidelity"]["kl_estimate"].startswith("top-64")
     # where this CPU emulates bf16, the check computed the export's linears in fp32 and says so
-    from tunekit.speed.device import cpu_emulated_dtypes
+    from tunekit.device.facts import cpu_emulated_dtypes
 
     note = json.loads((out / "fidelity.json").read_text())["fidelity"].get("half_linears")
     if torch.bfloat16 in cpu_emulated_dtypes():
@@ -329,7 +329,7 @@ def test_gguf_quantized_by_llama_cpp(wide_run, qtype, ggml_type, bits, tmp_path)
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".f16")] and not leftovers(tmp_path)
     # on a CPU with AMX the check loaded the file with llama.cpp's weight repacking off (its AMX
     # matmul segfaulted on these files there), and the report says so
-    from tunekit.speed.device import cpuinfo_text
+    from tunekit.device.facts import cpuinfo_text
 
     assert ("repacking off" in report["checked_by"]) == ("amx_int8" in cpuinfo_text().split())
     # the load takes the setting asked for, whatever the CPU, and leaves the binding's defaults as they were

@@ -283,7 +283,7 @@ def test_llama3_8b_qlora_merged_export_fits_a_24gib_gpu(tmp_path):
     from tunekit.export.memory import in_memory_terms, peak, streamed_phases
     from tunekit.plan.inference import Workload, check_fits, with_margin
     from tunekit.plan.shape import PROJECTIONS, model_shape
-    from tunekit.speed.device import planning_facts
+    from tunekit.device.facts import planning_facts
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_8B))
     shape = model_shape(str(tmp_path), None)

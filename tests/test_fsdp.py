@@ -217,7 +217,7 @@ def test_units_follow_the_model(tiny_model_dir, untied_model_dir):
 
 def test_the_start_up_memory_check_plans_with_the_fsdp_figures(tiny_model_dir):
     from tunekit.config import TrainConfig
-    from tunekit.speed.device import DeviceFacts
+    from tunekit.device.facts import DeviceFacts
     from tunekit.plan.choose import plan_for
 
     cfg = TrainConfig()

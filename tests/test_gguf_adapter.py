@@ -144,7 +144,7 @@ def test_peft_scaling_comes_out_the_same_in_llama_cpp(tiny_model_dir, tmp_path, 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from tunekit.speed.device import cpuinfo_text
+    from tunekit.device.facts import cpuinfo_text
     from tunekit.export import gguf_adapter as ga
     from tunekit.infer.llamacpp import LlamaCppModel, weight_repacking
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import tunekit.export.fidelity as fidelity
-from tunekit.speed.device import cpu_emulated_dtypes, cpu_has_fp16
+from tunekit.device.facts import cpu_emulated_dtypes, cpu_has_fp16
 from tunekit.export.fidelity import HalfLinearsInFp32
 
 SIGNIFICANT_BITS = {torch.bfloat16: 8, torch.float16: 11}

@@ -19,6 +19,7 @@ PACKAGE = REPO / "tunekit"
 UPWARD = {"train", "runs", "export", "commands"}
 FORBIDDEN = {
     "model": UPWARD, "data": UPWARD, "losses": UPWARD, "methods": UPWARD, "speed": UPWARD, "plan": UPWARD,
+    "device": UPWARD,
     "infer": UPWARD, "train": {"runs", "export", "commands"}, "runs": {"export", "commands"},
     "export": {"commands"},
 }
@@ -71,3 +72,13 @@ def test_the_planted_upward_import_is_caught(tmp_path):
 def test_every_package_says_what_it_owns(init):
     doc = ast.get_docstring(ast.parse(init.read_text()))
     assert doc and len(doc.split()) >= 12, f"{init.relative_to(REPO)}: a docstring saying what the package owns"
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists its packages by hand: a new folder missing there works from a checkout
+    and is absent from an installed tunekit."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in PACKAGE.rglob("__init__.py")}
+    assert found - listed == set()

@@ -1,4 +1,4 @@
-"""LoftQ start for QLoRA (tunekit.methods.loftq, loftq_io): quantization bit-for-bit as bitsandbytes and
+"""LoftQ start for QLoRA (tunekit.methods.lora.loftq, loftq_io): quantization bit-for-bit as bitsandbytes and
 the loader, the alternation against its equations and peft's SVD split, the per-layer keep rule,
 reading one tensor from single and sharded folders, one full-precision layer alive at a time, the
 start file, and the merges (dequantized target exact; original needs the start subtracted)."""
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from tunekit import TunekitError
-from tunekit.methods import loftq
-from tunekit.methods.loftq import (LayerInit, LoftqResult, QuantSettings, apply_loftq, keeps_loftq, lora_scaling, lora_targets,
+from tunekit.methods.lora import loftq
+from tunekit.methods.lora.loftq import (LayerInit, LoftqResult, QuantSettings, apply_loftq, keeps_loftq, lora_scaling, lora_targets,
                                    loftq_layer, low_rank_fit, nf4_roundtrip, read_original_weight, same_codes,
                                    tensor_key)
-from tunekit.methods.loftq_io import (load_loftq_init, merge_target_base, original_target_base, rebuild_loftq_base,
+from tunekit.methods.lora.loftq_io import (load_loftq_init, merge_target_base, original_target_base, rebuild_loftq_base,
                                       save_loftq_init)
 
 R, ALPHA = 16, 32

@@ -24,7 +24,7 @@ from test_methods import CPU, DTYPE, TOL, eval_logits, make_base, make_batch, tr
 from tunekit import TunekitError
 from tunekit.config import MethodConfig
 from tunekit.methods import get_method
-from tunekit.methods.loftq_io import LOFTQ_INIT_FILE, load_loftq_init
+from tunekit.methods.lora.loftq_io import LOFTQ_INIT_FILE, load_loftq_init
 from tunekit.model import load_base_model
 
 LORA = {"r": 8, "alpha": 16.0, "dropout": 0.0}
@@ -60,7 +60,7 @@ def test_the_start_is_closer_to_the_original_than_qlora_s(tiny_model_dir):
     # Each layer, recomputed here from the original weight and the layer's own tensors: the 4-bit
     # base plus s B A is nearer W than the base alone (the keep rule, and what makes the start
     # worth having). The base is the loader's quant(W) with 1 iteration: its codes did not change.
-    from tunekit.methods.loftq import lora_targets, read_original_weight, tensor_key
+    from tunekit.methods.lora.loftq import lora_targets, read_original_weight, tensor_key
 
     import bitsandbytes.functional as bnbf
 
@@ -98,7 +98,7 @@ def test_the_adapter_reloads_exactly_and_merges(iters, tiny_model_dir, tmp_path)
     assert load_loftq_init(tmp_path / "again").layers.keys() == load_loftq_init(tmp_path / "a").layers.keys()
 
     if iters == 2:  # an export computes in fp32: its rebuilt base has the codes the run trained over
-        from tunekit.methods.loftq import lora_targets
+        from tunekit.methods.lora.loftq import lora_targets
 
         wide = method.apply(load_base_model(str(tiny_model_dir), "nf4", torch.float32, CPU), cfg)
         method.load(wide, tmp_path / "a")
@@ -240,7 +240,7 @@ _MEASURE = r"""
 import json, sys, torch
 from pathlib import Path
 from safetensors.torch import save_file
-from tunekit.methods.loftq import QuantSettings, loftq_layer, read_original_weight
+from tunekit.methods.lora.loftq import QuantSettings, loftq_layer, read_original_weight
 
 cases, folder = json.loads(sys.argv[1]), Path(sys.argv[2])
 loftq_layer(torch.randn(64, 64), 4, 2.0, 2)  # bitsandbytes' and LAPACK's one-time set-up, outside the measure
@@ -274,7 +274,7 @@ def test_the_planned_start_covers_the_measured_one(tmp_path):
     import subprocess
     import sys
 
-    from tunekit.methods.lora_variants import loftq_start_bytes
+    from tunekit.methods.lora.variants import loftq_start_bytes
 
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("needs Linux's /proc/self/clear_refs")

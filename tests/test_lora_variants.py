@@ -94,14 +94,14 @@ def test_variant(overrides, quantize, tiny_model_dir, tmp_path):
 
 
 def test_dora_keeps_peft_layers_and_refuses_the_fused_kernel(tiny_model_dir):
-    from tunekit.speed.device import DeviceFacts
-    from tunekit.speed.lora_path import PeftLoRALinear4bit, choose_lora_path, lora_4bit_layers
+    from tunekit.device.facts import DeviceFacts
+    from tunekit.methods.lora.backend import PeftLoRALinear4bit, choose_lora_backend, lora_4bit_layers
 
     model = get_method("lora").apply(make_base(tiny_model_dir, "nf4"), MethodConfig(name="lora", **LORA, use_dora=True))
     facts = DeviceFacts("cpu", cpu_bf16=True)
     with pytest.raises(TunekitError, match=r"^kernels.fused_lora=on: the fused LoRA kernel does not implement DoRA"):
-        choose_lora_path(model, "on", facts, DTYPE)
-    decision = choose_lora_path(model, "auto", facts, DTYPE)  # a plain LoRA would take the torch path here
+        choose_lora_backend(model, "on", facts, DTYPE)
+    decision = choose_lora_backend(model, "auto", facts, DTYPE)  # a plain LoRA would take the torch path here
     assert decision.path == "peft" and "DoRA" in decision.reason
     assert all(type(m) is PeftLoRALinear4bit for _, m in lora_4bit_layers(model))
 
@@ -112,7 +112,7 @@ def test_plan_counts_dora_and_refuses_fused(tiny_model_dir):
     from tunekit.methods.lora import LoRAPlan
     from tunekit.plan.memory import TrainSetup, trainable_tensors
     from tunekit.plan.shape import model_shape
-    from tunekit.speed.device import DeviceFacts
+    from tunekit.device.facts import DeviceFacts
 
     shape = model_shape(str(tiny_model_dir), None)
     for quantize in ("none", "nf4"):
@@ -223,7 +223,7 @@ def test_dora_saves_what_the_plan_counts(quantize, dropout, tiny_model_dir):
     forward builds and frees (B A through an identity input, its graph unreachable once detached)
     are not kept: only those still referenced by the output's graph count."""
     from tunekit.methods.lora import LoRAPlan
-    from tunekit.methods.lora_variants import dora_saves
+    from tunekit.methods.lora.variants import dora_saves
     from tunekit.plan.shape import model_shape
     from tunekit.plan.terms import Site
 

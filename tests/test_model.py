@@ -167,13 +167,13 @@ def tiny_tensors(tiny_model_dir):
 def test_tied_head_and_old_buffers_are_not_misfits(tiny_model_dir, tiny_tensors, tmp_path):
     """A tied pair is present under either name (here only the head's), and a per-layer rotary inv_freq
     of an older checkpoint is a buffer the model computes: neither is a missing or surplus weight."""
-    from tunekit.model.folder import check_weights_fit, model_skeleton
+    from tunekit.model.folder import check_weights_match, model_skeleton
 
     tensors = {k: v for k, v in tiny_tensors.items() if k != "model.embed_tokens.weight"}
     tensors["lm_head.weight"] = tiny_tensors["model.embed_tokens.weight"]
     tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
     folder = _variant(tiny_model_dir, tmp_path / "head-only", tensors)
-    check_weights_fit(folder, model_skeleton(str(folder)), "model.path")
+    check_weights_match(folder, model_skeleton(str(folder)), "model.path")
     model = load_base_model(str(folder), "none", torch.bfloat16, CPU)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert torch.equal(model.model.embed_tokens.weight, tiny_tensors["model.embed_tokens.weight"])

@@ -102,7 +102,7 @@ def test_the_switch_reaches_the_run_and_its_plan(tiny_model_dir, tiny_data, tmp_
     older path, kept to compare against), and the planner then counts the mask."""
     from tunekit.commands.compose import compose_configs
     from tunekit.plan.inputs import planner_inputs
-    from tunekit.speed.device import DeviceFacts
+    from tunekit.device.facts import DeviceFacts
     from tunekit.train.loop import TrainRecipe
 
     (cfg,) = compose_configs([f"model.path={tiny_model_dir}", f"data.path={tiny_data}", "model.quantize=none",

@@ -18,7 +18,7 @@ import torch
 
 from tunekit.config import MethodConfig
 from tunekit.data import collate, collate_packed
-from tunekit.speed.device import DeviceFacts
+from tunekit.device.facts import DeviceFacts
 from tunekit.methods import get_method
 from tunekit.model import decoder_and_head, load_base_model, prepare_for_training
 from tunekit.train.objective import SFTObjective, model_inputs
@@ -39,8 +39,8 @@ def build(model_dir, st: TrainSetup, method_cfg: MethodConfig):
     model = get_method(method_cfg.name).apply(model, method_cfg)
     if st.packed_attention:  # the trainer's per-example attention for packed rows
         packed_attention.use(model)
-    if st.lora_compute:  # the trainer's compute-dtype LoRA path (tunekit.speed.lora_math)
-        from tunekit.speed.lora_path import lora_4bit_layers, set_path
+    if st.lora_compute:  # the trainer's compute-dtype LoRA path (tunekit.methods.lora.compute_dtype)
+        from tunekit.methods.lora.backend import lora_4bit_layers, set_path
 
         set_path([m for _, m in lora_4bit_layers(model)], "torch")
     return model.train()

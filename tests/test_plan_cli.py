@@ -11,7 +11,7 @@ from _helpers import tiny_args
 from tunekit import TunekitError
 from tunekit.commands.compose import compose_configs
 from tunekit.commands.main import main
-from tunekit.speed.device import DeviceFacts
+from tunekit.device.facts import DeviceFacts
 from tunekit.plan import GiB
 from tunekit.plan.choose import candidates, choose
 from tunekit.plan.shape import PROJECTIONS
@@ -220,7 +220,7 @@ def test_ranks_choose_from_the_least_free_memory_and_a_resumed_run_keeps_its_cho
 
 
 def test_the_plan_counts_the_dense_copy_the_trainer_keeps():
-    """tunekit.speed.lora_path keeps a CPU run's 4-bit base dequantized in its compute dtype where that copy is
+    """tunekit.methods.lora.backend keeps a CPU run's 4-bit base dequantized in its compute dtype where that copy is
     at most an eighth of memory (bf16 on a CPU with native bf16, fp32 elsewhere): the planner counts
     the same bytes under "base weights", and nothing where the trainer keeps none."""
     from tunekit.plan.inputs import planner_inputs

@@ -1,4 +1,4 @@
-"""tunekit.speed.precision: the mixed-precision policy, decided from device facts this machine may lack, and
+"""tunekit.device.precision: the mixed-precision policy, decided from device facts this machine may lack, and
 what each op of a real training step receives under it (a dtype spy, not a config key)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tunekit.speed import device as dev
-from tunekit.speed import precision
+from tunekit.device import facts as dev
+from tunekit.device import precision
 from tunekit.config import DataConfig, MethodConfig, ModelConfig, TrainConfig, TrainerConfig
 from tunekit.train.loop import TrainRecipe
 
@@ -241,7 +241,7 @@ def test_the_plan_counts_no_dequantized_weight_for_the_fused_kernel():
     assert torch_path["layer_backward"] - kernel["layer_backward"] == 14336 * 4096 * 2 + 3 * 4096 * 14336 * 2
 
 
-def test_planner_inputs_follow_the_lora_path_rules():
+def test_planner_inputs_follow_the_lora_backend_rules():
     from tunekit.commands.compose import compose_configs
     from tunekit.plan.inputs import planner_inputs
 

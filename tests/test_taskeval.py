@@ -621,9 +621,9 @@ def fake_gpu(monkeypatch):
     """One GPU with the given facts and free memory, as far as tunekit's device decisions can tell
     (this machine has none). Models still load on the CPU: a spy on the loader records the device
     and dtype tunekit asked for, then loads there instead."""
-    import tunekit.speed.device as dev
+    import tunekit.device.facts as dev
     import tunekit.model as model_pkg
-    from tunekit.speed.device import DeviceFacts
+    from tunekit.device.facts import DeviceFacts
 
     loads = []
 
@@ -677,7 +677,7 @@ def test_eval_generate_and_chat_run_on_the_gpu_in_its_dtype(gpu, runs, fake_gpu,
     assert loads == [("cuda:0", dtype)] * 4
     loads.clear()
     eval_main([str(run), "--device", "cpu", "--max-rows", "2", "--no-generate", "--out", str(tmp_path / "e.json")])
-    from tunekit.speed import device as dev
+    from tunekit.device import facts as dev
 
     assert loads == [("cpu", dev.compute_dtype("auto", dev.probe(CPU)))]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tunekit.speed import threads
+from tunekit.device import threads
 
 from _helpers import REPO
 

@@ -147,7 +147,7 @@ class TrainerConfig:
     strategy: Strategy = Strategy.ddp
     # Seconds a rank waits in a collective before the run fails (several processes only). auto:
     # 30 minutes plus what rank 0 may spend alone writing and reading back the largest checkpoint
-    # the plan predicts (tunekit.speed.device.dist_timeout_s); NCCL's own default is 10 minutes.
+    # the plan predicts (tunekit.device.facts.dist_timeout_s); NCCL's own default is 10 minutes.
     dist_timeout_s: Any = "auto"
 
 
@@ -490,7 +490,7 @@ def _check_models(cfg: TrainConfig) -> None:
     is the first run's job)."""
     from tunekit.methods import check_method_config, get_method
     from tunekit.model.default import converted_default_dir
-    from tunekit.model.folder import check_weights_fit, max_positions, model_skeleton, read_json, resolve_model_path
+    from tunekit.model.folder import check_weights_match, max_positions, model_skeleton, read_json, resolve_model_path
 
     def local(path: Optional[str], key: str) -> Optional[Path]:
         if path is None:
@@ -512,7 +512,7 @@ def _check_models(cfg: TrainConfig) -> None:
                 raise TunekitError(f"distill.teacher: {teacher} has vocab_size {sizes[1]}, the student "
                                    f"{student} {sizes[0]}; distillation needs the same vocabulary")
         if teacher is not None and student != teacher:
-            check_weights_fit(teacher, model_skeleton(str(teacher), "distill.teacher"), "distill.teacher")
+            check_weights_match(teacher, model_skeleton(str(teacher), "distill.teacher"), "distill.teacher")
     if student is None:
         return
     limit = max_positions(read_json(student / "config.json", student_key))
@@ -522,7 +522,7 @@ def _check_models(cfg: TrainConfig) -> None:
     if limit is not None:  # what the method adds to every row (a soft prompt) shares the model's positions
         get_method(cfg.method.name).check_context(cfg.method, cfg.data.max_seq_len, limit, str(student))
     skeleton = model_skeleton(str(student), student_key)
-    check_weights_fit(student, skeleton, student_key)
+    check_weights_match(student, skeleton, student_key)
     check_method_config(cfg.method, skeleton, plain(cfg.model.quantize))
     get_method(cfg.method.name).check_training(cfg.method, skeleton)  # what a run cannot train (LoRA on the head)
 

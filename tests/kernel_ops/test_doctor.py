@@ -55,7 +55,7 @@ def test_gpu_check_dry_run_writes_every_stage(gpu_check):
     var = stages["variants"]["rows"]
     assert [r["variant"] for r in var] == ["packed, per-example attention", "packed, dense block-diagonal mask",
                                            "packed, fp16 + loss scaling"]
-    from tunekit.speed.device import cpu_has_bf16
+    from tunekit.device.facts import cpu_has_bf16
 
     auto = "bfloat16" if cpu_has_bf16() else "float32"  # model.dtype=auto on this CPU
     assert [r["compute_dtype"] for r in var] == [auto, auto, "float16"]
@@ -143,7 +143,7 @@ def test_bench_train_systems_run_and_agree(gpu_check):
     assert result["device"] and result["settings"]["steps"] == 2
     # the CPU's own matmul peak, measured before and after the runs (bf16 only where it is native):
     # MFU's denominator is the figure of the dtype the base computed in
-    from tunekit.speed.device import cpu_has_bf16
+    from tunekit.device.facts import cpu_has_bf16
 
     peaks = result["matmul_peak_gflops"]
     dtypes = {"bfloat16", "float32"} if cpu_has_bf16() else {"float32"}

@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from tunekit import TunekitError
-from tunekit.speed import device as dev
+from tunekit.device import facts as dev
 from tunekit.config import MethodConfig
-from tunekit.speed.lora_path import (
+from tunekit.methods.lora.backend import (
     FusedDecision,
     FusedLoRALinear4bit,
     KernelCheck,
-    agree_on_path,
+    agree_on_backend,
     apply_path,
     broadcast_from_rank0,
-    choose_lora_path,
+    choose_lora_backend,
     lora_4bit_layers,
 )
 from tunekit.methods import get_method
@@ -54,14 +54,14 @@ def fake_h100(monkeypatch):
 def test_correct_but_slower_falls_back_under_auto_and_is_kept_under_on(tiny_model_dir, fake_h100, monkeypatch,
                                                                         caplog):
     model = _qlora_tiny(tiny_model_dir)
-    monkeypatch.setattr("tunekit.speed.lora_path.time_layer", lambda layer, dtype, **kw: (3.0, 2.0))
-    auto = choose_lora_path(model, "auto", H100, torch.float32)
+    monkeypatch.setattr("tunekit.methods.lora.backend.time_layer", lambda layer, dtype, **kw: (3.0, 2.0))
+    auto = choose_lora_backend(model, "auto", H100, torch.float32)
     assert auto.path == "peft" and "correct but slower than peft + bitsandbytes" in auto.reason
     assert "12.00 ms vs 8.00 ms" in auto.reason  # 4 weight shapes x (3.0 vs 2.0)
     assert not any(isinstance(m, FusedLoRALinear4bit) for m in model.modules())
 
-    with caplog.at_level(logging.WARNING, logger="tunekit.speed.lora_path"):
-        on = choose_lora_path(model, "on", H100, torch.float32)  # no TunekitError: the user asked for it
+    with caplog.at_level(logging.WARNING, logger="tunekit.methods.lora.backend"):
+        on = choose_lora_backend(model, "on", H100, torch.float32)  # no TunekitError: the user asked for it
     assert on.path == "fused" and on.layers == 14 and "correct but slower" in on.reason
     assert _paths(model) == {"FusedLoRALinear4bit"}
     assert any("correct but slower" in r.getMessage() and "as asked" in r.getMessage() for r in caplog.records)
@@ -73,11 +73,11 @@ def test_a_wrong_kernel_still_fails_under_on_even_when_fast(tiny_model_dir, fake
     from tunekit_kernels.reference import lora_linear_reference
 
     model = _qlora_tiny(tiny_model_dir)
-    monkeypatch.setattr("tunekit.speed.lora_path.time_layer", lambda layer, dtype, **kw: (1.0, 2.0))
+    monkeypatch.setattr("tunekit.methods.lora.backend.time_layer", lambda layer, dtype, **kw: (1.0, 2.0))
     monkeypatch.setattr(tunekit_kernels, "fused_lora_linear",
                         lambda x, quant, A, B, scaling, **kw: lora_linear_reference(x, quant, A, B, scaling * 1.01))
     with pytest.raises(TunekitError, match="differs from its reference"):
-        choose_lora_path(model, "on", H100, torch.float32)
+        choose_lora_backend(model, "on", H100, torch.float32)
 
 
 # The kernel's proof in fp32 (the doctor below checks in fp32): each compared tensor (y, dx, dA, dB)
@@ -100,10 +100,10 @@ def test_a_kernel_with_the_right_output_and_wrong_gradients_fails_its_proof(tiny
         return y.detach() + 0.5 * (y - y.detach())  # y's values, half its gradient
 
     model = _qlora_tiny(tiny_model_dir)
-    monkeypatch.setattr("tunekit.speed.lora_path.time_layer", lambda layer, dtype, **kw: (1.0, 2.0))
+    monkeypatch.setattr("tunekit.methods.lora.backend.time_layer", lambda layer, dtype, **kw: (1.0, 2.0))
     monkeypatch.setattr(tunekit_kernels, "fused_lora_linear", half_gradients)
     with pytest.raises(TunekitError, match=r"differs from its reference by 5\.00e-01"):
-        choose_lora_path(model, "on", H100, torch.float32)
+        choose_lora_backend(model, "on", H100, torch.float32)
 
 
 def _doctor(tmp_path, tiny_model_dir):
@@ -120,18 +120,18 @@ def test_in_bf16_a_gpu_that_does_not_take_the_kernel_computes_lora_in_bf16(tiny_
     """Not peft's fp32 branch (an fp32 copy of every LoRA input, which the planner does not plan for
     under the bf16 policy) but the torch path, checked against the twin like the kernel."""
     model = _qlora_tiny(tiny_model_dir, torch.bfloat16)
-    monkeypatch.setattr("tunekit.speed.lora_path.time_layer", lambda layer, dtype, **kw: (3.0, 2.0))
-    slower = choose_lora_path(model, "auto", H100, torch.bfloat16)
+    monkeypatch.setattr("tunekit.methods.lora.backend.time_layer", lambda layer, dtype, **kw: (3.0, 2.0))
+    slower = choose_lora_backend(model, "auto", H100, torch.bfloat16)
     assert slower.path == "torch" and "correct but slower" in slower.reason and "LoRA matmuls in bf16" in slower.reason
     assert _paths(model) == {"TorchLoRALinear4bit"} and slower.dense_dtype is None  # no dense copy on a GPU
     monkeypatch.setattr(dev, "fused_kernel_support", lambda *a, **k: (False, "triton is not installed"))
-    missing = choose_lora_path(model, "auto", H100, torch.bfloat16)
+    missing = choose_lora_backend(model, "auto", H100, torch.bfloat16)
     assert missing.path == "torch" and missing.reason.startswith("triton is not installed; instead: ")
-    assert choose_lora_path(model, "off", H100, torch.bfloat16).path == "peft"  # off is off
+    assert choose_lora_backend(model, "off", H100, torch.bfloat16).path == "peft"  # off is off
 
 
 def test_doctor_passes_a_correct_kernel_that_is_slower(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr("tunekit.speed.lora_path.time_layer", lambda layer, dtype, **kw: (3.0, 2.0))
+    monkeypatch.setattr("tunekit.methods.lora.backend.time_layer", lambda layer, dtype, **kw: (3.0, 2.0))
     d = _doctor(tmp_path, tiny_model_dir)
     d.kernels()
     c = d.report["checks"]["kernels"]
@@ -143,7 +143,7 @@ def test_doctor_passes_a_correct_kernel_that_is_slower(tiny_model_dir, tmp_path,
     assert {tuple(sh["shape"]) for sh in c["shapes"]} == {(64, 64), (32, 64), (128, 64), (64, 128)}
     assert all(0 <= sh["max_rel_err"] <= FP32_PROOF_TOL for sh in c["shapes"]), c["shapes"]
 
-    monkeypatch.setattr("tunekit.speed.lora_path.time_layer", lambda layer, dtype, **kw: (1.0, 2.0))
+    monkeypatch.setattr("tunekit.methods.lora.backend.time_layer", lambda layer, dtype, **kw: (1.0, 2.0))
     d.kernels()  # faster: ok, no note
     c = d.report["checks"]["kernels"]
     assert c["ok"] is True and c["note"] is None and "2.00x peft's speed" in c["detail"]
@@ -160,12 +160,12 @@ def test_doctor_fails_a_wrong_kernel_and_a_changed_adapter(tiny_model_dir, tmp_p
             next(iter(layer.lora_A.values())).weight.add_(1.0)
         return 1.0, 2.0
 
-    monkeypatch.setattr("tunekit.speed.lora_path.time_layer", meddling)
+    monkeypatch.setattr("tunekit.methods.lora.backend.time_layer", meddling)
     d.kernels()
     c = d.report["checks"]["kernels"]
     assert c["ok"] is False and "the proof lost or changed the adapter" in c["error"]
 
-    monkeypatch.setattr("tunekit.speed.lora_path.time_layer", lambda layer, dtype, **kw: (1.0, 2.0))
+    monkeypatch.setattr("tunekit.methods.lora.backend.time_layer", lambda layer, dtype, **kw: (1.0, 2.0))
     monkeypatch.setattr(tunekit_kernels, "fused_lora_linear",
                         lambda x, quant, A, B, scaling, **kw: lora_linear_reference(x, quant, A, B, scaling * 1.01))
     d.kernels()
@@ -190,43 +190,43 @@ def test_every_rank_takes_rank_0s_decision(tiny_model_dir):
     rank0 = FusedDecision("auto", "fused", "2.00x peft's speed", layers=14, checks=checks)
 
     # rank 0 itself: its own decision back, marked as rank 0's
-    agreed = agree_on_path(rank0, _ranks(rank0))
+    agreed = agree_on_backend(rank0, _ranks(rank0))
     assert agreed.path == "fused" and agreed.decided_by == "rank 0"
     assert agreed.as_dict() == {**rank0.as_dict(), "decided_by": "rank 0"}
     json.dumps(agreed.as_dict())  # summary.json material
 
     # rank 1 timed peft faster (timings differ per GPU): it switches to rank 0's fused kernel
     model = _qlora_tiny(tiny_model_dir)
-    choose_lora_path(model, "off", dev.DeviceFacts("cpu"), torch.float32)
+    choose_lora_backend(model, "off", dev.DeviceFacts("cpu"), torch.float32)
     assert _paths(model) == {"Linear4bit"}
     local = FusedDecision("auto", "peft", "correct but slower here", checks=[KernelCheck((64, 64), 1e-6, 3.0, 2.0,
                                                                                         passed=True)])
-    agreed = agree_on_path(local, _ranks(rank0), model)
+    agreed = agree_on_backend(local, _ranks(rank0), model)
     assert agreed.path == "fused" and agreed.decided_by == "rank 0" and agreed.reason == rank0.reason
     assert _paths(model) == {"FusedLoRALinear4bit"}
 
     # and the other way round: rank 0 kept peft, this rank had switched to the kernel
     peft0 = FusedDecision("auto", "peft", "correct but slower", checks=checks)
-    agreed = agree_on_path(FusedDecision("auto", "fused", "faster here", layers=14), _ranks(peft0), model)
+    agreed = agree_on_backend(FusedDecision("auto", "fused", "faster here", layers=14), _ranks(peft0), model)
     assert agreed.path == "peft" and _paths(model) == {"Linear4bit"}
 
     with pytest.raises(ValueError, match="pass the model"):
-        agree_on_path(FusedDecision("auto", "peft", "slower here"), _ranks(rank0))
+        agree_on_backend(FusedDecision("auto", "peft", "slower here"), _ranks(rank0))
 
 
 def test_a_rank_whose_kernel_check_failed_refuses_rank_0s_fused(tiny_model_dir):
     rank0 = FusedDecision("auto", "fused", "2.00x peft's speed", layers=14)
     local = FusedDecision("auto", "peft", "differs", checks=[KernelCheck((64, 64), 0.3, passed=False)])
     with pytest.raises(TunekitError, match="rank 0 chose the fused kernel, but on this rank it differs by 3.00e-01"):
-        agree_on_path(local, _ranks(rank0), _qlora_tiny(tiny_model_dir))
+        agree_on_backend(local, _ranks(rank0), _qlora_tiny(tiny_model_dir))
 
 
 def test_the_torch_path_with_its_dense_copy_moves_to_other_ranks(tiny_model_dir):
-    from tunekit.speed.lora_math import CACHE_ATTR
+    from tunekit.methods.lora.compute_dtype import CACHE_ATTR
 
     model = _qlora_tiny(tiny_model_dir, torch.bfloat16)
     rank0 = FusedDecision("auto", "torch", "LoRA matmuls in bf16", layers=14, dense_dtype="bf16")
-    agree_on_path(FusedDecision("auto", "peft", "no room here"), _ranks(rank0), model)
+    agree_on_backend(FusedDecision("auto", "peft", "no room here"), _ranks(rank0), model)
     assert _paths(model) == {"TorchLoRALinear4bit"}
     assert all(getattr(m.base_layer, CACHE_ATTR).dtype == torch.bfloat16 for _, m in lora_4bit_layers(model))
     apply_path(model, FusedDecision("auto", "peft", "off"))

@@ -8,8 +8,8 @@ import torch
 from tunekit import TunekitError
 from tunekit.config import MethodConfig
 from tunekit.methods import get_method
-from tunekit.speed import device as dev
-from tunekit.speed.lora_path import PATHS, FusedLoRALinear4bit, choose_lora_path
+from tunekit.device import facts as dev
+from tunekit.methods.lora.backend import PATHS, FusedLoRALinear4bit, choose_lora_backend
 from tunekit.model import load_base_model
 
 CPU = torch.device("cpu")
@@ -60,7 +60,7 @@ def test_fused_model_matches_peft(tiny_model_dir, dtype):
     keys_before = list(model.state_dict())
     ref_logits, ref_grads = _logits_and_grads(model, x)
 
-    decision = choose_lora_path(model, "on", CPU_FACTS, dtype)
+    decision = choose_lora_backend(model, "on", CPU_FACTS, dtype)
     assert decision.path == "fused" and decision.layers == 2 * 7
     assert sum(isinstance(m, FusedLoRALinear4bit) for m in model.modules()) == 14
     assert list(model.state_dict()) == keys_before  # adapters save under the same PEFT names
@@ -102,14 +102,14 @@ def assert_as_accurate_as_peft(tiny_model_dir, model, x, peft_out, path_out):
 def test_torch_path_on_cpu(tiny_model_dir):
     """auto on a CPU with a bf16 base: the compute-dtype LoRA path; at init (B = 0) bit-identical to
     peft, and as accurate as peft afterwards."""
-    from tunekit.speed.lora_path import TorchLoRALinear4bit
+    from tunekit.methods.lora.backend import TorchLoRALinear4bit
 
     torch.manual_seed(2)
     model = _bf16_qlora_tiny(tiny_model_dir)
     x = torch.randint(0, 2000, (2, 9))
     with torch.no_grad():
         at_init = model(input_ids=x).logits
-    decision = choose_lora_path(model, "auto", dev.DeviceFacts("cpu", cpu_bf16=True), torch.bfloat16)
+    decision = choose_lora_backend(model, "auto", dev.DeviceFacts("cpu", cpu_bf16=True), torch.bfloat16)
     assert decision.path == "torch" and decision.layers == 14 and len(decision.checks) == 4
     assert sum(isinstance(m, TorchLoRALinear4bit) for m in model.modules()) == 14
     with torch.no_grad():
@@ -121,39 +121,39 @@ def test_torch_path_on_cpu(tiny_model_dir):
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     mine = _logits_and_grads(model, x)
-    choose_lora_path(model, "off", CPU_FACTS, torch.bfloat16)
+    choose_lora_backend(model, "off", CPU_FACTS, torch.bfloat16)
     theirs = _logits_and_grads(model, x)
     assert_as_accurate_as_peft(tiny_model_dir, model, x, theirs, mine)
     # an fp32 base gains nothing from it: peft stays
-    assert choose_lora_path(model, "auto", CPU_FACTS, torch.float32).path == "peft"
+    assert choose_lora_backend(model, "auto", CPU_FACTS, torch.float32).path == "peft"
     assert not any(hasattr(m, "_tunekit_dense") for m in model.modules())
 
 
 def test_torch_path_keeps_a_dense_copy_where_memory_allows(tiny_model_dir, tmp_path):
     """With memory to spare the dequantized base is kept: same logits as bitsandbytes bit for bit,
     nothing of it in the saved adapter; on a machine 8x too small for it, no copy."""
-    from tunekit.speed.lora_math import CACHE_ATTR
+    from tunekit.methods.lora.compute_dtype import CACHE_ATTR
 
     torch.manual_seed(3)
     model = _bf16_qlora_tiny(tiny_model_dir)
     x = torch.randint(0, 2000, (2, 9))
     with torch.no_grad():
         at_init = model(input_ids=x).logits
-    from tunekit.speed.lora_path import lora_4bit_layers
+    from tunekit.methods.lora.backend import lora_4bit_layers
 
     dense = sum(m.base_layer.in_features * m.base_layer.out_features * 2 for _, m in lora_4bit_layers(model))
     small = dev.DeviceFacts("cpu", cpu_bf16=True, total_memory=8 * dense - 1)
-    decision = choose_lora_path(model, "auto", small, torch.bfloat16)
+    decision = choose_lora_backend(model, "auto", small, torch.bfloat16)
     assert decision.path == "torch" and "dequantized" not in decision.reason
     roomy = dev.DeviceFacts("cpu", cpu_bf16=True, total_memory=2**34)
-    decision = choose_lora_path(model, "auto", roomy, torch.bfloat16)
+    decision = choose_lora_backend(model, "auto", roomy, torch.bfloat16)
     assert "kept dequantized in bf16" in decision.reason
     assert sum(hasattr(m, CACHE_ATTR) for m in model.modules()) == 14
     with torch.no_grad():
         assert torch.equal(model(input_ids=x).logits, at_init)
     get_method("lora").save(model, tmp_path / "a")
     assert not any(CACHE_ATTR in k for k in model.state_dict())
-    choose_lora_path(model, "off", roomy, torch.bfloat16)  # back to peft: the copy goes
+    choose_lora_backend(model, "off", roomy, torch.bfloat16)  # back to peft: the copy goes
     assert not any(hasattr(m, CACHE_ATTR) for m in model.modules())
 
 
@@ -163,8 +163,8 @@ def test_fp32_base_keeps_a_dense_copy_where_memory_allows(tiny_model_dir):
     per micro-batch. So: with room for the fp32 copy, the torch path with that copy, the base's
     output equal to bitsandbytes' bit for bit (the same fp32 dequantization, then the same linear:
     checked with B = 0), and logits and gradients within fp32 rounding of peft's; without room, peft."""
-    from tunekit.speed.lora_path import lora_4bit_layers
-    from tunekit.speed.lora_math import CACHE_ATTR
+    from tunekit.methods.lora.backend import lora_4bit_layers
+    from tunekit.methods.lora.compute_dtype import CACHE_ATTR
 
     torch.manual_seed(4)
     model = _qlora_tiny(tiny_model_dir, torch.float32)  # non-zero B: the LoRA branch counts
@@ -173,11 +173,11 @@ def test_fp32_base_keeps_a_dense_copy_where_memory_allows(tiny_model_dir):
     dense = sum(m.base_layer.in_features * m.base_layer.out_features * 4 for _, m in lora_4bit_layers(model))
     no_bf16 = dict(cpu_bf16=False)
     small = dev.DeviceFacts("cpu", total_memory=8 * dense - 1, **no_bf16)
-    decision = choose_lora_path(model, "auto", small, torch.float32)
+    decision = choose_lora_backend(model, "auto", small, torch.float32)
     assert decision.path == "peft" and "peft's fp32 LoRA is as fast" in decision.reason
 
     roomy = dev.DeviceFacts("cpu", total_memory=8 * dense, **no_bf16)
-    decision = choose_lora_path(model, "auto", roomy, torch.float32)
+    decision = choose_lora_backend(model, "auto", roomy, torch.float32)
     assert decision.path == "torch" and "kept dequantized in fp32" in decision.reason
     kept = [getattr(m, CACHE_ATTR) for m in model.modules() if hasattr(m, CACHE_ATTR)]
     assert len(kept) == 14 and all(t.dtype == torch.float32 for t in kept)
@@ -196,31 +196,31 @@ def test_fp32_base_keeps_a_dense_copy_where_memory_allows(tiny_model_dir):
             if "lora_B" in name:
                 p.zero_()
         dense_out = model(input_ids=x).logits
-        choose_lora_path(model, "off", roomy, torch.float32)  # back to peft: the copy goes
+        choose_lora_backend(model, "off", roomy, torch.float32)  # back to peft: the copy goes
         assert not any(hasattr(m, CACHE_ATTR) for m in model.modules())
         assert torch.equal(dense_out, model(input_ids=x).logits)
 
 
 def test_modes(tiny_model_dir, monkeypatch):
     model = _qlora_tiny(tiny_model_dir, torch.float32)
-    off = choose_lora_path(model, "off", CPU_FACTS, torch.float32)
+    off = choose_lora_backend(model, "off", CPU_FACTS, torch.float32)
     assert off.path == "peft" and not any(isinstance(m, FusedLoRALinear4bit) for m in model.modules())
-    auto = choose_lora_path(model, "auto", CPU_FACTS, torch.float32)  # never the slow interpreter off CUDA
+    auto = choose_lora_backend(model, "auto", CPU_FACTS, torch.float32)  # never the slow interpreter off CUDA
     assert auto.path == "peft" and "peft's fp32 LoRA is as fast" in auto.reason
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(TunekitError, match="kernels.fused_lora=on: the fused kernel cannot run here"):
-        choose_lora_path(model, "on", CPU_FACTS, torch.float32)
+        choose_lora_backend(model, "on", CPU_FACTS, torch.float32)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     bf16_base = get_method("lora").apply(load_base_model(str(tiny_model_dir), "none", torch.float32, CPU),
                                          MethodConfig(r=4))
     with pytest.raises(TunekitError, match="no LoRA layer over a 4-bit base"):
-        choose_lora_path(bf16_base, "on", CPU_FACTS, torch.float32)
+        choose_lora_backend(bf16_base, "on", CPU_FACTS, torch.float32)
 
 
 def test_fused_layers_save_every_tensor(tiny_model_dir, tmp_path):
     """A regression: with fused layers, peft saved 0 tensors and loading accepted it."""
     model = _qlora_tiny(tiny_model_dir, torch.float32)
-    choose_lora_path(model, "on", CPU_FACTS, torch.float32)
+    choose_lora_backend(model, "on", CPU_FACTS, torch.float32)
     get_method("lora").save(model, tmp_path / "a")  # verifies by reading back, or raises
     from safetensors.torch import load_file
 
@@ -250,8 +250,8 @@ def test_auto_proves_the_kernel_and_falls_back(tiny_model_dir, monkeypatch, kind
     h100 = dev.DeviceFacts("cuda", 0, (9, 0), "H100")
     model = _qlora_tiny(tiny_model_dir, torch.float32)
     monkeypatch.setattr(dev, "fused_kernel_support", lambda *a, **k: (True, "fake sm_90"))
-    monkeypatch.setattr("tunekit.speed.lora_path.time_layer", lambda layer, dtype, **kw: (1.0, 2.0))
-    ok = choose_lora_path(model, "auto", h100, torch.float32)
+    monkeypatch.setattr("tunekit.methods.lora.backend.time_layer", lambda layer, dtype, **kw: (1.0, 2.0))
+    ok = choose_lora_backend(model, "auto", h100, torch.float32)
     assert ok.path == "fused" and ok.layers == 14 and len(ok.checks) == 4  # 4 distinct weight shapes
     assert "0.50" not in ok.reason and "2.00x peft's speed" in ok.reason
     # each check: y, dx, dA, dB of one layer, each at most two chained fp32 reductions over K <= 128
@@ -260,32 +260,32 @@ def test_auto_proves_the_kernel_and_falls_back(tiny_model_dir, monkeypatch, kind
     assert all(0 <= c.max_rel_err <= 1e-5 for c in ok.checks), [c.max_rel_err for c in ok.checks]
 
     monkeypatch.setattr(tunekit_kernels, "fused_lora_linear", _broken(kind))
-    fallback = choose_lora_path(model, "auto", h100, torch.float32)
+    fallback = choose_lora_backend(model, "auto", h100, torch.float32)
     assert fallback.path == "peft" and why in fallback.reason
     assert not any(isinstance(m, FusedLoRALinear4bit) for m in model.modules())
     with pytest.raises(TunekitError, match=f"kernels.fused_lora=on: .*{why}"):
-        choose_lora_path(model, "on", h100, torch.float32)
+        choose_lora_backend(model, "on", h100, torch.float32)
 
 
 def test_auto_refuses_a_slower_kernel(tiny_model_dir, monkeypatch):
     h100 = dev.DeviceFacts("cuda", 0, (9, 0), "H100")
     model = _qlora_tiny(tiny_model_dir, torch.float32)
     monkeypatch.setattr(dev, "fused_kernel_support", lambda *a, **k: (True, "fake sm_90"))
-    monkeypatch.setattr("tunekit.speed.lora_path.time_layer", lambda layer, dtype, **kw: (3.0, 2.0))
-    slow = choose_lora_path(model, "auto", h100, torch.float32)
+    monkeypatch.setattr("tunekit.methods.lora.backend.time_layer", lambda layer, dtype, **kw: (3.0, 2.0))
+    slow = choose_lora_backend(model, "auto", h100, torch.float32)
     assert slow.path == "peft" and "slower than peft" in slow.reason
     assert slow.as_dict()["checks"][0]["fused_ms"] == 3.0  # the figures go to summary.json
-    asked = choose_lora_path(model, "on", h100, torch.float32)  # correct but slower: `on` keeps it
+    asked = choose_lora_backend(model, "on", h100, torch.float32)  # correct but slower: `on` keeps it
     assert asked.path == "fused" and "correct but slower" in asked.reason
 
 
 def test_pre_ampere_gpu_never_gets_bf16_kernels(tiny_model_dir):
     t4 = dev.DeviceFacts("cuda", 0, (7, 5), "Tesla T4")
     model = _qlora_tiny(tiny_model_dir, torch.float32)
-    decision = choose_lora_path(model, "auto", t4, torch.bfloat16)  # bf16 asked for: the torch path, not peft's fp32
+    decision = choose_lora_backend(model, "auto", t4, torch.bfloat16)  # bf16 asked for: the torch path, not peft's fp32
     assert decision.path == "torch" and "no native bf16" in decision.reason
     with pytest.raises(TunekitError, match="no native bf16"):
-        choose_lora_path(model, "on", t4, torch.bfloat16)
+        choose_lora_backend(model, "on", t4, torch.bfloat16)
 
 
 @pytest.mark.parametrize("path", ["torch", "fused"])
@@ -311,7 +311,7 @@ def test_a_lora_term_below_bf16_resolution_survives(tiny_model_dir, path):
         want = layer(x) - y0
         assert want.norm() / y0.norm() < 2e-4
         mode, facts = ("on", CPU_FACTS) if path == "fused" else ("auto", dev.DeviceFacts("cpu", cpu_bf16=True))
-        decision = choose_lora_path(model, mode, facts, torch.bfloat16)
+        decision = choose_lora_backend(model, mode, facts, torch.bfloat16)
         assert decision.path == path, decision.reason
         assert isinstance(layer, PATHS[path]), name
         got = layer(x)

@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str], stdin: TextIO | None = None, stdout: TextIO | None = None) -> None:
-    from tunekit.speed.device import command_facts
+    from tunekit.device.facts import command_facts
     from tunekit.runs.load import load_tokenizer_for, load_trained
     from tunekit.runs.memory import check_memory
     from tunekit.runs.open import base_source, open_source

@@ -122,7 +122,7 @@ class Doctor:
     def environment(self) -> None:
         import torch
 
-        from tunekit.speed import device as dev
+        from tunekit.device import facts as dev
         from tunekit.model import resolve_model_path
 
         device = dev.default_device()
@@ -151,10 +151,10 @@ class Doctor:
         slower than peft + bitsandbytes passes, with its times and a note: `auto` trains with peft
         there, `on` with the kernel."""
         from tunekit.config import MethodConfig
-        from tunekit.speed.lora_path import adapter_change, adapter_state, lora_4bit_layers, prove_kernel
+        from tunekit.methods.lora.backend import adapter_change, adapter_state, lora_4bit_layers, prove_kernel
         from tunekit.methods import get_method
         from tunekit.model import load_base_model
-        from tunekit.speed import device as dev
+        from tunekit.device import facts as dev
 
         if not self.fused_ok:
             self._record("kernels", False, error=self.report["environment"]["fused_kernel"]["why"])
@@ -258,7 +258,7 @@ class Doctor:
                      error=_last_line(r.stderr) if r.returncode else None)
 
     def two_ranks(self) -> None:
-        from tunekit.speed import device as dev
+        from tunekit.device import facts as dev
 
         if dev.cuda_device_count() < 2:
             self.report["checks"]["two ranks"] = {"ok": None, "skipped": "fewer than 2 GPUs visible"}
@@ -388,7 +388,7 @@ def main(argv: list[str]) -> None:
     (out / "logs").mkdir(parents=True)
     (out / MARKER).write_text(json.dumps({"pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
     env = {**os.environ, "WANDB_MODE": "disabled"}
-    from tunekit.speed import device as dev
+    from tunekit.device import facts as dev
 
     if dev.cuda_device_count() == 0:
         os.environ["TRITON_INTERPRET"] = env["TRITON_INTERPRET"] = "1"  # the only way the fused path runs on a CPU: functional, not fast

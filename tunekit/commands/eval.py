@@ -86,7 +86,7 @@ def evaluate(args) -> dict:
         if value is not None and value <= 0:
             raise TunekitError(f"--{key.replace('_', '-')}: must be > 0, got {value}")
     start = time.perf_counter()
-    from tunekit.speed.device import command_facts
+    from tunekit.device.facts import command_facts
 
     gguf_file = is_gguf_file(args.source)
     # A GGUF file runs in llama.cpp's CPU build whatever --device says; only a --base model loads there.

@@ -39,7 +39,7 @@ from tunekit.export.task import DEFAULT_TASK_ROWS
 from tunekit.export.writing import atomic_file, check_out, report_path
 from tunekit.infer import llamacpp
 from tunekit.runs.open import open_source
-from tunekit.speed.device import command_facts, cpuinfo_text
+from tunekit.device.facts import command_facts, cpuinfo_text
 from tunekit.train.checkpoint import atomic_dir
 
 log = logging.getLogger("tunekit")
@@ -161,7 +161,7 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
            merge_into: Optional[str] = None, min_gain: Optional[float] = None, device: Optional[str] = None,
            data: Optional[str] = None, task_rows: int = DEFAULT_TASK_ROWS, min_task_gain: Optional[float] = None) -> dict:
     """Export a finished run; returns the fidelity report (also written beside the export).
-    device: where the models load and the check computes (tunekit.speed.device.command_device; None:
+    device: where the models load and the check computes (tunekit.device.facts.command_device; None:
     the first GPU, else the CPU). llama.cpp's check runs on the CPU either way. data / task_rows:
     the held-out rows of the task check (tunekit.export.task; default the run's held-out split,
     task_rows=0 skips it)."""

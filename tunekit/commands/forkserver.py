@@ -48,7 +48,7 @@ CLI = "tunekit.commands.main"
 PRELOAD = ["torch", "transformers", "peft", "accelerate", "bitsandbytes", "hydra", CLI, "tunekit.commands.compose",
            "tunekit.commands.train", "tunekit.commands.export", "tunekit.train.loop", "tunekit.config",
            "tunekit.data", "tunekit.methods", "tunekit.model", "tunekit.model.folder", "tunekit.infer.decode",
-           "tunekit.speed.lora_path", "tunekit.commands.forkserver:warm_cli"]
+           "tunekit.methods.lora.backend", "tunekit.commands.forkserver:warm_cli"]
 # The server is started by this line (no working directory on sys.path, as the console script has none).
 _SERVE = ("import sys; sys.path[:1] = [] if sys.path[:1] == [''] else sys.path[:1]; "
           "from tunekit.commands.forkserver import serve; serve(sys.argv[1:])")
@@ -123,7 +123,7 @@ def serve(argv: list[str]) -> None:
     """The server's body: argv[0] is the JSON list of what to preload (PRELOAD's form). An entry that
     fails is skipped, as multiprocessing's forkserver skips a preload it cannot import: a child that
     needs it then fails on its own, with its own traceback."""
-    from tunekit.speed.threads import openmp_env
+    from tunekit.device.threads import openmp_env
 
     # The channel keeps stdin and stdout; fd 1 becomes stderr, so that what an import prints cannot
     # land in an answer, and fd 0 /dev/null.
@@ -216,7 +216,7 @@ def _child(request: dict, channels: tuple[int, int]) -> None:
             os.environ.update(request["env"])
             module = request["module"]
             if module == CLI:  # what its main() sets before torch loads, had torch not been loaded yet
-                from tunekit.speed.threads import openmp_env
+                from tunekit.device.threads import openmp_env
 
                 os.environ.update(openmp_env(os.environ, torch_loaded=False))
             if os.environ.get("PYTHONFAULTHANDLER"):  # read at interpreter start, which a fork skips

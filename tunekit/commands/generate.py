@@ -173,7 +173,7 @@ def main(argv: list[str]) -> None:
     else:
         rows = _pair(args.prompt, args.adapter)
         labels = [f"--prompt {i + 1}" for i in range(len(rows))]
-    from tunekit.speed.device import command_facts
+    from tunekit.device.facts import command_facts
 
     model, tokenizer, softs, names = batch_model([a for _, a in rows], args.model, args.quantize, args.dtype,
                                                  command_facts(args.device),

@@ -15,7 +15,7 @@ import warnings
 
 from tunekit import TunekitError, __version__
 from tunekit.commands.parse import fail
-from tunekit.speed.threads import openmp_env
+from tunekit.device.threads import openmp_env
 
 def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="[tunekit] %(message)s", stream=sys.stderr)

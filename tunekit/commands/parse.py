@@ -35,7 +35,7 @@ def check_number(parser: argparse.ArgumentParser, option: str, value, **bounds) 
 
 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
-    """--device, the same for every command that runs a model (tunekit.speed.device.command_device)."""
+    """--device, the same for every command that runs a model (tunekit.device.facts.command_device)."""
     parser.add_argument("--device", metavar="D", default="auto",
                         help="where the model runs: auto (default: the first GPU, else the CPU), cpu, cuda or "
                              "cuda:N; the compute dtype follows the device (bf16 where native, else fp32)")

@@ -17,7 +17,7 @@ from typing import Optional
 from tunekit import TunekitError
 from tunekit.commands.parse import Parser, check_number
 from tunekit.config import plain
-from tunekit.speed.device import available_memory_bytes, compute_dtype, default_device, dtype_name, planning_facts
+from tunekit.device.facts import available_memory_bytes, compute_dtype, default_device, dtype_name, planning_facts
 from tunekit.plan import GiB, Plan, predict
 from tunekit.plan.inputs import planner_inputs
 from tunekit.plan.memory import method_of

@@ -106,7 +106,7 @@ def reload_merged(folder: Path, device: torch.device) -> nn.Module:
     config asks for it."""
     from transformers import AutoModelForCausalLM
 
-    from tunekit.speed.device import device_map
+    from tunekit.device.facts import device_map
 
     cfg = json.loads((folder / "config.json").read_text())
     if "quantization_config" not in cfg:
@@ -134,7 +134,7 @@ def write_requantized_nf4(run: Source, write_plain: Callable[[Path], None], toke
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from tunekit.model.loader import NF4_SKIP_MODULES
-    from tunekit.speed.device import device_map
+    from tunekit.device.facts import device_map
 
     scratch = out_dir / ".merged-scratch"
     scratch.mkdir()

@@ -33,7 +33,7 @@ from tunekit.export.task import compare_task, scorer_for, task_check
 from tunekit.infer import llamacpp
 from tunekit.runs.heldout import heldout_batches
 from tunekit.runs.load import apply_and_load, load_base, load_original_base, load_tokenizer_for
-from tunekit.speed.device import cpu_emulated_dtypes
+from tunekit.device.facts import cpu_emulated_dtypes
 
 log = logging.getLogger("tunekit")
 REPORT = "fidelity.json"

@@ -87,7 +87,7 @@ def export_memory_check(src, facts, fmt: str, target: Optional[str], candidates:
     trying it), at the widest in memory."""
     from tunekit.infer import llamacpp
     from tunekit.plan.shape import model_shape
-    from tunekit.speed.device import available_memory_bytes
+    from tunekit.device.facts import available_memory_bytes
 
     try:
         shape = model_shape(src.base_path, None)

@@ -74,7 +74,7 @@ class StreamPlan:
 
 def plan_stream(src, target: Optional[str]) -> tuple[Optional[StreamPlan], str]:
     """(the plan, "") for a merge that streams; (None, why not) for one the in-memory path does."""
-    from tunekit.methods.loftq_io import LOFTQ_INIT_FILE
+    from tunekit.methods.lora.loftq_io import LOFTQ_INIT_FILE
 
     if src.method != "lora":
         return None, f"method {src.method}: its merge is computed on the loaded model"
@@ -126,7 +126,7 @@ def reference_in_storage(src) -> bool:
     computing in fp32 (tunekit.export.fidelity.UpcastHalfWeights: one 16-bit copy in memory instead
     of an fp32 one). Not where the method rewrites the base at apply time (PiSSA/OLoRA: W - s B0 A0,
     which a 16-bit weight would round; the merge adds their saved rank-2r LoRA to W instead)."""
-    from tunekit.methods.lora_variants import REWRITES_BASE
+    from tunekit.methods.lora.variants import REWRITES_BASE
 
     return stored_dtype(src) != torch.float32 and src.method_impl.settings(src.run.cfg.method).init not in REWRITES_BASE
 

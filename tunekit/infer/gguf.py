@@ -63,7 +63,7 @@ N_UBATCH = 512  # tokens per forward inside llama.cpp (its compute buffer grows 
 def load_gguf(path: str | Path, threads: Optional[int] = None):
     """A GGUF file loaded by llama.cpp (tunekit.infer.llamacpp.LlamaCppModel), or one TunekitError
     line: llama.cpp missing, or a file it cannot load (truncated, not GGUF, an architecture it lacks)."""
-    from tunekit.speed.device import cpuinfo_text
+    from tunekit.device.facts import cpuinfo_text
     from tunekit.infer import llamacpp
 
     why = llamacpp.unavailable()

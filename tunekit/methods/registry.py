@@ -54,7 +54,7 @@ class Method:
     name: str = "?"
     can_merge: bool = False
     # Whether the trained parameters are the model's own weights, kept in fp32 as master copies, so
-    # that the forward computes under the precision policy's autocast (tunekit.speed.precision). The other
+    # that the forward computes under the precision policy's autocast (tunekit.device.precision). The other
     # methods add small parts that compute in fp32 and hand back the frozen base's dtype.
     autocast: bool = False
     # Whether the base's own weights are the trained part (no frozen copy to plan; fp32 residual

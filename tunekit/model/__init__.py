@@ -2,7 +2,7 @@
 
 Owns checking a model folder's weights against its config before and after loading, the 4-bit
 load through bitsandbytes, the tokenizer, and the model helpers every layer uses once
-(decoder_layers, is_4bit). May import tunekit.speed for device facts; nothing above it.
+(decoder_layers, is_4bit). May import tunekit.device for device facts; nothing above it.
 """
 
 from tunekit.model.default import default_model_dir

@@ -158,7 +158,7 @@ def _some(names, limit: int = 3) -> str:
     return ", ".join(shown[:limit]) + (", ..." if len(shown) > limit else "")
 
 
-def misfit_message(key: str, folder, missing, unexpected, mismatched) -> Optional[str]:
+def mismatch_message(key: str, folder, missing, unexpected, mismatched) -> Optional[str]:
     """One line for weights that do not fit the model their config.json describes, or None when they fit.
 
     missing: parameter names the model has and the files lack; unexpected: tensor names in the files
@@ -252,7 +252,7 @@ def _checkpoint_renamer(model, expected: dict):
     return rename, True
 
 
-def weights_misfit(shapes: dict[str, list[int]], model) -> tuple[list[str], list[str], list[tuple]]:
+def weights_mismatch(shapes: dict[str, list[int]], model) -> tuple[list[str], list[str], list[tuple]]:
     """(missing, unexpected, mismatched) of checkpoint tensors {name: shape} against `model` (a
     skeleton on the meta device), as transformers' loader will match them.
 
@@ -285,7 +285,7 @@ def weights_misfit(shapes: dict[str, list[int]], model) -> tuple[list[str], list
     return missing, unexpected, mismatched
 
 
-def check_weights_fit(folder: Path, model, key: str) -> None:
+def check_weights_match(folder: Path, model, key: str) -> None:
     """The weight files hold every parameter of the model config.json describes, in its shape, and
     nothing else; checked from the safetensors headers against `model`, the skeleton (meta device).
 
@@ -299,7 +299,7 @@ def check_weights_fit(folder: Path, model, key: str) -> None:
     shapes = check_weights(folder, key)
     if not shapes or getattr(model.config, "quantization_config", None) is not None:
         return
-    message = misfit_message(key, folder, *weights_misfit(shapes, model))
+    message = mismatch_message(key, folder, *weights_mismatch(shapes, model))
     if message:
         raise TunekitError(message)
 

@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 
 from tunekit import TunekitError
-from tunekit.model.folder import check_weights_fit, misfit_message, model_skeleton, one_line
+from tunekit.model.folder import check_weights_match, mismatch_message, model_skeleton, one_line
 from tunekit.model.folder import resolve_model_path  # noqa: F401  (re-exported)
-from tunekit.speed.device import compute_dtype  # noqa: F401  (re-exported: the precision policy lives with the device facts)
+from tunekit.device.facts import compute_dtype  # noqa: F401  (re-exported: the precision policy lives with the device facts)
 
 log = logging.getLogger(__name__)
 # The modules a 4-bit load keeps in high precision: the output head, as in QLoRA. A streamed merge
@@ -74,7 +74,7 @@ def load_kwargs(quantize: str, dtype: torch.dtype, device: torch.device,
     """
     from transformers import BitsAndBytesConfig
 
-    from tunekit.speed.device import device_map
+    from tunekit.device.facts import device_map
 
     kwargs = {"dtype": dtype}
     if quantize == "nf4":
@@ -123,7 +123,7 @@ def load_base_model(path: str, quantize: str, dtype: torch.dtype, device: torch.
     from transformers import AutoModelForCausalLM
 
     if Path(path).is_dir():
-        check_weights_fit(Path(path), model_skeleton(path, key), key)
+        check_weights_match(Path(path), model_skeleton(path, key), key)
     kwargs = load_kwargs(quantize, dtype, device, quant_storage)
     try:
         # ignore_mismatched_sizes: a tensor of the wrong shape is reported in the loading info (and
@@ -165,7 +165,7 @@ def check_loaded(model: nn.Module, info: dict, path: str, key: str = "model.path
         want = (getattr(module, "out_features", None), getattr(module, "in_features", None))
         if state is not None and None not in want and tuple(state.shape) != want:
             mismatched.append((f"{name}.weight", tuple(state.shape), want))
-    message = misfit_message(key, path, missing, unexpected, mismatched)
+    message = mismatch_message(key, path, missing, unexpected, mismatched)
     if message:
         raise TunekitError(message)
     bad = nonfinite_weights(model)
@@ -262,7 +262,7 @@ def prepare_for_training(model: nn.Module, quantize: str, gradient_checkpointing
     """Put a frozen base in the state the trainer trains over (and evaluation and export rebuild).
 
     Every frozen weight stays in the dtype it was loaded in, the precision policy's compute dtype
-    (tunekit.speed.precision): over a 4-bit base that keeps the embeddings, the norms and the output head
+    (tunekit.device.precision): over a 4-bit base that keeps the embeddings, the norms and the output head
     in bf16 where peft's prepare_model_for_kbit_training would widen them to fp32, doubling their
     memory and running the residual stream, attention and the head in fp32. A method widens only
     what it trains. Gradient checkpointing uses the non-reentrant variant, which works with frozen

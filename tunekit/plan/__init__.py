@@ -31,7 +31,7 @@ from tunekit.plan.memory import STATIC_TERMS, Memory, TrainSetup, step_memory
 from tunekit.plan.shape import ModelShape
 
 if TYPE_CHECKING:  # importing this package imports no torch: method modules import tunekit.plan.terms
-    from tunekit.speed.device import DeviceFacts
+    from tunekit.device.facts import DeviceFacts
 
 GiB = 2**30
 # RSS before the model loads, measured with torch 2.13 / transformers 5.23: imports 520 MiB, the

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from tunekit import TunekitError
-from tunekit.speed.device import DeviceFacts, available_memory_bytes, probe, rank_device
+from tunekit.device.facts import DeviceFacts, available_memory_bytes, probe, rank_device
 from tunekit.plan import AUTO_HEADROOM, GiB, Plan, predict
 from tunekit.plan.inputs import planner_inputs
 from tunekit.plan.memory import method_of
@@ -65,7 +65,7 @@ def candidates(cfg, facts: Optional[DeviceFacts] = None, ranks: int = 1) -> list
     every size without checkpointing, then with it, then with its saved inputs offloaded to the host
     (where offloading can run at all: a GPU, checkpointing, no FSDP). Offloading copies every block's
     input out and back each micro-batch, so `auto` takes it only when nothing fits without it."""
-    from tunekit.speed.device import offload_activations
+    from tunekit.device.facts import offload_activations
 
     t, m = cfg.trainer, cfg.model
     sizes = AUTO_MICRO_BATCHES if is_auto(t.micro_batch_size) else (t.micro_batch_size,)
@@ -86,7 +86,7 @@ def plan_for(cfg, facts: DeviceFacts, ranks: int, micro_batch: int, checkpointin
     from dataclasses import replace
 
     shape, setup = planner_inputs(cfg, facts)
-    from tunekit.speed.device import offload_activations
+    from tunekit.device.facts import offload_activations
 
     sharded = getattr(cfg.trainer.strategy, "value", cfg.trainer.strategy) == "fsdp" and ranks > 1
     setting = cfg.model.offload_activations if offload is None else offload

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from tunekit import TunekitError
-from tunekit.speed.device import DeviceFacts
+from tunekit.device.facts import DeviceFacts
 from tunekit.plan.memory import base_weight_bytes
 from tunekit.plan.shape import ModelShape
 

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Optional
 
 
-from tunekit.speed.device import DeviceFacts, compute_dtype, offload_activations
+from tunekit.device.facts import DeviceFacts, compute_dtype, offload_activations
 from tunekit.plan.memory import TrainSetup
 from tunekit.plan.shape import ModelShape, model_shape, student_shape
 

@@ -6,7 +6,7 @@ tunekit's trainer actually allocates, not a generic transformer:
 * weights: bf16/fp32 base, or NF4 + double quantization (bitsandbytes: 4-bit codes, one 8-bit
   absmax per 64 weights, one fp32 absmax per 256 of those, small per-layer code tables); every
   weight that is not quantized (embeddings, head, norms) stays in the compute dtype (the precision
-  policy, tunekit.speed.precision), and the head is never quantized.
+  policy, tunekit.device.precision), and the head is never quantized.
 * trainable parameters, their gradients (fp32, kept across gradient accumulation) and the
   optimizer state: AdamW 2 x fp32; bitsandbytes 8-bit: 2 x uint8 plus an fp32 absmax per 256
   elements for tensors of >= 4096 elements, 32-bit state below that (paged variants allocate the
@@ -80,18 +80,18 @@ class TrainSetup:
     distill_chunk: int = 1024
     dropout_mask_bytes: int = 4  # torch's dropout keeps a bool mask on CUDA, fp32 noise on a CPU
     # What the method's layers decide on the device (Method.plan_setup; LoRA's rules in
-    # tunekit.speed.lora_path): a copy of the 4-bit base's wrapped weights kept dequantized in the
-    # compute dtype (tunekit.speed.lora_math.cache_dense, where tunekit.speed.device.dense_cache_fits
+    # tunekit.methods.lora.backend): a copy of the 4-bit base's wrapped weights kept dequantized in the
+    # compute dtype (tunekit.methods.lora.compute_dtype.cache_dense, where tunekit.device.facts.dense_cache_fits
     # allows it) ...
     dense_cache_bytes: int = 0
-    # ... LoRA over a 4-bit base computed in the compute dtype (tunekit.speed.lora_math or the fused
+    # ... LoRA over a 4-bit base computed in the compute dtype (tunekit.methods.lora.compute_dtype or the fused
     # kernel) rather than peft's fp32 branch, which keeps an fp32 copy of every input ...
     lora_compute: bool = False
     # ... through the fused Triton kernel (CUDA): it dequantizes the base weight tile by tile in
     # registers, forward and backward, so no dequantized weight exists
     fused_kernel: bool = False
     # with gradient checkpointing on a GPU: the blocks' saved inputs live in pinned host memory
-    # (tunekit.speed.device.offload_activations), not on the device
+    # (tunekit.device.facts.offload_activations), not on the device
     offload_activations: bool = False
 
     def __init__(self, method: str = "lora", options: Any = None, **values):

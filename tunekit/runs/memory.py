@@ -13,7 +13,7 @@ import torch
 
 from tunekit import TunekitError
 from tunekit.runs.open import Source
-from tunekit.speed import device as dev
+from tunekit.device import facts as dev
 
 
 def trained_part_bytes(src: Source) -> int:

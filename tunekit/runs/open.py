@@ -32,8 +32,8 @@ import torch
 
 from tunekit import TunekitError
 from tunekit.config import TrainConfig
-from tunekit.speed import device as dev
-from tunekit.speed.device import DeviceFacts
+from tunekit.device import facts as dev
+from tunekit.device.facts import DeviceFacts
 
 # adapter_config.json "peft_type" (peft) or "method" (tunekit) -> tunekit method name
 GGUF_MAGIC = b"GGUF"
@@ -176,7 +176,7 @@ def open_source(path: str | Path, model: Optional[str] = None, quantize: Optiona
                 runs_only: bool = False) -> Source:
     """Recognise `path` (see the module docstring). model/quantize/dtype choose the base of a
     standalone adapter folder; base_model names the untuned base of a model folder (for --base);
-    facts: the device it will load on (tunekit.speed.device.command_facts; default the CPU).
+    facts: the device it will load on (tunekit.device.facts.command_facts; default the CPU).
     runs_only: `path` must be a run folder itself (what `tunekit export` takes)."""
     from tunekit.model import resolve_model_path
 

@@ -16,7 +16,7 @@ it to come back. Here the copies run on a side stream (as torchtune's activation
 Small tensors (under `MIN_BYTES`) and anything not on the GPU stay where they are: the copies and
 their bookkeeping would cost more than they save.
 
-The stream operations sit behind tunekit.speed.device.Streams (the one module that talks to
+The stream operations sit behind tunekit.device.facts.Streams (the one module that talks to
 torch.cuda); on a CPU they are plain copies with nothing to overlap, which is how tests check, on any machine, that gradients are bit-identical with and
 without offloading and that every tensor backward needs was prefetched but the first.
 """
@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from tunekit.speed import device as dev
+from tunekit.device import facts as dev
 
 MIN_BYTES = 1 << 20  # 1 MiB: a block input of Llama-3-8B at 2 x 2048 tokens is 32 MiB in bf16
 

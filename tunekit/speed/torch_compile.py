@@ -22,7 +22,7 @@ How:
   forward of the model), for a batch of two rows and for one row alone (CHECK_LENGTHS: the graphs
   the steps will run); the outputs and every gradient must agree within the tolerance below.
   Found that way: torch 2.13's inductor dropped `alpha` from `y.add_(a @ b, alpha=s)`, which
-  halved every LoRA term at alpha/r = 2 (tunekit/speed/lora_math.py no longer writes it so).
+  halved every LoRA term at alpha/r = 2 (tunekit/methods/lora/compute_dtype.py no longer writes it so).
   A compile error or a difference stops the run with a message naming kernels.compile.
 * Not with trainer.strategy=fsdp (refused with the config, before anything loads): FSDP2 hooks
   every layer's forward itself.
@@ -36,7 +36,7 @@ the largest magnitude leaves 50x headroom. For bf16/fp16 storage each skipped ro
 roundings on the way to q_proj's LoRA A); a LoRA A gradient is also a sum over tokens whose terms
 cancel, which multiplies each term's rounding error relative to the result by Σ|term| / |Σ term|,
 a factor no bound on the roundings fixes. On the default model in bf16 the largest difference comes
-close to the 3e-2 the fused kernel's check uses (tunekit/speed/lora_path.py) over a bf16 base, with
+close to the 3e-2 the fused kernel's check uses (tunekit/methods/lora/backend.py) over a bf16 base, with
 nothing wrong (benchmarks/training/compile-check-*.md). So in half precision a tensor that differs
 from eager by more than that tolerance is judged against the layer run in fp32 (the same weights and
 inputs, every op in fp32): the compiled result passes if it is within the tolerance of that, or no
@@ -58,12 +58,12 @@ import torch
 import torch.nn as nn
 
 from tunekit import TunekitError
-from tunekit.speed.lora_path import CHECK_TOL, rel_err
+from tunekit.methods.lora.backend import CHECK_TOL, rel_err
 from tunekit.model.layers import decoder_layers
 
 log = logging.getLogger(__name__)
 
-# The analysis in the module docstring gives the fused kernel's bounds (tunekit/speed/lora_path.py): one table.
+# The analysis in the module docstring gives the fused kernel's bounds (tunekit/methods/lora/backend.py): one table.
 TOL = CHECK_TOL
 # The check's batches: real rows cut to these lengths, the two together and the first alone. Lengths
 # that are prime, because dynamo specialises a dimension equal to a static width of the model (a
@@ -246,7 +246,7 @@ def _fp32(obj):
 def _fp32_copy(layer: nn.Module) -> nn.Module:
     """The layer with every floating parameter and buffer in fp32 and its 4-bit projections computing
     in fp32 (their codes stay; a kept dequantized weight is widened, so the same weight values)."""
-    from tunekit.speed.lora_math import CACHE_ATTR
+    from tunekit.methods.lora.compute_dtype import CACHE_ATTR
 
     ref = copy.deepcopy(layer).float()
     for m in ref.modules():

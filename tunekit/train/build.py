@@ -26,8 +26,9 @@ from tunekit.model import (load_base_model, load_tokenizer, prepare_for_training
                            resolve_model_path)
 from tunekit.model.student import make_student
 from tunekit.plan.choose import resolve_memory_settings
-from tunekit.speed import device as dev
-from tunekit.speed import packed_attention, precision, threads
+from tunekit.device import facts as dev
+from tunekit.device import precision, threads
+from tunekit.speed import packed_attention
 from tunekit.speed import torch_compile as compiled
 from tunekit.train.checkpoint import atomic_write_text, find_resumable, load_checkpoint, read_state
 from tunekit.train.loss_scale import LossScaler
@@ -54,7 +55,7 @@ class RecipeSetup:
 
     def _process_group_kwargs(self):
         """The collectives' timeout, set explicitly (accelerate's NCCL default is 10 minutes, shorter
-        than rank 0 may spend alone saving a large checkpoint): tunekit.speed.device.dist_timeout_s of the
+        than rank 0 may spend alone saving a large checkpoint): tunekit.device.facts.dist_timeout_s of the
         checkpoint the plan predicts (the trained tensors and their optimizer state)."""
         from datetime import timedelta
 
@@ -170,7 +171,7 @@ class RecipeSetup:
         self.resume_from, self.resume_state = ckpt, state
 
     def _choose_precision(self) -> None:
-        """The precision policy (tunekit.speed.precision) from model.dtype and the device; `dtype` is
+        """The precision policy (tunekit.device.precision) from model.dtype and the device; `dtype` is
         its compute dtype."""
         self.precision = precision.decide(plain(self.cfg.model.dtype), self.facts)
         precision.apply(self.precision, self.facts)
@@ -240,9 +241,9 @@ class RecipeSetup:
         """The LoRA layers' path (kernels.fused_lora, the same on every rank), then training mode, in
         which kernels.compile checks and compiles the decoder layers."""
         cfg, setting = self.cfg, plain(self.cfg.kernels.fused_lora)
-        self.lora_path = self.strategy.choose_lora_path(self.model, setting, self.facts, self.dtype)
-        if self.lora_path.layers or setting != "auto" or self.lora_path.checks:
-            self._info(f"kernels: LoRA layers use {self.lora_path.path} ({self.lora_path.reason})")
+        self.lora_backend = self.strategy.choose_lora_backend(self.model, setting, self.facts, self.dtype)
+        if self.lora_backend.layers or setting != "auto" or self.lora_backend.checks:
+            self._info(f"kernels: LoRA layers use {self.lora_backend.path} ({self.lora_backend.reason})")
         self.model.train()
         self.compiled = compiled.CompileDecision(False, "kernels.compile=false")
         if cfg.kernels.compile:  # config checks keep it from FSDP

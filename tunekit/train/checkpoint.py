@@ -123,7 +123,7 @@ def save_checkpoint(output_dir: Path, step: int, save_adapter: Callable[[Path], 
     """Write checkpoints/step-NNNNNN atomically and prune all but the newest `keep`.
 
     trainer_state: JSON-able run facts (tokens seen, first evaluation, fingerprint); rng_states:
-    one `tunekit.speed.device.rng_state` per rank, in rank order.
+    one `tunekit.device.facts.rng_state` per rank, in rank order.
     """
     target = Path(output_dir) / "checkpoints" / f"step-{step:06d}"
     if target.exists() and not (target / STATE_JSON).is_file():

@@ -219,7 +219,7 @@ class Sharded:
         self.rank_bytes = held_bytes(model)
         import gc
 
-        from tunekit.speed.device import current_memory_mb
+        from tunekit.device.facts import current_memory_mb
 
         gc.collect()  # the whole tensors the shards were cut from
         self.memory_after_shard_mb = current_memory_mb(self.device)

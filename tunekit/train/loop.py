@@ -32,8 +32,9 @@ from tunekit import TunekitError
 from tunekit.config import TrainConfig, plain
 from tunekit.data import IGNORE, count_tokens, eval_micro_batches
 from tunekit.model import decoder_and_head
-from tunekit.speed import device as dev
-from tunekit.speed import packed_attention, precision
+from tunekit.device import facts as dev
+from tunekit.device import precision
+from tunekit.speed import packed_attention
 from tunekit.train.build import RecipeSetup
 from tunekit.train.checkpoint import atomic_dir, atomic_write_text, latest_checkpoint, save_checkpoint
 from tunekit.train.objective import model_inputs
@@ -78,7 +79,7 @@ class TrainRecipe(RecipeSetup):
         """The Accelerator (it starts the process group, with an explicit timeout), this rank's device
         and its facts, and the run's strategy (tunekit.train.strategy.choose_strategy)."""
         self.acc = Accelerator(kwargs_handlers=[self._process_group_kwargs()])
-        # A single process's Accelerator().device is `cuda` without an index (tunekit.speed.device.rank_device).
+        # A single process's Accelerator().device is `cuda` without an index (tunekit.device.facts.rank_device).
         self.device = dev.rank_device(self.acc.device, self.acc.local_process_index)
         self.facts = dev.probe(self.device)
         self.main = self.acc.is_main_process
@@ -295,7 +296,7 @@ class TrainRecipe(RecipeSetup):
                 "bits_per_param": self.bits_per_param, "world_size": self.strategy.world_size,
                 "device": self.facts.describe(), "compute_dtype": str(self.dtype).removeprefix("torch."),
                 "precision": self._precision_report(), "memory": self._memory_report(), "data": self.data_report,
-                "kernels": self.lora_path.as_dict(),
+                "kernels": self.lora_backend.as_dict(),
                 **({"loss_scaling": {**self.scaler.state_dict(), "skipped_steps": self.scaler.skipped}}
                    if self.scaler.enabled else {}),
                 "compile": self.compiled.as_dict(),

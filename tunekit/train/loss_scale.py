@@ -1,7 +1,7 @@
 """Dynamic loss scaling for fp16 training (Micikevicius et al., "Mixed Precision Training", ICLR 2018).
 
 On GPUs with fp16 tensor cores but no bf16 ones (V100, T4, RTX 20xx) the precision policy computes
-in fp16 (tunekit.speed.precision). fp16 keeps 5 exponent bits: a gradient flowing back through the
+in fp16 (tunekit.device.precision). fp16 keeps 5 exponent bits: a gradient flowing back through the
 frozen base below 2^-24 flushes to zero, one above 65504 overflows to inf. The loss is multiplied
 by a scale S (a power of two) before backward, which moves those gradients up, clear of the
 underflow; the trained fp32 gradients are divided by S before clipping and the update, exactly

@@ -9,7 +9,7 @@ import warnings
 import torch
 
 from tunekit import TunekitError
-from tunekit.speed import device as dev
+from tunekit.device import facts as dev
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ def build_optimizer(name: str, params: list, lr: float, weight_decay: float, dev
     unpaged variant there, which we say once here instead of its per-tensor warning.
     """
     if name == "adamw":
-        # fused on a GPU (tunekit.speed.device.fused_adamw)
+        # fused on a GPU (tunekit.device.facts.fused_adamw)
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=dev.fused_adamw(device))
     import bitsandbytes as bnb
 

@@ -5,7 +5,7 @@ strategy answers them:
 
     load_device, storage_dtype   where the base loads, and the dtype its 4-bit codes are stored in
     offload_activations(...)     whether checkpointed blocks' inputs go to host memory
-    choose_lora_path(...)        the LoRA compute path every rank takes
+    choose_lora_backend(...)        the LoRA compute path every rank takes
     wrap(model)                  after the method is applied: the tensors the optimizer steps
     run(fn, *args)               every forward (training, evaluation, the probe) goes through it
     reduce_grads(params)         once after the last micro-batch's backward: the summed gradients
@@ -40,8 +40,8 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 import torch.nn as nn
 
-from tunekit.speed import device as dev
-from tunekit.speed.lora_path import FusedDecision, agree_on_path, broadcast_from_rank0, choose_lora_path
+from tunekit.device import facts as dev
+from tunekit.methods.lora.backend import FusedDecision, agree_on_backend, broadcast_from_rank0, choose_lora_backend
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class Strategy(ABC):
         """model.offload_activations resolved for this run."""
 
     @abstractmethod
-    def choose_lora_path(self, model: nn.Module, setting: str, facts: dev.DeviceFacts,
+    def choose_lora_backend(self, model: nn.Module, setting: str, facts: dev.DeviceFacts,
                          dtype: torch.dtype) -> FusedDecision:
         """kernels.fused_lora resolved, applied to `model` and the same on every rank."""
 
@@ -209,9 +209,9 @@ class SingleOrDDP(Strategy):
     def offload_activations(self, setting, facts: dev.DeviceFacts, checkpointing: bool) -> bool:
         return dev.offload_activations(setting, facts, checkpointing)
 
-    def choose_lora_path(self, model, setting, facts, dtype) -> FusedDecision:
+    def choose_lora_backend(self, model, setting, facts, dtype) -> FusedDecision:
         # every rank takes rank 0's path (its own proof's timings could differ)
-        return agree_on_path(choose_lora_path(model, setting, facts, dtype), self.broadcast, model)
+        return agree_on_backend(choose_lora_backend(model, setting, facts, dtype), self.broadcast, model)
 
     def wrap(self, model: nn.Module) -> list[nn.Parameter]:
         return [p for p in model.parameters() if p.requires_grad]
@@ -294,7 +294,7 @@ class FSDP2(Strategy):
     def offload_activations(self, setting, facts: dev.DeviceFacts, checkpointing: bool) -> bool:
         return dev.offload_activations(setting, facts, checkpointing, sharded=True)
 
-    def choose_lora_path(self, model, setting, facts, dtype) -> FusedDecision:
+    def choose_lora_backend(self, model, setting, facts, dtype) -> FusedDecision:
         return FusedDecision(setting, "peft", "trainer.strategy=fsdp")
 
     def wrap(self, model: nn.Module) -> list[nn.Parameter]:

@@ -7,7 +7,7 @@ The choice is made once, before the first step, and never changes what is traine
   saves, loads, merges or disables adapters, and state-dict keys are untouched. (Swapping in a
   module of another type made peft 0.21 save adapters with 0 tensors.)
 * On a CPU, `auto` takes the same layer math in plain torch + bitsandbytes with the LoRA matmuls
-  in bf16 (tunekit/speed/lora_math.py: peft runs them in fp32, several times slower on a CPU),
+  in bf16 (tunekit/methods/lora/compute_dtype.py: peft runs them in fp32, several times slower on a CPU),
   when the base computes in bf16; it is checked against the twin like the kernel (not timed: a
   rule, so that a resumed run takes the same path and stays bit-identical).
 * `kernels.fused_lora=auto` proves the kernel on this device before trusting it: for every
@@ -18,10 +18,10 @@ The choice is made once, before the first step, and never changes what is traine
   turns a failure into an error, but keeps a correct kernel that is merely slower (the user asked
   for it) and logs that it is. The decision and its figures go into summary.json.
 * With several processes (DDP), each rank proves the kernel on its own GPU, but timings differ
-  from rank to rank: `agree_on_path` hands every rank rank 0's decision, so all of them compute
+  from rank to rank: `agree_on_backend` hands every rank rank 0's decision, so all of them compute
   alike.
 
-Device questions (is this CUDA, which capability, is triton there) go through tunekit.speed.device.
+Device questions (is this CUDA, which capability, is triton there) go through tunekit.device.facts.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch.nn as nn
 from peft.tuners.lora.bnb import Linear4bit as PeftLoRALinear4bit
 
 from tunekit import TunekitError
-from tunekit.speed import device as dev
+from tunekit.device import facts as dev
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class TorchLoRALinear4bit(PeftLoRALinear4bit):
         active = [a for a in self.active_adapters if a in self.lora_A]
         if self.disable_adapters or self.merged or len(active) != 1 or args or kwargs:
             return super().forward(x, *args, **kwargs)
-        from tunekit.speed.lora_math import lora4bit_compute
+        from tunekit.methods.lora.compute_dtype import lora4bit_compute
 
         name = active[0]
         dropout = self.lora_dropout[name]
@@ -148,7 +148,7 @@ class FusedDecision:
     """What summary.json records: which path the LoRA layers use, and why.
 
     `dense_dtype`: the dtype the 4-bit base is also kept dequantized in (torch path, CPU), if it is.
-    `decided_by`: "rank 0" once `agree_on_path` has made every rank take rank 0's decision.
+    `decided_by`: "rank 0" once `agree_on_backend` has made every rank take rank 0's decision.
     `rejected_checks`: the per-shape figures of a kernel that was proven and not taken (on a GPU the
     fused kernel's, when the torch path replaced it): the reason's totals, shape by shape."""
 
@@ -213,7 +213,7 @@ def check_layer(layer: nn.Module, dtype: torch.dtype, tokens: int = CHECK_TOKENS
     if path == "fused":
         fused = run(lambda a, b, c: tk.fused_lora_linear(a, quant, b, c, scaling), dtype)
     else:
-        from tunekit.speed.lora_math import lora4bit_compute
+        from tunekit.methods.lora.compute_dtype import lora4bit_compute
 
         # bitsandbytes computes the base in its compute dtype whatever x's dtype; x comes in as in training
         fused = run(lambda a, b, c: lora4bit_compute(a, layer.base_layer, b.float(), c.float(), scaling), dtype)
@@ -332,18 +332,18 @@ def prove_kernel(layers: list[tuple[str, nn.Module]], dtype: torch.dtype, facts:
     return KernelProof(True, reason, checks, round(fused, 4), round(peft, 4))
 
 
-def choose_lora_path(model: nn.Module, mode: str, facts: dev.DeviceFacts, dtype: torch.dtype) -> FusedDecision:
+def choose_lora_backend(model: nn.Module, mode: str, facts: dev.DeviceFacts, dtype: torch.dtype) -> FusedDecision:
     """Decide, prove and apply the LoRA path for `model`; returns the decision for the log and summary.
 
     mode: auto (CUDA: the Triton kernel where it runs, passes its checks and is faster; correct but
     slower keeps peft; CPU: the compute-dtype LoRA, checked, when the base computes in bf16 or an
     fp32 base fits dequantized in memory; else peft) | on (the Triton kernel where it runs and passes
     its checks, slower or not, which a warning then says; else a clear error) | off (peft).
-    With several ranks, pass the result through `agree_on_path`.
+    With several ranks, pass the result through `agree_on_backend`.
     """
     layers = lora_4bit_layers(model)
     set_path([m for _, m in layers], "peft")  # peft's forward unless tunekit's earns its place below
-    from tunekit.speed.lora_math import drop_dense
+    from tunekit.methods.lora.compute_dtype import drop_dense
 
     for _, m in layers:
         drop_dense(m.base_layer)
@@ -351,7 +351,7 @@ def choose_lora_path(model: nn.Module, mode: str, facts: dev.DeviceFacts, dtype:
         return FusedDecision(mode, "peft", "kernels.fused_lora=off")
     if any(m.use_dora.get(a) for _, m in layers for a in m.active_adapters):
         if mode == "on":  # neither the kernel nor the compute-dtype path computes DoRA's magnitude
-            from tunekit.methods.lora_variants import DORA_NOT_FUSED
+            from tunekit.methods.lora.variants import DORA_NOT_FUSED
 
             raise TunekitError(DORA_NOT_FUSED)
         return FusedDecision(mode, "peft", "DoRA (method.use_dora): peft's layers compute its magnitude",
@@ -401,11 +401,11 @@ def _gpu_fallback(model, layers, mode: str, facts: dev.DeviceFacts, dtype: torch
 
 
 def _torch_path(model, layers, mode: str, facts: dev.DeviceFacts, dtype: torch.dtype, why: str) -> FusedDecision:
-    """The LoRA matmuls in the compute dtype in plain torch (tunekit.speed.lora_math), checked against
+    """The LoRA matmuls in the compute dtype in plain torch (tunekit.methods.lora.compute_dtype), checked against
     the twin: auto off CUDA, where the Triton kernel is out (only an interpreter runs it there), and
     on CUDA in bf16 where the kernel is not taken. Two things pay
     on a CPU: the LoRA matmuls in bf16 where the base computes in bf16, and, in bf16 or fp32, the
-    frozen base kept dequantized where memory allows (tunekit.speed.device.dense_cache_fits) instead of
+    frozen base kept dequantized where memory allows (tunekit.device.facts.dense_cache_fits) instead of
     dequantized twice per layer per micro-batch. An fp32 base without room for that copy gains
     nothing over peft's own fp32 math, so peft stays."""
     if dtype not in (torch.bfloat16, torch.float32):
@@ -419,7 +419,7 @@ def _torch_path(model, layers, mode: str, facts: dev.DeviceFacts, dtype: torch.d
     if not proof.correct:
         return FusedDecision(mode, "peft", proof.reason + "; using peft + bitsandbytes", checks=proof.checks)
     set_path([m for _, m in layers], "torch")
-    from tunekit.speed.lora_math import cache_dense
+    from tunekit.methods.lora.compute_dtype import cache_dense
 
     cached = ""
     if fits:
@@ -442,11 +442,11 @@ def broadcast_from_rank0(obj: Any) -> Any:
     return box[0]
 
 
-def agree_on_path(decision: FusedDecision, broadcast_object: Callable[[Any], Any],
+def agree_on_backend(decision: FusedDecision, broadcast_object: Callable[[Any], Any],
                   model: Optional[nn.Module] = None) -> FusedDecision:
     """Every rank takes the LoRA path rank 0 decided; returns that decision, `decided_by="rank 0"`.
 
-    Each rank decides on its own first (`choose_lora_path` proves and times the kernel on its own
+    Each rank decides on its own first (`choose_lora_backend` proves and times the kernel on its own
     GPU); timings differ from rank to rank, so `auto` could otherwise train with the fused kernel on
     some ranks and with peft on others. `broadcast_object(obj)` must return rank 0's `obj` on every
     rank (`broadcast_from_rank0`; a plain function in tests). Where this rank decided otherwise, its
@@ -465,7 +465,7 @@ def agree_on_path(decision: FusedDecision, broadcast_object: Callable[[Any], Any
                            f"{'failed (' + c.error + ')' if c.error else f'differs by {c.max_rel_err:.2e}'} on a "
                            f"{c.shape[0]}x{c.shape[1]} layer; do the GPUs differ? Use kernels.fused_lora=off")
     if model is None:
-        raise ValueError("agree_on_path: this rank decided otherwise than rank 0; pass the model to switch it")
+        raise ValueError("agree_on_backend: this rank decided otherwise than rank 0; pass the model to switch it")
     log.warning("kernels: this rank found %s (%s); taking rank 0's decision: %s (%s)",
                 decision.path, decision.reason, agreed.path, agreed.reason)
     apply_path(model, agreed)
@@ -474,7 +474,7 @@ def agree_on_path(decision: FusedDecision, broadcast_object: Callable[[Any], Any
 
 def apply_path(model: nn.Module, decision: FusedDecision) -> None:
     """Put `model`'s LoRA layers on `decision`'s path (a decision made elsewhere, e.g. on rank 0)."""
-    from tunekit.speed.lora_math import cache_dense, drop_dense
+    from tunekit.methods.lora.compute_dtype import cache_dense, drop_dense
 
     layers = [m for _, m in lora_4bit_layers(model)]
     for m in layers:

@@ -20,7 +20,7 @@ read one tensor at a time from the model folder's safetensors: peak memory is th
 one layer in fp32 (and its SVD). Quantization mirrors the loaded layer exactly (blocksize, NF4,
 double quantization, the dtype it was quantized from, quant_storage), so a packed weight written
 here is what bitsandbytes would have built from the same W'. What a run must keep to rebuild
-its base and merge exactly (`loftq_init.safetensors`, the merge targets) is in tunekit.methods.loftq_io.
+its base and merge exactly (`loftq_init.safetensors`, the merge targets) is in tunekit.methods.lora.loftq_io.
 """
 
 from __future__ import annotations

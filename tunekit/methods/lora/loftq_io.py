@@ -1,4 +1,4 @@
-"""What a LoftQ start (tunekit.methods.loftq) leaves beside the adapter, and the merges it implies.
+"""What a LoftQ start (tunekit.methods.lora.loftq) leaves beside the adapter, and the merges it implies.
 
 A LoRA started from LoftQ trains B A from its start B_T A_T over the base Q_T (W: (out, in),
 A: (r, in), B: (out, r), s = alpha / r). The two merged exports (`tunekit export --merge-into`):
@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from tunekit import TunekitError
-from tunekit.methods.loftq import (LayerInit, LoftqInit, LoraTarget, QuantSettings, nf4_roundtrip,
+from tunekit.methods.lora.loftq import (LayerInit, LoftqInit, LoraTarget, QuantSettings, nf4_roundtrip,
                                    read_original_weight, same_codes, settings_record, shifted, tensor_key,
                                    write_packed)
 
@@ -40,7 +40,7 @@ SUBTRACTED_ATTR = "_tunekit_loftq_subtracted"  # ... and, over original weights,
 def start_loftq(model: torch.nn.Module, model_dir: str | Path, iters: int, log: Optional[Callable[[str], None]] = None):
     """method.init=loftq on a freshly applied 4-bit LoRA model (before training, before its compute
     path is chosen): apply_loftq over every LoRA layer, the start kept on the model for saving."""
-    from tunekit.methods.loftq import apply_loftq, lora_scaling, lora_targets
+    from tunekit.methods.lora.loftq import apply_loftq, lora_scaling, lora_targets
 
     targets = lora_targets(model)
     r = next(iter(targets.values())).lora_A.weight.shape[0]
@@ -67,7 +67,7 @@ def after_load(model: torch.nn.Module, folder: Path, log: Optional[Callable[[str
       it for iters = 1). Done at most once: a base that holds Q_T already is left as it is;
     * a high-precision base (the original weights, for a merge into them): W - s B_T A_T, so that
       the merged W + s (B A - B_T A_T) counts the start once, not twice."""
-    from tunekit.methods.loftq import PEFT_PREFIX
+    from tunekit.methods.lora.loftq import PEFT_PREFIX
     from tunekit.model.layers import is_4bit
 
     init = load_loftq_init(folder)
@@ -84,7 +84,7 @@ def after_load(model: torch.nn.Module, folder: Path, log: Optional[Callable[[str
     object.__setattr__(model, INIT_ATTR, init)
     quantized = {name: is_4bit(layers[name].get_base_layer()) for name in init.layers}
     if any(quantized.values()) and init.iters >= 2:
-        from tunekit.methods.loftq import LoraTarget
+        from tunekit.methods.lora.loftq import LoraTarget
 
         targets = {name: LoraTarget(layers[name].lora_A["default"], layers[name].lora_B["default"],
                                     layers[name].get_base_layer()) for name in init.layers if quantized[name]}

@@ -5,12 +5,12 @@ Cross-compiles the kernel (Triton's wheel ships ptxas: no GPU needed) for sm_75,
 sm_89 and sm_90 in every dtype the kernels run in there, and prints one table per dtype:
 config x compute capability, the bytes one block needs (the compiler's ``metadata.shared``)
 against the per-block limit, and whether the autotuner is offered the config on that target
-(kernels/fit.py prunes the others). Every config of the dtype is compiled, pruned ones too.
+(kernels/tiles.py prunes the others). Every config of the dtype is compiled, pruned ones too.
 
 ``--before REV`` adds the same table for the kernels at git revision REV (its own configs), e.g.
 the commit before the kernel stopped gathering per element in its K loop.
 
-    python scripts/kernel_fit.py --before 2cba8b8 --out benchmarks/kernels/kernel-fit.md
+    python scripts/kernel_tiles.py --before 2cba8b8 --out benchmarks/kernels/kernel-fit.md
 
 Needs TRITON_INTERPRET unset. A full run compiles ~150 kernels: minutes on a 2-core CPU.
 """
@@ -64,7 +64,7 @@ def import_before(rev: str):
     """kernels/ at git revision ``rev`` as the package BEFORE_PKG (written to a temporary folder)."""
     names = subprocess.run(["git", "ls-tree", "--name-only", rev, "kernels/"], cwd=REPO, check=True,
                            capture_output=True, text=True).stdout.split()
-    root = Path(tempfile.mkdtemp(prefix="kernel-fit-"))
+    root = Path(tempfile.mkdtemp(prefix="kernel-tiles-"))
     atexit.register(shutil.rmtree, root, True)
     pkg = root / BEFORE_PKG
     pkg.mkdir()
@@ -77,10 +77,10 @@ def import_before(rev: str):
     return importlib.import_module(f"{BEFORE_PKG}.lora")
 
 
-def _old_launch(old_kernel, fit, new_kernel, dtype, launch):
+def _old_launch(old_kernel, tiles, new_kernel, dtype, launch):
     """The launch of the revision's kernel with the arguments today's makes, matched by name."""
-    new_fn, old_fn = fit.jit_function(new_kernel), fit.jit_function(old_kernel)
-    args, constexprs = fit.matmul_launches(dtype, **fit.CHECK_SHAPE)[launch]
+    new_fn, old_fn = tiles.jit_function(new_kernel), tiles.jit_function(old_kernel)
+    args, constexprs = tiles.matmul_launches(dtype, **tiles.CHECK_SHAPE)[launch]
     runtime = [p.name for p in new_fn.params if not p.is_constexpr]
     named = {**dict(zip(runtime, args)), **constexprs}
     old_params = {p.name: p for p in old_fn.params}
@@ -91,21 +91,21 @@ def _old_launch(old_kernel, fit, new_kernel, dtype, launch):
 
 def compile_job(job):
     which, launch, cap, dname, key = job
-    fit = importlib.import_module("tunekit_kernels.fit")
+    tiles = importlib.import_module("tunekit_kernels.tiles")
     lora = importlib.import_module("tunekit_kernels.lora")
-    dtype = fit._dtype(dname)
+    dtype = tiles._dtype(dname)
     start = time.perf_counter()
     try:
         if which == "after":
-            config = next(c for c in fit.matmul_configs(dtype) if fit.config_key(c) == key)
-            args, constexprs = fit.matmul_launches(dtype, **fit.CHECK_SHAPE)[launch]
-            shared = fit.shared_memory(lora._nf4_lora_matmul_kernel, args, constexprs, cap, config, **lora.OPTIONS)
+            config = next(c for c in tiles.matmul_configs(dtype) if tiles.config_key(c) == key)
+            args, constexprs = tiles.matmul_launches(dtype, **tiles.CHECK_SHAPE)[launch]
+            shared = tiles.shared_memory(lora._nf4_lora_matmul_kernel, args, constexprs, cap, config, **lora.OPTIONS)
         else:
             old = importlib.import_module(f"{BEFORE_PKG}.lora")
-            config = next(c for c in old._configs() if fit.config_key(c) == key)
-            args, constexprs = _old_launch(old._nf4_lora_matmul_kernel, fit, lora._nf4_lora_matmul_kernel,
+            config = next(c for c in old._configs() if tiles.config_key(c) == key)
+            args, constexprs = _old_launch(old._nf4_lora_matmul_kernel, tiles, lora._nf4_lora_matmul_kernel,
                                            dtype, launch)
-            shared = fit.shared_memory(old._nf4_lora_matmul_kernel, args, constexprs, cap, config,
+            shared = tiles.shared_memory(old._nf4_lora_matmul_kernel, args, constexprs, cap, config,
                                        enable_fp_fusion=False)
         error = None
     except Exception as e:  # noqa: BLE001 - a config that does not compile is a table entry too
@@ -114,60 +114,60 @@ def compile_job(job):
                 seconds=round(time.perf_counter() - start, 2))
 
 
-def jobs_for(fit, which, configs_of, launches):
+def jobs_for(tiles, which, configs_of, launches):
     jobs = []
     for launch in launches:
-        for cap in fit.TARGETS:
-            for dtype in fit.dtypes_for(cap):
-                jobs += [(which, launch, cap, fit.dtype_name(dtype), fit.config_key(c)) for c in configs_of(dtype)]
+        for cap in tiles.TARGETS:
+            for dtype in tiles.dtypes_for(cap):
+                jobs += [(which, launch, cap, tiles.dtype_name(dtype), tiles.config_key(c)) for c in configs_of(dtype)]
     return jobs
 
 
-def table(fit, rows, which, launch, dname, configs, after: bool) -> list[str]:
-    caps = [c for c in fit.TARGETS if any(fit.dtype_name(d) == dname for d in fit.dtypes_for(c))]
-    head = "| config | " + " | ".join(f"sm_{a}{b} (limit {fit.SMEM_LIMIT[(a, b)]:,})" for a, b in caps) + " |"
+def table(tiles, rows, which, launch, dname, configs, after: bool) -> list[str]:
+    caps = [c for c in tiles.TARGETS if any(tiles.dtype_name(d) == dname for d in tiles.dtypes_for(c))]
+    head = "| config | " + " | ".join(f"sm_{a}{b} (limit {tiles.SMEM_LIMIT[(a, b)]:,})" for a, b in caps) + " |"
     lines = [head, "|---|" + "---|" * len(caps)]
     by = {(r["capability"], r["key"]): r for r in rows
           if r["which"] == which and r["launch"] == launch and r["dtype"] == dname}
     for config in configs:
-        key = fit.config_key(config)
+        key = tiles.config_key(config)
         cells = []
         for cap in caps:
             r = by.get((cap, key))
             if r is None:
                 cells.append("-")
                 continue
-            limit = fit.SMEM_LIMIT[cap]
+            limit = tiles.SMEM_LIMIT[cap]
             if r["shared"] is None:
                 cells.append(f"does not compile ({r['error']})")
                 continue
             fits = r["shared"] <= limit
             cell = f"{r['shared']:,} {'fits' if fits else '**over**'}"
             if after:
-                offered = key in {fit.config_key(c) for c in fit.configs_for(cap, fit._dtype(dname))}
-                est = fit.matmul_shared_estimate(config, fit._dtype(dname), cap)
+                offered = key in {tiles.config_key(c) for c in tiles.configs_for(cap, tiles._dtype(dname))}
+                est = tiles.matmul_shared_estimate(config, tiles._dtype(dname), cap)
                 cell += f"; {'offered' if offered else 'pruned'} (estimate {est:,})"
             cells.append(cell)
-        lines.append(f"| {fit.config_name(config)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {tiles.config_name(config)} | " + " | ".join(cells) + " |")
     return lines
 
 
 def main(argv=None):
     args = parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        sys.exit("kernel_fit: unset TRITON_INTERPRET (the kernels must be compiled, not interpreted)")
+        sys.exit("kernel_tiles: unset TRITON_INTERPRET (the kernels must be compiled, not interpreted)")
     import torch
     import triton
 
     import_kernels()
-    from tunekit_kernels import fit
+    from tunekit_kernels import tiles
 
     launches = [s.strip() for s in args.launches.split(",") if s.strip()]
-    jobs = jobs_for(fit, "after", fit.matmul_configs, launches)
+    jobs = jobs_for(tiles, "after", tiles.matmul_configs, launches)
     old = None
     if args.before:
         old = import_before(args.before)
-        jobs += jobs_for(fit, "before", lambda dtype: old._configs(), ["forward"])
+        jobs += jobs_for(tiles, "before", lambda dtype: old._configs(), ["forward"])
     start = time.perf_counter()
     if args.workers > 1:
         import multiprocessing
@@ -177,14 +177,14 @@ def main(argv=None):
     else:
         rows = [compile_job(j) for j in jobs]
     wall = time.perf_counter() - start
-    shape = fit.CHECK_SHAPE
+    shape = tiles.CHECK_SHAPE
     cpu = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
     out = [
         "# Fused NF4 LoRA matmul: shared memory per block vs the device limit",
         "",
         f"Cross-compiled with Triton {triton.__version__} (its bundled ptxas) on a CPU-only machine ({cpu}, "
         f"no GPU), torch {torch.__version__}, {datetime.date.today().isoformat()}: "
-        f"`python scripts/kernel_fit.py{' --before ' + args.before if args.before else ''}"
+        f"`python scripts/kernel_tiles.py{' --before ' + args.before if args.before else ''}"
         f"{' --launches ' + args.launches if args.launches != 'forward' else ''}` "
         f"({len(jobs)} compiles, {wall:.0f} s with {args.workers} processes).",
         "",
@@ -200,14 +200,14 @@ def main(argv=None):
                 "scales gathered per weight element inside the K loop", ""]
         for dname in ("fp32", "bf16", "fp16"):
             out += [f"### {dname}, forward", ""]
-            out += table(fit, rows, "before", "forward", dname, old._configs(), after=False) + [""]
+            out += table(tiles, rows, "before", "forward", dname, old._configs(), after=False) + [""]
     out += ["", "## After: per-dtype tiles, code book in registers, scales once per tile row, pruned per device",
             "", "\"offered\": the autotuner sees the config on that target (its estimate, an upper bound, fits); "
             "\"pruned\": it does not.", ""]
     for launch in launches:
         for dname in ("fp32", "bf16", "fp16"):
             out += [f"### {dname}, {launch}", ""]
-            out += table(fit, rows, "after", launch, dname, fit.matmul_configs(fit._dtype(dname)), after=True) + [""]
+            out += table(tiles, rows, "after", launch, dname, tiles.matmul_configs(tiles._dtype(dname)), after=True) + [""]
     text = "\n".join(out).rstrip() + "\n"
     print(text)
     if args.out:

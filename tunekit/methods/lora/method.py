@@ -11,11 +11,11 @@ the sum (tunekit.methods.merging, shared with the other merging methods).
 
 A variant of LoRA is a key in `LoRAConfig`, its range check in `check_config`, its argument in
 `peft_config`, and what it adds to the plan in `plan_terms`. The variants compose, except DoRA with a
-PiSSA/OLoRA start (tunekit.methods.lora_variants says why, and does their saving and LoRA+'s groups):
+PiSSA/OLoRA start (tunekit.methods.lora.variants says why, and does their saving and LoRA+'s groups):
 
 * method.use_dora: DoRA (Liu et al. 2024, arXiv:2402.09353): W' = m * (W + s B A) / ||W + s B A||
   (row norms), m: (out,) trained; peft's layers only (the fused and compute-dtype 4-bit paths do
-  not compute it: tunekit.speed.lora_path keeps peft's). Over a 4-bit base: QDoRA.
+  not compute it: tunekit.methods.lora.backend keeps peft's). Over a 4-bit base: QDoRA.
 * method.use_rslora: rsLoRA (Kalajdzievski 2023, arXiv:2312.03732): s = alpha / sqrt(r) instead of
   alpha / r. Whatever computes LoRA's output reads peft's `layer.scaling`, never alpha / r.
 * method.init: default | pissa (Meng et al. 2024, arXiv:2404.02948) | olora (Buyukakyuz 2024,
@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, List, Optional
 from tunekit import TunekitError
 from tunekit.checks import names, number, one_of
 from tunekit.methods.merging import dequantized_linear, replace_module, to_plain_model  # noqa: F401 (shared)
-from tunekit.methods import lora_variants as variants
+from tunekit.methods.lora import variants
+from tunekit.methods.lora.config import LoRAConfig
 from tunekit.methods.registry import Method, register
 from tunekit.plan.shape import PROJECTIONS
 from tunekit.plan.terms import PlanTerms, Site, planned_projections
@@ -40,28 +41,6 @@ from tunekit.plan.terms import PlanTerms, Site, planned_projections
 if TYPE_CHECKING:
     import torch.nn as nn
     from peft import PeftModel
-
-
-@dataclass
-class LoRAConfig:
-    """The method.* keys of LoRA."""
-
-    r: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.05
-    # LoRA and BitFit: which projections; "all-linear" = q,k,v,o,gate,up,down of every block.
-    target_modules: List[str] = field(default_factory=lambda: ["all-linear"])
-    # DoRA: a trained magnitude (out,) per target over the normalised W + s B A (QDoRA over 4-bit).
-    use_dora: bool = False
-    # rsLoRA: scale the update by alpha / sqrt(r) instead of alpha / r (stable at large r).
-    use_rslora: bool = False
-    # How B A starts: default (B = 0) | pissa | olora (W's principal part; bf16 base only) |
-    # loftq (a low-rank fit of what 4-bit rounding lost; 4-bit base only).
-    init: str = "default"
-    # LoftQ's alternations (quantize, fit, requantize...); 1 keeps the loader's 4-bit base as it is.
-    loftq_iters: int = 1
-    # LoRA+: B's learning rate = this x trainer.lr (the paper suggests ~16); null: one rate.
-    loraplus_lr_ratio: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -191,11 +170,11 @@ class LoRA(Method):
 
     def start(self, model: nn.Module, cfg, model_dir: str, resume_dir: Optional[Path], log=None) -> None:
         """method.init=loftq: the LoftQ start, computed layer by layer from model_dir's original weights
-        (tunekit.methods.loftq_io.start_loftq); resuming, the base the checkpoint trained over."""
+        (tunekit.methods.lora.loftq_io.start_loftq); resuming, the base the checkpoint trained over."""
         c = self.settings(cfg)
         if c.init != "loftq":
             return
-        from tunekit.methods import loftq_io
+        from tunekit.methods.lora import loftq_io
 
         if resume_dir is None:
             loftq_io.start_loftq(model, model_dir, c.loftq_iters, log)
@@ -218,7 +197,7 @@ class LoRA(Method):
 
     def write(self, model: PeftModel, out_dir: Path) -> None:
         variants.save_peft(model, Path(out_dir))
-        from tunekit.methods import loftq_io  # torch is loaded already: there is a model
+        from tunekit.methods.lora import loftq_io  # torch is loaded already: there is a model
 
         loftq_io.save_attached(model, Path(out_dir))  # a LoftQ start, for the merge into the original weights
 
@@ -304,12 +283,12 @@ class LoRA(Method):
         return f"{'DoRA' if o.dora else 'LoRA'} r={o.r} on {len(o.targets)} projections{start}"
 
     def plan_setup(self, setup, shape, cfg, facts, dtype):
-        """tunekit.speed.lora_path's rules over a 4-bit base: the LoRA matmuls in bf16 (the CPU's torch
+        """tunekit.methods.lora.backend's rules over a 4-bit base: the LoRA matmuls in bf16 (the CPU's torch
         path, the GPU's fused kernel or, where that is not trusted, the same torch path), never peft's
         fp32 branch; on a CPU with fused_lora=auto, the base kept dequantized in its compute dtype."""
         import torch
 
-        from tunekit.speed.device import dense_cache_fits
+        from tunekit.device.facts import dense_cache_fits
 
         fused = getattr(cfg.kernels.fused_lora, "value", cfg.kernels.fused_lora)
         if setup.options.dora:  # peft's DoRA layers only: neither the kernel nor the compute-dtype path
@@ -330,7 +309,7 @@ class LoRA(Method):
         o: LoRAPlan = setup.options
         per_layer = [n for p in o.targets for i, out in [shape.projection(p)] for n in (o.r * i, out * o.r)]
         flops = 2 * shape.num_layers * sum(o.r * (i + out) for p in o.targets for i, out in [shape.projection(p)])
-        # The torch path (tunekit.speed.lora_math) through a recomputed block: measured on the CPU
+        # The torch path (tunekit.methods.lora.compute_dtype) through a recomputed block: measured on the CPU
         # (tests/test_plan_measured.py, qlora with checkpointing) its step peaks ~3 (T, m) buffers
         # above the rest of the walk, which tensors exactly is not pinned down; counted so that the
         # plan does not fall short (it read -18% without them).
@@ -351,8 +330,8 @@ class LoRA(Method):
 
 def _after_load(model: nn.Module, folder: Path) -> None:
     """A folder that trained from a LoftQ start (it holds the start file): the base it trained over,
-    or the original weights minus the start (tunekit.methods.loftq_io.after_load); nothing otherwise."""
-    from tunekit.methods import loftq_io  # torch is loaded already: there is a model
+    or the original weights minus the start (tunekit.methods.lora.loftq_io.after_load); nothing otherwise."""
+    from tunekit.methods.lora import loftq_io  # torch is loaded already: there is a model
 
     loftq_io.after_load(model, folder)
 
@@ -390,7 +369,7 @@ def _saves(o: LoRAPlan, setup, site: Site, shape) -> int:
 
 
 def _compute_path_saves(o: LoRAPlan, branches: int, in_dim: int, e: int, input_saved: bool) -> int:
-    """The same for LoRA computed in the compute dtype (tunekit.speed.lora_math on any device, or the
+    """The same for LoRA computed in the compute dtype (tunekit.methods.lora.compute_dtype on any device, or the
     fused Triton kernel on CUDA): each branch keeps its input as it came (the projections that share
     an input share that tensor) and A's (r,) output in the compute dtype; with dropout, each branch's
     keep-mask and dropped copy instead of the input (the CPU path's, in the compute dtype; the kernel

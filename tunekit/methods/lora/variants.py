@@ -6,7 +6,7 @@ start: the saved adapter must load over the original base, and peft's conversion
 weight to W - s B0 A0; over a 4-bit base that residual would be requantized (quant(W_res) + s B0 A0
 != W, so the start is no longer the base's function, and the adapter saved as a LoRA over the
 original base would not apply over quant(W) either). tunekit refuses them there: a start fitted to
-the 4-bit base is LoftQ's job (method.init=loftq, tunekit.methods.loftq), which in turn needs a
+the 4-bit base is LoftQ's job (method.init=loftq, tunekit.methods.lora.loftq), which in turn needs a
 4-bit base (over bf16 there is no rounding to fit) and no DoRA (peft sets DoRA's magnitude from
 W + s B A at apply time, before the LoftQ start would change B A).
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 # method.init -> peft's init_lora_weights. PiSSA through peft's fast SVD (4 subspace iterations, the
 # paper's fast variant: minutes instead of hours of full SVDs on a 7B model; B0 A0 is then close to,
 # not exactly, W's top-r part, and W_res = W - s B0 A0 exactly whatever B0 A0 is).
-# LoftQ builds peft's default layers (B = 0), then tunekit.methods.loftq_io.start_loftq sets its start.
+# LoftQ builds peft's default layers (B = 0), then tunekit.methods.lora.loftq_io.start_loftq sets its start.
 PEFT_INIT = {"default": True, "pissa": "pissa_niter_4", "olora": "olora", "loftq": True}
 REWRITES_BASE = ("pissa", "olora")  # inits that rewrite the base as W - s B0 A0 at apply time
 # method.loftq_iters' upper bound: each alternation requantizes every target once more, and the
@@ -80,7 +80,7 @@ def seeded(on: bool):
         return
     import torch
 
-    from tunekit.speed.device import cuda_device_count
+    from tunekit.device.facts import cuda_device_count
 
     with torch.random.fork_rng(devices=list(range(cuda_device_count()))):
         torch.manual_seed(SEED)
@@ -220,7 +220,7 @@ def dora_saves(o, site, shape) -> int:
 
 # ------------------------------------------------------------------ LoftQ in the plan
 def loftq_start_bytes(in_dim: int, out_dim: int, r: int, iters: int) -> int:
-    """Peak bytes of one target's LoftQ start (tunekit.methods.loftq._loftq_one) beside the model;
+    """Peak bytes of one target's LoftQ start (tunekit.methods.lora.loftq._loftq_one) beside the model;
     the layers go one at a time, so the plan counts the largest target. W: (out, in), n = out in,
     k = min(out, in); in units of n bytes:
 

@@ -167,7 +167,7 @@ def fp16_tensor_cores(facts: DeviceFacts) -> bool:
 
 def compute_dtype(name: str, where) -> torch.dtype:
     """model.dtype -> the dtype the frozen base computes in, on `where`: a device's facts
-    (tunekit.speed.device.DeviceFacts) or a torch.device, whose facts are probed.
+    (tunekit.device.facts.DeviceFacts) or a torch.device, whose facts are probed.
 
     auto: bf16 where the device computes it natively (CUDA sm_80+, CPUs with AVX512-BF16/AMX);
     fp16 on GPUs with fp16 tensor cores only (sm_70, sm_75: training adds dynamic loss scaling);

@@ -1,6 +1,6 @@
 """The mixed-precision policy: which dtype each part of a training step stores and computes in.
 
-One decision per run, a plain function of `model.dtype` and the device facts (tunekit.speed.device), made
+One decision per run, a plain function of `model.dtype` and the device facts (tunekit.device.facts), made
 before the base loads, logged once and written to summary.json. The trainer, `tunekit plan`,
 evaluation, generation and export all take their dtypes from it, so they agree.
 
@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tunekit.speed import device as dev
+from tunekit.device import facts as dev
 
 
 @dataclass(frozen=True)
