@@ -53,11 +53,11 @@ def make_run(out: Path, model_dir: Path, data: Path, quantize: str, *, target_mo
     """A finished run folder as `tunekit train` leaves it, with lora_B drawn N(0, SIGMA^2)."""
     from omegaconf import OmegaConf
 
-    from tunekit.config import Quantize, TrainConfig
-    from tunekit.methods import get_method
+    from tunekit.config import Quantize
+    from tunekit.methods import get_method, train_schema
     from tunekit.model import load_base_model, load_tokenizer, prepare_for_training
 
-    cfg = TrainConfig(recipe="qlora" if quantize == "nf4" else "lora", output_dir=str(out))
+    cfg = train_schema()(recipe="qlora" if quantize == "nf4" else "lora", output_dir=str(out))
     cfg.model.path, cfg.model.quantize = str(model_dir), Quantize(quantize)
     cfg.data.path, cfg.data.val_fraction, cfg.data.max_seq_len = str(data), 0.2, 64
     cfg.trainer.micro_batch_size = 4

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from _helpers import run_cli, tiny_args
 from tunekit import TunekitError
-from tunekit.config import MethodConfig
+from tunekit.methods import MethodConfig
 from tunekit.losses import sft_loss_from_hidden
 from tunekit.methods import available_methods, get_method, method_for_adapter
 from tunekit.methods.prompt_tuning import init_token_ids, load_soft_prompt
@@ -395,20 +395,23 @@ def test_new_recipes_train_from_the_cli(tiny_model_dir, tiny_data, tmp_path):
     assert seen == {(r, q) for r in ("adapter", "bitfit", "prompt_tuning", "ia3") for q in ("none", "nf4")}
 
 
-def test_a_key_the_chosen_method_does_not_read_is_named(caplog):
-    """method.r=4 with recipe=ia3 trains (IA)^3, which has no rank: one warning names the key (not an
-    error, since a -m sweep over recipes sets keys for some of its methods only)."""
+def test_a_key_the_chosen_method_does_not_read_is_refused():
+    """method.r=4 with recipe=ia3 would train (IA)^3, which has no rank: refused in one line naming
+    the key and the method's own keys, before anything loads."""
+    from tunekit import TunekitError
     from tunekit.commands.compose import compose_configs
-    from tunekit.methods.registry import ignored_keys
+    from tunekit.methods import foreign_keys
 
-    assert ignored_keys(MethodConfig(name="ia3", r=4, use_dora=True)) == ["method.r=4", "method.use_dora=True"]
-    assert ignored_keys(MethodConfig(name="lora", r=4, use_dora=True)) == []
-    assert ignored_keys(MethodConfig(name="ia3", target_modules=["k_proj"], feedforward_modules=[])) == []
-    with caplog.at_level("WARNING", logger="tunekit"):
+    assert foreign_keys(MethodConfig(name="ia3", r=4, use_dora=True)) == ["method.r=4", "method.use_dora=True"]
+    assert foreign_keys(MethodConfig(name="lora", r=4, use_dora=True)) == []
+    assert foreign_keys(MethodConfig(name="ia3", target_modules=["k_proj"], feedforward_modules=[])) == []
+    with pytest.raises(TunekitError, match=r"^method.r: method 'ia3' has no such key \(its keys: target_modules, "
+                                           r"feedforward_modules\)"):
         compose_configs(["recipe=ia3", "method.r=4", "model.preset=llama-3-8b"])
-    assert "method.r=4: method 'ia3' has no such key; it is ignored" in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="tunekit"):
-        for recipe in ("qlora", "lora", "ia3", "adapter", "bitfit", "prompt_tuning", "distill"):
-            compose_configs([f"recipe={recipe}", "model.preset=llama-3-8b"])
-    assert "no such key" not in caplog.text  # the recipes as shipped set no foreign key
+    for recipe in ("qlora", "lora", "ia3", "adapter", "bitfit", "prompt_tuning", "distill"):
+        compose_configs([f"recipe={recipe}", "model.preset=llama-3-8b"])  # the recipes as shipped set no foreign key
+    # a -m sweep over methods: a key is left to the jobs whose method reads it, and refused if none does
+    jobs = compose_configs(["-m", "recipe=lora,ia3", "method.r=8", "model.preset=llama-3-8b"])
+    assert [(c.method.name, c.method.r) for c in jobs] == [("lora", 8), ("ia3", 8)]
+    with pytest.raises(TunekitError, match=r"^method.r: method 'ia3' has no such key"):
+        compose_configs(["-m", "recipe=ia3,bitfit", "method.r=8", "model.preset=llama-3-8b"])

@@ -8,12 +8,16 @@ recipes/recipe/, one row in the shared method test table.
 """
 
 from tunekit.methods.registry import (Method, adapter_kinds, available_methods, cannot_merge, check_method_config,
-                                      config_schema, fill_method_defaults, get_method, method_for_adapter, register,
-                                      trainable_parameters)
+                                      check_own_keys, config_schema, fill_method_defaults, foreign_keys, get_method, in_train_schema,
+                                      method_for_adapter, own_keys, register, train_schema, trainable_parameters)
 
 # Each module registers itself on import (in this order: the order of their keys in the method.*
 # schema); they import from registry/saving, never from here. None imports torch at import time.
 from tunekit.methods import lora, adapter, bitfit, prompt_tuning, full, ia3  # noqa: E402,F401,I001
 
-__all__ = ["Method", "adapter_kinds", "available_methods", "cannot_merge", "check_method_config", "config_schema",
-           "fill_method_defaults", "get_method", "method_for_adapter", "register", "trainable_parameters"]
+# The method node's schema, every registered method's keys (what `method.*` overrides are typed by).
+MethodConfig = config_schema()
+
+__all__ = ["Method", "MethodConfig", "adapter_kinds", "available_methods", "cannot_merge", "check_method_config",
+           "check_own_keys", "config_schema", "fill_method_defaults", "foreign_keys", "get_method", "in_train_schema", "method_for_adapter",
+           "own_keys", "register", "train_schema", "trainable_parameters"]

@@ -154,7 +154,7 @@ class BottleneckAdapter(Method):
         load_tensors_into(in_dir, self._state(model))
 
     def config_from_adapter(self, adapter_cfg: dict):
-        from tunekit.config import MethodConfig
+        from tunekit.methods import MethodConfig
 
         return MethodConfig(name="adapter", bottleneck=int(adapter_cfg["bottleneck"]),
                             activation=adapter_cfg["activation"], sublayers=list(adapter_cfg["targets"]))

@@ -167,7 +167,7 @@ class BitFit(Method):
         return to_plain_model(model)
 
     def config_from_adapter(self, adapter_cfg: dict):
-        from tunekit.config import MethodConfig
+        from tunekit.methods import MethodConfig
 
         return MethodConfig(name="bitfit", target_modules=list(adapter_cfg["targets"]))
 

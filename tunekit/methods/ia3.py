@@ -186,7 +186,7 @@ class IA3(Method):
 
     def config_from_adapter(self, adapter_cfg: dict):
         """peft records module names or dotted paths; (IA)^3 here scales projections by name."""
-        from tunekit.config import MethodConfig
+        from tunekit.methods import MethodConfig
 
         def short(key):
             value = adapter_cfg[key] or []

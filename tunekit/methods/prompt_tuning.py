@@ -170,7 +170,7 @@ class PromptTuning(Method):
             model.prompt_embeddings.copy_(prompt)
 
     def config_from_adapter(self, adapter_cfg: dict):
-        from tunekit.config import MethodConfig
+        from tunekit.methods import MethodConfig
 
         return MethodConfig(name="prompt_tuning", num_virtual_tokens=int(adapter_cfg["num_virtual_tokens"]))
 

@@ -33,7 +33,7 @@ AUTO_MICRO_BATCHES = (64, 32, 16, 8, 4, 2, 1)
 
 
 def is_auto(value) -> bool:
-    """config.validate normalises the `auto` keys to an int/bool or the string "auto"."""
+    """tunekit.train.checks.validate normalises the `auto` keys to an int/bool or the string "auto"."""
     return value == "auto"
 
 
