@@ -229,17 +229,21 @@ def prepare(run, trained: nn.Module) -> Prepared:
     return Prepared(lora, base, f"{Path(model).name}-base", about)
 
 
-def write_and_load(prepared: Prepared, tokenizer, tmp: Path, out_name: str, dtype: str, n_ctx: int, threads: int,
-                   repack: bool):
-    """tmp/out_name: the adapter; beside it the f32 base GGUF, deleted as soon as llama.cpp has loaded
-    it (llama-cpp-python reads a model it applies a LoRA to whole, without mapping the file), so only
-    the adapter is left to ship. Returns the llama.cpp model: base + adapter at scale 1."""
-    from tunekit.infer.llamacpp import LlamaCppModel
-
+def write(prepared: Prepared, tokenizer, tmp: Path, out_name: str, dtype: str) -> Path:
+    """tmp/out_name: the adapter; beside it the f32 base GGUF, whose path is returned."""
     adapter = tmp / out_name
     base = tmp / f".base-f32-{out_name}"
     write_adapter_gguf(prepared.lora, adapter, dtype, name=f"{prepared.base_name.removesuffix('-base')}-lora")
     write_base_gguf(prepared.base, tokenizer, base, prepared.base_name)
+    return base
+
+
+def load(base: Path, adapter: Path, n_ctx: int, threads: int, repack: bool):
+    """llama.cpp's model: the base GGUF + the adapter at scale 1. The base GGUF is deleted as soon as
+    llama.cpp has loaded it (llama-cpp-python reads a model it applies a LoRA to whole, without
+    mapping the file), so only the adapter is left to ship."""
+    from tunekit.infer.llamacpp import LlamaCppModel
+
     try:
         return LlamaCppModel(base, n_ctx, threads, repack, lora=adapter)
     finally:
