@@ -13,7 +13,7 @@ enough of it (or --force) is renamed into place, with its fidelity report beside
     gguf      PATH  : one GGUF file (Llama architecture) + PATH.fidelity.json; f16/bf16/f32 written by
               tunekit, Q8_0 / Q6_K / Q5_K_M / Q4_K_M by llama.cpp's quantizer; checked by llama.cpp
     gguf-adapter PATH : a LoRA as llama.cpp's LoRA adapter GGUF (applied over the base's own GGUF, unmerged)
-              + PATH.fidelity.json; f32 (or f16); checked by llama.cpp over an f32 GGUF of the base it trained on
+              + PATH.fidelity.json; f32 (or f16); checked by llama.cpp over an f16 GGUF of the base it trained on
 
 Without --dtype, the narrowest dtype that keeps the gain is chosen (merged: bf16, fp16, fp32;
 gguf: f16, f32; gguf-adapter: f32) and the report says which and why. Existing PATH: a previous tunekit export
@@ -150,7 +150,7 @@ def _refuse_early(src, fmt: str, candidates: tuple) -> tuple[Optional[str], bool
         return llamacpp.version() + ("" if repack else f" ({repack_why})"), repack
     if fmt == "gguf-adapter":
         repack, repack_why = llamacpp.weight_repacking(cpuinfo_text())
-        return llamacpp.version() + ", adapter applied over an f32 GGUF of its base" + (
+        return llamacpp.version() + ", adapter applied over an f16 GGUF of its base" + (
             "" if repack else f" ({repack_why})"), repack
     return {"adapter": "peft / tunekit", "merged": "transformers"}[fmt], False
 

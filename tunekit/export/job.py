@@ -5,9 +5,9 @@ tunekit.commands.export.export, calls them in this order):
     reference_figures  one load of the base: its loss, then the trained model's loss and logit summary
                        (tunekit.export.fidelity.Reference); then the trained model becomes what the
                        candidates are written from: itself (adapter), the merged fp32 model (in
-                       memory), the LoRA's tensors (gguf-adapter), or nothing at all: a streamed merge
-                       (tunekit.export.stream) reads the base's files as it writes each candidate, so
-                       the trained model is freed before any candidate is written
+                       memory), or nothing at all: a streamed merge (tunekit.export.stream) and a
+                       gguf-adapter (tunekit.export.gguf_adapter) read the base's and the adapter's
+                       files as they write, so it is freed before any candidate is written
     for each candidate dtype in turn (candidates), in the temp folder:
       write            the candidate written
       reload           read back as its consumer reads it (peft, transformers, llama.cpp)
@@ -84,18 +84,23 @@ class Export:
         self.policy_dtype = src.dtype
         self.src = dataclasses.replace(src, dtype=torch.float32)
         self.target = target  # dequantized | original (tunekit.commands.export.merge_target); None: not merged
-        self.plan = None  # a streamed merge's plan (tunekit.export.stream); None: merged in memory
+        # What is written from the files, tensor by tensor (tunekit.export.stream): a streamed merge's
+        # plan, or a gguf-adapter's base; None: merged in memory (or an adapter, saved from the model)
+        self.plan = None
         if fmt in ("merged", "gguf"):
             self.plan, why = stream.plan_stream(self.src, self.target)
             if self.plan is None:
                 log.info("merging in memory, not streamed: %s", why)
+        elif fmt == "gguf-adapter":
+            self.plan = gguf_adapter.base_plan(self.src)
         self.timings: dict[str, float] = {}
         self.started = self.clock = started
         # Where this CPU emulates a half dtype, every forward of the export (reference and candidates
         # alike) computes its half linears in fp32: one kernel on both sides of each comparison, so an
         # identical adapter still reloads exactly (bf16 kernels alone differ by KL ~4e-3 on SmolLM2).
         self.emulated = cpu_emulated_dtypes()
-        self.trained = self.merged = self.prepared = self.nll_merge_base = self.exact = None
+        self.trained = self.merged = self.nll_merge_base = self.exact = None
+        self.about_base: Optional[dict] = None  # gguf-adapter: the base its check applied it over
         self.base_gguf: Optional[Path] = None  # gguf-adapter: written beside the adapter, until llama.cpp loads it
         self.tried: list[dict] = []
 
@@ -123,9 +128,9 @@ class Export:
 
     # ------------------------------------------------------------ reference figures
     def reference_source(self):
-        """The source the trained model is measured from: fp32, except a 16-bit base under a streamed
-        merge, which stays in its stored dtype and computes in fp32 (UpcastHalfWeights: the same
-        function in one 16-bit copy's memory)."""
+        """The source the trained model is measured from: fp32, except a 16-bit base written from its
+        files (a streamed merge, a gguf-adapter), which stays in its stored dtype and computes in fp32
+        (UpcastHalfWeights: the same function in one 16-bit copy's memory)."""
         if self.plan is None or self.src.quantize == "nf4" or not stream.reference_in_storage(self.src):
             return self.src
         return dataclasses.replace(self.src, dtype=stream.stored_dtype(self.src))
@@ -147,14 +152,9 @@ class Export:
 
     def _hand_over(self) -> None:
         """The trained model becomes what the candidates are written from: itself (an adapter), the
-        merged fp32 model (in memory), the LoRA's tensors (gguf-adapter), or nothing (streamed: it goes now)."""
+        merged fp32 model (in memory), or nothing (written from the files: it goes now)."""
         src = self.src
         if self.fmt == "adapter":
-            return
-        if self.fmt == "gguf-adapter":  # the LoRA's tensors, and the base it trained over as a plain fp32 model
-            self.prepared = gguf_adapter.prepare(src, self.trained)
-            self.trained = None
-            self.lap("read_adapter")
             return
         if self.plan is not None:  # nothing may stay loaded beside what is written and reloaded
             self.trained = None
@@ -213,7 +213,9 @@ class Export:
             else:
                 write_plain(tmp)
         elif fmt == "gguf-adapter":
-            self.base_gguf = gguf_adapter.write(self.prepared, tok, tmp, out.name, d)
+            self.about_base, self.base_gguf = gguf_adapter.write(src, self.plan, tok, tmp, out.name, d)
+            if self.about_base["base_dtype"] != "f16":  # f16 could not hold a weight: the report says why
+                self.checked_by = self.checked_by.replace("an f16 GGUF", f"a {self.about_base['base_dtype']} GGUF")
         elif self.plan is not None:  # merged tensor by tensor as the file is written
             artifacts.write_gguf_file(src, lambda path, dtype, name: stream.write_merged_gguf(
                 self.plan, tok, path, dtype, src.device, name), tmp / out.name, d)
@@ -350,7 +352,7 @@ class Export:
                                    if result["gate"]["rule"] == "gain_kept" else
                                    f"{report['dtype']}: the narrowest of {', '.join(candidates)} that passes the gate")
         if fmt == "gguf-adapter":  # which base the check applied it over, and which one the user must
-            report["base_gguf"] = self.prepared.about_base
+            report["base_gguf"] = self.about_base
         report["timings_s"] = dict(self.timings, total=round(time.time() - self.started, 2))
         report["export_s"] = report["timings_s"]["total"]
         return report
