@@ -138,3 +138,13 @@ def test_every_package_is_installed():
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(REPO).parts) for p in PACKAGE.rglob("__init__.py")}
     assert found - listed == set()
+
+
+LONGEST_FUNCTION = 120  # lines: a function longer than a screenful or two is several steps to be named
+
+
+@pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_function_is_longer_than_a_few_screens(path):
+    long = [f"{n.name} ({n.end_lineno - n.lineno + 1} lines)" for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > LONGEST_FUNCTION]
+    assert not long, f"{path.relative_to(REPO)}: {long}"
