@@ -19,7 +19,7 @@ from tunekit.commands.parse import Parser, check_number
 from tunekit.config import plain
 from tunekit.device.facts import available_memory_bytes, compute_dtype, default_device, dtype_name, planning_facts
 from tunekit.plan import GiB, Plan, predict
-from tunekit.plan.inputs import planner_inputs
+from tunekit.plan.inputs import planner_inputs, runs_sharded
 from tunekit.plan.choose import estimate_note
 from tunekit.plan.memory import method_of
 from tunekit.plan.shape import preset_names, preset_source
@@ -67,10 +67,12 @@ def budget(plan: Plan, memory_gib: Optional[float]) -> tuple[Optional[int], int,
 
 
 def as_dict(plan: Plan, memory_gib: Optional[float], cfg) -> dict:
-    limit, needed, what = budget(plan, memory_gib)
+    run = plan.as_run(runs_sharded(cfg, plan.ranks))  # the strategy cfg asks for: its setup, its figures
+    limit, needed, what = budget(run, memory_gib)
     out = {
         "recipe": cfg.recipe, "model": asdict(plan.shape), "total_params": plan.shape.total_params,
-        "setup": {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v) for k, v in vars(plan.setup).items()},
+        "strategy": "fsdp" if run is not plan else ("ddp" if plan.ranks > 1 else "single"),
+        "setup": {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v) for k, v in vars(run.setup).items()},
         "device": {"type": plan.facts.type, "name": plan.facts.name, "describe": plan.facts.describe()},
         "ranks": plan.ranks,
         "per_rank": {"ddp" if plan.ranks > 1 else "single": _memory_dict(plan, plan.memory)},
@@ -80,12 +82,19 @@ def as_dict(plan: Plan, memory_gib: Optional[float], cfg) -> dict:
     }
     if plan.fsdp is not None:
         out["per_rank"]["fsdp"] = _memory_dict(plan, plan.fsdp)
-    alt = predict(plan.shape, replace(plan.setup, gradient_checkpointing=not plan.setup.gradient_checkpointing),
-                  plan.facts, plan.ranks)
+    alt = toggled(run)
     out["toggle_gradient_checkpointing"] = {"gradient_checkpointing": alt.setup.gradient_checkpointing,
                                             "peak_bytes": alt.peak, "device_total_bytes": alt.device_total(),
                                             "flops_total": alt.flops["total"]}
     return out
+
+
+def toggled(run: Plan) -> Plan:
+    """`run` with gradient checkpointing the other way (the same strategy's figures)."""
+    flip = {"gradient_checkpointing": not run.setup.gradient_checkpointing}
+    sharded = run.fsdp is not None and run.memory is run.fsdp
+    return predict(run.shape, replace(run.setup, **flip), run.facts, run.ranks,
+                   replace(run.setup, **flip) if sharded else None).as_run(sharded)
 
 
 def _memory_dict(plan: Plan, memory) -> dict:
@@ -94,7 +103,8 @@ def _memory_dict(plan: Plan, memory) -> dict:
 
 
 def render(plan: Plan, memory_gib: Optional[float], cfg, source: str) -> str:
-    s, shape = plan.setup, plan.shape
+    run = plan.as_run(runs_sharded(cfg, plan.ranks))  # the strategy cfg asks for: its setup, its figures
+    s, shape = run.setup, plan.shape
     cols = [("per process", plan.memory)] if plan.fsdp is None else [
         (f"per rank, DDP x{plan.ranks}", plan.memory), (f"per rank, FSDP x{plan.ranks}", plan.fsdp)]
     method = method_of(s).plan_label(s.options)
@@ -123,22 +133,22 @@ def render(plan: Plan, memory_gib: Optional[float], cfg, source: str) -> str:
         lines.append(f"  {'+ ' + n:{width}}" + "".join(f"{fmt(plan.overhead(mem)[n]):>24}" for _, mem in cols))
     lines.append(f"  {'device total (with margins)':{width}}" + "".join(f"{fmt(plan.device_total(mem)):>24}"
                                                                        for _, mem in cols))
-    lines.append(f"  (the peak falls in: {plan.memory.phase})")
-    for n, v in plan.memory.host.items():
+    lines.append(f"  (the peak falls in: {run.memory.phase})")
+    for n, v in run.memory.host.items():
         lines.append(f"  ({n}: {fmt(v)} in pinned host memory, model.offload_activations)")
-    limit, needed, what = budget(plan, memory_gib)
+    limit, needed, what = budget(run, memory_gib)
     sharing = f", {plan.ranks} processes sharing it" if plan.facts.type == "cpu" and plan.ranks > 1 else ""
     if limit is None:
         verdict = f"needs {fmt(needed)} per device; {what}"
     else:
         verdict = (f"{'fits' if needed <= limit else 'does NOT fit'}: needs {fmt(needed)} of {what}"
                    + ("" if memory_gib is not None else f" ({fmt(limit)}{sharing})"))
-        if plan.fsdp is not None and needed > limit:
+        if plan.fsdp is not None and run is plan and needed > limit:
             fsdp_needed = plan.device_total(plan.fsdp) if memory_gib is not None else plan.device_total(plan.fsdp) - (
                 plan.device_total() - plan.needed_beyond_runtime())
             verdict += f"; FSDP over {plan.ranks} ranks would need {fmt(fsdp_needed)} per rank"
     lines += ["", f"  {verdict}"]
-    alt = predict(shape, replace(s, gradient_checkpointing=not s.gradient_checkpointing), plan.facts, plan.ranks)
+    alt = toggled(run)
     change = alt.flops["total"] / plan.flops["total"] - 1
     lines.append(f"  gradient checkpointing {'on' if alt.setup.gradient_checkpointing else 'off'} instead: peak "
                  f"{fmt(alt.peak)} ({fmt(alt.device_total())} with margins), {change:+.0%} compute")
@@ -159,8 +169,10 @@ def main(argv: list[str]) -> None:
     results, texts = [], []
     for cfg in configs:
         chose = resolve_auto(cfg, facts, args.memory, args.gpus)
-        shape, setup = planner_inputs(cfg, facts)
-        plan = predict(shape, setup, facts, args.gpus)
+        # the DDP (or single-process) column, and FSDP's with the paths FSDP2 runs
+        shape, setup = planner_inputs(cfg, facts, ranks=args.gpus, sharded=False)
+        fsdp_setup = planner_inputs(cfg, facts, student=shape, ranks=args.gpus, sharded=True)[1] if args.gpus > 1 else None
+        plan = predict(shape, setup, facts, args.gpus, fsdp_setup)
         if cfg.model.preset:
             source = f"preset {cfg.model.preset}: {preset_source(cfg.model.preset)}"
         else:

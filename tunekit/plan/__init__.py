@@ -23,7 +23,7 @@ facts, so it answers for a 24 GB or 80 GB GPU on a machine that has none. The me
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Optional
 
 from tunekit.plan.compute import step_flops
@@ -55,6 +55,14 @@ class Plan:
     memory: Memory  # per rank, as run (one process, or DDP: the whole base on every rank)
     fsdp: Optional[Memory]  # per rank with base/trainable/optimizer sharded over the ranks (ranks > 1)
     flops: dict = field(default_factory=dict)
+    fsdp_setup: Optional[TrainSetup] = None  # the setup `fsdp` plans (FSDP2's own paths); None: `setup`
+
+    def as_run(self, sharded: bool) -> "Plan":
+        """This plan as a run of the strategy takes it: sharded, its ranks hold the FSDP figures of
+        FSDP's setup (`memory`, `setup`, `peak` and the fit checks then read those)."""
+        if not sharded or self.fsdp is None:
+            return self
+        return replace(self, memory=self.fsdp, setup=self.fsdp_setup or self.setup)
 
     @property
     def peak(self) -> int:
@@ -97,10 +105,14 @@ def dynamic_bytes(memory: Memory) -> int:
     return memory.total - sum(memory.terms.get(k, 0) for k in STATIC_TERMS)
 
 
-def predict(shape: ModelShape, setup: TrainSetup, facts: DeviceFacts, ranks: int = 1) -> Plan:
+def predict(shape: ModelShape, setup: TrainSetup, facts: DeviceFacts, ranks: int = 1,
+            fsdp_setup: Optional[TrainSetup] = None) -> Plan:
+    """The plan of `setup`; with several ranks its FSDP column too, of `fsdp_setup` where given (the
+    setup FSDP2 runs: tunekit.plan.inputs.planner_inputs(..., sharded=True)), else of `setup`."""
     memory = step_memory(shape, setup, ranks=ranks, sharded=False)
-    fsdp = step_memory(shape, setup, ranks=ranks, sharded=True) if ranks > 1 else None
-    return Plan(shape, setup, facts, ranks, memory, fsdp, step_flops(shape, setup))
+    fsdp = step_memory(shape, fsdp_setup or setup, ranks=ranks, sharded=True) if ranks > 1 else None
+    return Plan(shape, setup, facts, ranks, memory, fsdp, step_flops(shape, setup),
+                fsdp_setup if ranks > 1 else None)
 
 
 __all__ = ["GiB", "Plan", "TrainSetup", "ModelShape", "predict"]

@@ -25,7 +25,7 @@ import torch
 from tunekit import TunekitError
 from tunekit.device.facts import DeviceFacts, available_memory_bytes, probe, rank_device
 from tunekit.plan import AUTO_HEADROOM, GiB, Plan, predict
-from tunekit.plan.inputs import planner_inputs
+from tunekit.plan.inputs import planner_inputs, runs_sharded
 from tunekit.plan.memory import estimated, method_of
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def candidates(cfg, facts: Optional[DeviceFacts] = None, ranks: int = 1) -> list
     t, m = cfg.trainer, cfg.model
     sizes = AUTO_MICRO_BATCHES if is_auto(t.micro_batch_size) else (t.micro_batch_size,)
     ckpt = (False, True) if is_auto(m.gradient_checkpointing) else (m.gradient_checkpointing,)
-    sharded = getattr(t.strategy, "value", t.strategy) == "fsdp" and ranks > 1
+    sharded = runs_sharded(cfg, ranks)
     out = []
     for c in ckpt:
         can = facts is not None and offload_activations(True, facts, c, sharded)
@@ -85,17 +85,14 @@ def plan_for(cfg, facts: DeviceFacts, ranks: int, micro_batch: int, checkpointin
     """The plan of these settings; `offload` None: model.offload_activations as set (auto: on where it can run)."""
     from dataclasses import replace
 
-    shape, setup = planner_inputs(cfg, facts)
+    shape, setup = planner_inputs(cfg, facts, ranks=ranks)
     from tunekit.device.facts import offload_activations
 
-    sharded = getattr(cfg.trainer.strategy, "value", cfg.trainer.strategy) == "fsdp" and ranks > 1
+    sharded = runs_sharded(cfg, ranks)
     setting = cfg.model.offload_activations if offload is None else offload
     setup = replace(setup, micro_batch_size=micro_batch, gradient_checkpointing=checkpointing,
                     offload_activations=offload_activations(setting, facts, checkpointing, sharded))
-    plan = predict(shape, setup, facts, ranks)
-    if getattr(cfg.trainer.strategy, "value", cfg.trainer.strategy) == "fsdp" and plan.fsdp is not None:
-        plan = replace(plan, memory=plan.fsdp)  # the run shards: its ranks hold the FSDP figures
-    return plan
+    return predict(shape, setup, facts, ranks).as_run(sharded)  # a sharded run's ranks hold the FSDP figures
 
 
 def choose(cfg, facts: DeviceFacts, available: Optional[int], ranks: int = 1) -> tuple[int, bool, Optional[Plan]]:
@@ -156,7 +153,7 @@ def resolve_memory_settings(cfg, device: torch.device, ranks: int = 1, local_ran
     device = rank_device(device, local_rank)
     facts = probe(device)
     try:
-        planner_inputs(cfg, facts)
+        planner_inputs(cfg, facts, ranks=ranks)
     except TunekitError as e:
         if wants_auto:
             raise TunekitError(f"{e} (needed to resolve auto settings; give explicit values)") from None

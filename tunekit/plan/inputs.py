@@ -7,6 +7,12 @@ planner options (`Method.plan_options`: a LoRA rank and targets, "all-linear" = 
 projections, as in peft) and what its layers decide on this device (`Method.plan_setup`), the
 dropout mask's size on this device type. `auto` values must be resolved before (plan.choose does
 that by asking the planner).
+
+Under trainer.strategy=fsdp on several ranks (`runs_sharded`) the setup is the one FSDP2 runs: the
+checkpointed inputs stay on the device (tunekit.device.facts.offload_activations, sharded) and LoRA
+over a 4-bit base computes through peft's layers (tunekit.train.strategy.FSDP2.choose_lora_backend):
+an fp32 copy of every LoRA input, no fused kernel, no dense cache, whatever the method's own rules
+for one device would say. The compute-dtype path has not been run over FSDP2's sharded 4-bit codes.
 """
 
 from __future__ import annotations
@@ -24,12 +30,22 @@ def _value(v):
     return getattr(v, "value", v)
 
 
+def runs_sharded(cfg, ranks: int) -> bool:
+    """Whether a run of cfg over `ranks` processes shards its model (FSDP2): trainer.strategy=fsdp
+    with more than one rank (one process trains as a plain single process)."""
+    return _value(cfg.trainer.strategy) == "fsdp" and ranks > 1
+
+
 def planner_inputs(cfg, facts: DeviceFacts, teacher_shape: Optional[ModelShape] = None,
-                   student: Optional[ModelShape] = None) -> tuple[ModelShape, TrainSetup]:
+                   student: Optional[ModelShape] = None, ranks: int = 1,
+                   sharded: Optional[bool] = None) -> tuple[ModelShape, TrainSetup]:
     """(student shape, TrainSetup) of a composed TrainConfig on a device with these facts.
 
-    The shapes are read from config.json files (or presets) unless passed in.
+    The shapes are read from config.json files (or presets) unless passed in. `sharded`: plan the
+    setup FSDP2 runs (None: what cfg runs over `ranks` processes, `runs_sharded`); `tunekit plan`
+    asks for both to show the DDP and FSDP columns.
     """
+    sharded = runs_sharded(cfg, ranks) if sharded is None else sharded
     m, t, d = cfg.method, cfg.trainer, cfg.distill
     distill = cfg.objective == "distill"
     if distill and teacher_shape is None:
@@ -50,9 +66,11 @@ def planner_inputs(cfg, facts: DeviceFacts, teacher_shape: Optional[ModelShape] 
         and not method.prepends_positions,
         optimizer=_value(t.optimizer), dropout_mask_bytes=1 if facts.type == "cuda" else 4,
         offload_activations=offload_activations(getattr(cfg.model, "offload_activations", False), facts,
-                                                cfg.model.gradient_checkpointing is True),
+                                                cfg.model.gradient_checkpointing is True, sharded),
     )
     setup = method.plan_setup(setup, student, cfg, facts, dtype)
+    if sharded:  # FSDP2 keeps peft's LoRA layers on every rank (module docstring)
+        setup = replace(setup, lora_compute=False, fused_kernel=False, dense_cache_bytes=0)
     if distill:
         setup = replace(setup, teacher=teacher_shape, teacher_quantize=_value(d.teacher_quantize),
                         distill_chunk=d.chunk_size)
