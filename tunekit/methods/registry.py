@@ -114,6 +114,26 @@ class Method:
         adapter folder when resuming (restore, do not recompute). Evaluating and exporting never
         call this: `read` restores what they need from the adapter folder. Nothing by default."""
 
+    # ------------------------------------------------------------ a start computed once, on rank 0
+    # With several ranks a computed start (LoRA's LoftQ, PiSSA, OLoRA: SVDs of every target) runs on
+    # rank 0 alone; the others apply the method with compute_start=False (`apply`'s keyword, only
+    # passed where `computes_start`), skip `start`, and receive `start_tensors` (bit for bit) and
+    # `start_extras` from rank 0 (tunekit.train.start).
+    def computes_start(self, cfg) -> bool:
+        """Whether `apply` and `start` compute a start worth computing once (nothing by default)."""
+        return False
+
+    def start_tensors(self, model: nn.Module) -> dict:
+        """{name: tensor} of everything the start may write, in a fixed order, on every rank."""
+        return {}
+
+    def start_extras(self, model: nn.Module) -> Any:
+        """Rank 0: what else the start left on the model (picklable), for `received_start`."""
+        return None
+
+    def received_start(self, model: nn.Module, cfg, extras: Any) -> None:
+        """Ranks other than 0, after `start_tensors` arrived: rebuild what the start keeps on the model."""
+
     def write(self, model: nn.Module, out_dir: Path) -> None:
         """Write the trained part in its standard (PEFT, or tunekit adapter) format."""
         raise NotImplementedError

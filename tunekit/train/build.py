@@ -37,6 +37,7 @@ from tunekit.train.optim import build_optimizer, warmup_cosine
 from tunekit.train.resume import (DATA_FINGERPRINT, check_not_foreign, check_output_dir, check_resumable, check_same_run,
                                   fingerprint)
 from tunekit.train.runlock import RunLock
+from tunekit.train.start import apply_method
 from tunekit.train.tracking import NullTracker, Tracker
 
 log = logging.getLogger("tunekit")
@@ -223,9 +224,10 @@ class RecipeSetup:
         """The method (LoRA, adapters...) applied to the base; refuses a trained tensor it would not save."""
         cfg = self.cfg
         self.method = get_method(cfg.method.name)
-        self.model = self.method.apply(self.model, cfg.method)
         resume_dir = self.resume_from / "adapter" if self.resume_from is not None else None
-        self.method.start(self.model, cfg.method, self.model_path, resume_dir, self._info)  # LoftQ
+        # a computed start (LoftQ, PiSSA, OLoRA) on rank 0 only, its tensors sent to the others
+        self.model = apply_method(self.method, self.model, cfg.method, self.model_path, resume_dir, self.strategy,
+                                  self._info)
         trains = {n for n, p in self.model.named_parameters() if p.requires_grad}
         saves = {n for n, _ in self.model.named_parameters() if self.method.owns(n)}
         if trains != saves:  # a parameter that trains but is not saved would be lost at the end

@@ -40,6 +40,7 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 import torch.nn as nn
 
+from tunekit import TunekitError
 from tunekit.device import facts as dev
 from tunekit.methods.lora.backend import FusedDecision, agree_on_backend, broadcast_from_rank0, choose_lora_backend
 
@@ -139,6 +140,30 @@ class Strategy(ABC):
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's `obj` (picklable) on every rank."""
         return obj if self.world_size == 1 else broadcast_from_rank0(obj)
+
+    def broadcast_tensors(self, tensors: dict) -> None:
+        """Overwrite every rank's tensors ({name: tensor}, the same names, shapes and dtypes on every
+        rank) with rank 0's, bit for bit, one at a time through this rank's device (NCCL sends device
+        tensors; an FSDP base waits in host memory). Shapes that differ stop every rank with one line."""
+        if self.world_size == 1:
+            return
+        import torch.distributed as dist
+
+        layout = [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors.items()]
+        theirs = self.broadcast(layout)
+        same = torch.tensor([int(theirs == layout)], device=self.device)
+        dist.all_reduce(same, op=dist.ReduceOp.MIN)
+        if not same.item():
+            odd = next((a, b) for a, b in zip(theirs + [None] * len(layout), layout + [None] * len(theirs)) if a != b)
+            raise TunekitError(f"rank 0's start does not fit the model of every rank (rank 0: {odd[0]}, "
+                               f"rank {self.rank}: {odd[1]})" if theirs != layout else
+                               "rank 0's start does not fit the model of another rank")
+        with torch.no_grad():
+            for t in tensors.values():
+                buf = t.to(self.device).contiguous()
+                dist.broadcast(buf, src=0)
+                if buf.data_ptr() != t.data_ptr():
+                    t.copy_(buf)
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of `t` over the ranks (a new tensor)."""

@@ -154,14 +154,17 @@ class LoRA(Method):
     def check_training(self, cfg, model: nn.Module) -> None:
         check_not_head(list(self.settings(cfg).target_modules), model)
 
-    def apply(self, model: nn.Module, cfg) -> nn.Module:
+    def apply(self, model: nn.Module, cfg, compute_start: bool = True) -> nn.Module:
+        """compute_start=False (a rank other than 0, which receives rank 0's start): PiSSA/OLoRA layers
+        built with peft's plain start, no SVD; their A, B and base weights are overwritten."""
         from peft import get_peft_model
 
         self.check_config(cfg, model)
         c = self.settings(cfg)
+        built = c if compute_start or c.init not in variants.REWRITES_BASE else replace(c, init="default")
         try:
             with variants.seeded(c.init in variants.REWRITES_BASE):  # PiSSA's randomized SVD: the same start on resume
-                peft_model = get_peft_model(model, peft_config(c))
+                peft_model = get_peft_model(model, peft_config(built))
         except ValueError as e:  # what check_config cannot see (a module type peft does not wrap)
             raise TunekitError(f"method: peft refuses this LoRA config: {str(e).splitlines()[0]}") from None
         if c.init in variants.REWRITES_BASE:
@@ -180,6 +183,25 @@ class LoRA(Method):
             loftq_io.start_loftq(model, model_dir, c.loftq_iters, log)
         else:
             loftq_io.after_load(model, resume_dir, log)
+
+    def computes_start(self, cfg) -> bool:
+        return self.settings(cfg).init in ("loftq", *variants.REWRITES_BASE)
+
+    def start_tensors(self, model: nn.Module) -> dict:
+        return variants.start_tensors(model)
+
+    def start_extras(self, model: nn.Module):
+        from tunekit.methods.lora import loftq_io
+
+        return getattr(model, loftq_io.INIT_ATTR, None)  # the LoftQ start, saved beside the adapter
+
+    def received_start(self, model: nn.Module, cfg, extras) -> None:
+        from tunekit.methods.lora import loftq_io
+
+        if extras is not None:
+            object.__setattr__(model, loftq_io.INIT_ATTR, extras)
+        if self.settings(cfg).init in variants.REWRITES_BASE:
+            variants.keep_start(model, self.saved_key)  # A0, B0 as rank 0 kept them
 
     def owns(self, param_name: str) -> bool:
         return ".lora_A." in param_name or ".lora_B." in param_name or ".lora_magnitude_vector." in param_name

@@ -94,6 +94,32 @@ def keep_start(model: nn.Module, saved_key) -> None:
     object.__setattr__(model, START_ATTR, start)  # not a submodule or buffer: never in a state dict
 
 
+def start_tensors(model: nn.Module) -> dict:
+    """{name: tensor} a start (LoftQ, PiSSA, OLoRA) may write, in module order: every LoRA layer's A
+    and B, its base weight (PiSSA/OLoRA: W - s B0 A0; LoftQ: the packed codes of Q) and, over a 4-bit
+    base, the quantization state's tensors that LoftQ rewrites in place (loftq.write_packed)."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    out = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, LoraLayer):
+            continue
+        for adapter in sorted(m.lora_A):
+            out[f"{name}.lora_A.{adapter}"] = m.lora_A[adapter].weight
+            out[f"{name}.lora_B.{adapter}"] = m.lora_B[adapter].weight
+        weight = m.get_base_layer().weight
+        out[f"{name}.base.weight"] = weight.data
+        state = getattr(weight, "quant_state", None)
+        if state is not None:
+            out[f"{name}.base.absmax"] = state.absmax
+            if state.nested:
+                for key, t in (("offset", state.offset), ("absmax2", state.state2.absmax)):
+                    if isinstance(t, torch.Tensor):
+                        out[f"{name}.base.{key}"] = t
+    return out
+
+
 def start_of(model: nn.Module):
     return getattr(model, START_ATTR, None)
 

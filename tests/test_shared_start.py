@@ -1,0 +1,70 @@
+"""A computed LoRA start (method.init=loftq|pissa) on two gloo ranks: rank 0 computes it alone and
+every rank ends with bit-identical start tensors (tunekit.train.start)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+
+def _rank(rank: int, world: int, init_file: str, model_dir: str, init: str, out: str) -> None:
+    import types
+
+    import torch.distributed as dist
+    from peft.tuners.lora import LoraLayer
+
+    from tunekit.methods import MethodConfig, get_method
+    from tunekit.methods.lora import loftq, loftq_io, variants
+    from tunekit.model import load_base_model
+    from tunekit.train.start import apply_method
+    from tunekit.train.strategy import SingleOrDDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    calls = []  # every start computed on this rank: LoftQ's layers, PiSSA's SVDs
+    real_loftq, real_pissa = loftq.apply_loftq, LoraLayer.pissa_init
+    loftq.apply_loftq = lambda *a, **k: calls.append("loftq") or real_loftq(*a, **k)
+    LoraLayer.pissa_init = lambda self, *a, **k: calls.append("pissa") or real_pissa(self, *a, **k)
+    quantize = "nf4" if init == "loftq" else "none"
+    model = load_base_model(model_dir, quantize, torch.float32, torch.device("cpu"))
+    if rank == 1 and quantize == "none":  # a rank whose own start would differ: it must take rank 0's
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "proj" in n:
+                    p.add_(1e-3)
+    strategy = SingleOrDDP(types.SimpleNamespace(num_processes=world, process_index=rank), torch.device("cpu"))
+    cfg = MethodConfig(name="lora", r=4, alpha=8, dropout=0.0, init=init,
+                       target_modules=["q_proj", "v_proj", "down_proj"])
+    method = get_method("lora")
+    model = apply_method(method, model, cfg, model_dir, None, strategy, lambda msg: None)
+
+    def digest(tensors) -> dict:
+        return {n: hashlib.sha256(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                for n, t in tensors.items()}
+
+    kept = variants.start_of(model)
+    init_attr = getattr(model, loftq_io.INIT_ATTR, None)
+    Path(out, f"rank{rank}.json").write_text(json.dumps({
+        "calls": calls, "tensors": digest(method.start_tensors(model)),
+        "kept": None if kept is None else digest(kept),
+        "loftq_layers": None if init_attr is None else sorted(init_attr.layers)}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("init", ["loftq", "pissa"])
+def test_rank_0_computes_the_start_and_every_rank_gets_it_bit_for_bit(init, tiny_model_dir, tmp_path):
+    mp.start_processes(_rank, args=(2, str(tmp_path / "pg"), str(tiny_model_dir), init, str(tmp_path)),
+                       nprocs=2, join=True, start_method="spawn")
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["calls"] and not r1["calls"]  # only rank 0 computed a start
+    assert r0["tensors"] == r1["tensors"]  # A, B, the rewritten base (codes and absmax), bit for bit
+    assert len(r0["tensors"]) >= 3 * 2 * 3  # 2 layers x 3 targets x (A, B, base weight, ...)
+    if init == "pissa":
+        assert r0["kept"] is not None and r0["kept"] == r1["kept"]  # the start the save converts against
+    else:
+        assert r0["loftq_layers"] and r0["loftq_layers"] == r1["loftq_layers"]  # saved beside the adapter
