@@ -410,6 +410,7 @@ def _fid(gain: float, kept: float, kl: float = 1e-2, tok: float = 1.0, se: float
     (dict(_fid(0.74, 0.95, kl=0.3), adapter_effect=0.1, adapter_effect_se=0.02), False, False, "adapter_effect"),
     (dict(_fid(0.74, 1.17, kl=0.55), adapter_effect=0.78, adapter_effect_se=0.05), False, True, "gain_kept"),
     (_fid(0.82, 1.0, kl=0.0, tok=0.97), False, False, "tokenizer"),
+    (_fid(0.82, float("nan"), kl=float("nan")), True, False, "finite"),  # an f16 weight over 65504 became inf
 ])
 def test_gate_decides_on_the_fraction_of_gain_kept(fid, lossy, accepted, rule):
     verdict = decide(fid, adapter=False, lossy=lossy)

@@ -42,7 +42,7 @@ def test_gpu_check_dry_run_writes_every_stage(gpu_check):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     result = json.loads((out / "gpu_check.json").read_text())
     stages = result["stages"]
-    assert list(stages) == ["env", "models", "doctor", "variants", "bench", "plan", "export"]
+    assert list(stages) == ["env", "models", "doctor", "bench", "plan", "export", "variants"]
     assert all(s["ok"] for s in stages.values()), {k: s for k, s in stages.items() if not s["ok"]}
     # the benchmark ran both systems on the same batches: same first loss up to summation order
     ratio = stages["bench"]["results"]["on"]["ratios"]["tunekit/trl"]
@@ -54,7 +54,7 @@ def test_gpu_check_dry_run_writes_every_stage(gpu_check):
     # the same rows through per-example attention, the dense mask, and fp16 with loss scaling
     var = stages["variants"]["rows"]
     assert [r["variant"] for r in var] == ["packed, per-example attention", "packed, dense block-diagonal mask",
-                                           "packed, fp16 + loss scaling"]
+                                           "packed, fp16 + loss scaling, fused kernel"]
     from tunekit.device.facts import cpu_has_bf16
 
     auto = "bfloat16" if cpu_has_bf16() else "float32"  # model.dtype=auto on this CPU

@@ -280,9 +280,12 @@ def current_memory_mb(device: torch.device) -> Optional[float]:
 
 
 def available_memory_bytes(device: torch.device) -> Optional[int]:
-    """Memory this process could still take: CUDA free memory, or the CPU's MemAvailable."""
+    """Memory this process could still take: CUDA free memory, or the CPU's MemAvailable. None where
+    it cannot be known (`tunekit plan --device cuda` on a machine without a GPU)."""
     device = torch.device(device)
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
     try:

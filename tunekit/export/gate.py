@@ -31,6 +31,8 @@ base, refused only when the rows lost outnumber the rows won beyond chance.
 
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 MIN_GAIN_KEPT = 0.90
@@ -99,6 +101,12 @@ def task_verdict(task: dict, lossy: bool, min_task_gain: Optional[float] = None)
 
 def _decide_loss(fid: dict, *, adapter: bool, lossy: bool, min_gain: Optional[float] = None,
                  kl_threshold: Optional[float] = None) -> dict:
+    broken = [k for k in ("loss_exported", "kl_mean", "gain_kept") if isinstance(fid.get(k), float)
+              and not math.isfinite(fid[k])]
+    if broken:  # every comparison below is False for a NaN: say what it is rather than which rule it fell to
+        return {"accepted": False, "rule": "finite", "bound": None,
+                "why": f"the exported model's {broken[0]} is {fid[broken[0]]} (logits not finite: a weight beyond the "
+                       "dtype's range, e.g. over 65504 in f16?)"}
     if fid.get("tokenizer_agreement", 1.0) < 1.0:
         return {"accepted": False, "rule": "tokenizer", "bound": 1.0,
                 "why": f"the exported tokenizer encodes only {100 * fid['tokenizer_agreement']:.1f}% of held-out texts alike"}
