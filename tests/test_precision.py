@@ -284,3 +284,27 @@ def test_cudnn_attention_switch_holds_for_the_run_and_is_restored(tiny_model_dir
         r.cleanup()
     assert seen and not any(seen)  # the forward and the recomputation in backward (checkpointing on)
     assert len(seen) == 2 and torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_every_rank_computes_in_rank_0s_dtype(caplog):
+    """Ranks on different GPU models: rank 0's decision is broadcast and every rank follows it; a
+    rank that cannot run it at all stops with one line."""
+    from tunekit import TunekitError
+
+    h100 = dev.DeviceFacts("cuda", capability=(9, 0), name="H100")
+    t4 = dev.DeviceFacts("cuda", capability=(7, 5), name="T4")
+    p100 = dev.DeviceFacts("cuda", capability=(6, 0), name="P100")
+    rank0 = precision.decide("auto", h100)
+    assert rank0.compute == torch.bfloat16
+    from_rank0 = lambda obj: {"compute": "bf16", "reason": rank0.reason}  # noqa: E731 (rank 0's broadcast)
+    mine = precision.decide("auto", t4)
+    assert mine.compute == torch.float16  # what the T4 would have chosen alone
+    with caplog.at_level("WARNING"):
+        agreed = precision.agree(mine, t4, from_rank0)
+    assert agreed.compute == torch.bfloat16 and not agreed.tf32 and "emulates it" in caplog.text
+    assert precision.agree(rank0, h100, from_rank0) is rank0  # rank 0 itself: unchanged
+    with pytest.raises(TunekitError, match="^precision: rank 0 computes in bf16"):
+        precision.agree(precision.decide("auto", p100), p100, from_rank0)
+    # the other way round: rank 0 on a T4 decided fp16, an H100 rank follows (its TF32 stays its own)
+    fp16 = precision.agree(rank0, h100, lambda obj: {"compute": "fp16", "reason": mine.reason})
+    assert fp16.compute == torch.float16 and fp16.loss_scaling and fp16.tf32

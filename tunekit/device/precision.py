@@ -49,11 +49,15 @@ there (TF32 needs sm_80 as well). `model.dtype=fp32` keeps strict fp32 everywher
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from tunekit import TunekitError
 from tunekit.device import facts as dev
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,27 @@ def decide(name: str, facts: dev.DeviceFacts) -> Precision:
     if facts.type == "cuda":
         return Precision(compute, False, f"{facts.describe()} is older than sm_70: no fp16 or bf16 tensor cores")
     return Precision(compute, False, f"{facts.describe()} has no native bf16")
+
+
+def agree(mine: Precision, facts: dev.DeviceFacts, broadcast_object) -> Precision:
+    """Every rank computes in the dtype rank 0 decided. `broadcast_object(obj)` returns rank 0's
+    `obj` on every rank (a plain function in tests). Ranks on different GPU models could otherwise
+    decide bf16 on one and fp16 or fp32 on another, and train different numbers under one run.
+    TF32 stays each rank's own (a matmul switch of its device, the same numbers up to TF32 rounding
+    where both have it). A rank that can only emulate rank 0's dtype says so in one warning line;
+    one that cannot compute it at all (bf16 on a GPU older than sm_70) is refused in one line."""
+    theirs = broadcast_object({"compute": dev.dtype_name(mine.compute), "reason": mine.reason})
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[theirs["compute"]]
+    if compute == mine.compute:
+        return mine
+    if facts.type == "cuda" and compute != torch.float32 and facts.capability is not None \
+            and tuple(facts.capability) < dev.FP16_MIN_CAPABILITY:
+        raise TunekitError(f"precision: rank 0 computes in {theirs['compute']}, which {facts.describe()} cannot run; "
+                           "ranks must share a precision: set model.dtype=fp32")
+    if compute == torch.bfloat16 and not dev.native_bf16(facts):
+        log.warning("precision: rank 0 computes in bf16 (%s); %s emulates it (slow)", theirs["reason"], facts.describe())
+    native = facts.type == "cuda" and dev.native_bf16(facts)
+    return Precision(compute, native and compute != torch.float32, f"rank 0's precision: {theirs['reason']}")
 
 
 def matmul_settings(p: Precision, facts: dev.DeviceFacts) -> dict:

@@ -175,6 +175,8 @@ class RecipeSetup:
         """The precision policy (tunekit.device.precision) from model.dtype and the device; `dtype` is
         its compute dtype."""
         self.precision = precision.decide(plain(self.cfg.model.dtype), self.facts)
+        # every rank computes in rank 0's dtype (ranks on different GPU models could decide otherwise)
+        self.precision = precision.agree(self.precision, self.facts, self.strategy.broadcast)
         precision.apply(self.precision, self.facts)
         self.cudnn_attention_before = precision.set_cudnn_attention(self.cfg.kernels.cudnn_attention)
         self.dtype = self.precision.compute
