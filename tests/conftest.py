@@ -20,6 +20,12 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without CUDA the Triton kernels run in Triton's numpy interpreter, which must be on before triton
+# is imported (its own @jit library functions are decorated then). Set here, not in
+# tests/kernels/conftest.py: pytest reads a folder's conftest.py only when it collects that folder,
+# and the folders collected before kernels/ import triton (tests/device's through bitsandbytes).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
