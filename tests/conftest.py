@@ -49,7 +49,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
 LONGEST_FIRST = ("test_export.py", "kernels/test_tiles.py", "test_plan_measured.py", "test_compile.py", "test_fsdp.py",
                  "test_taskeval.py", "test_bad_input.py", "kernels/test_doctor.py", "model/test_default_model.py",
                  "test_bench_train.py", "test_resume.py", "test_distributed.py", "test_gguf_adapter.py",
-                 "test_methods.py", "test_recipes.py", "test_gguf_eval.py")
+                 "methods/test_methods.py", "test_recipes.py", "test_gguf_eval.py")
 
 
 def pytest_collection_modifyitems(config, items):
