@@ -76,8 +76,8 @@ def hooked(owner, name, phase):
         print("PHASE " + json.dumps({"phase": phase, "hwm": d["VmHWM"], "anon": d["RssAnon"]}), flush=True)
         return out
     setattr(owner, name, run)
-hooked(job.Export, "measure_trained", "reference: the trained model measured")
-hooked(job.Export, "merge", "merge in memory (streamed: nothing)")
+hooked(job, "measure_reference", "reference: the trained model measured")
+hooked(job.Export, "_hand_over", "merge in memory (streamed: nothing)")
 hooked(stream, "write_merged", "write: the streamed merge")
 hooked(art, "write_merged", "write: the merged model saved")
 hooked(art, "reload_merged", "reload: the candidate loaded")

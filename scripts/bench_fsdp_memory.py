@@ -52,7 +52,7 @@ def main() -> None:
     from accelerate import Accelerator
 
     from tunekit.device import facts as dev
-    from tunekit.config import MethodConfig
+    from tunekit.methods import MethodConfig
     from tunekit.train.fsdp import Sharded, held_bytes, quant_storage
     from tunekit.methods import get_method
     from tunekit.model import load_base_model, prepare_for_training, resolve_model_path

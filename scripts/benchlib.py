@@ -31,7 +31,7 @@ def build_cfg(spec: dict, out_dir: str):
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    from tunekit.config import register_schema
+    from tunekit.commands.compose import register_schema
 
     register_schema()
     over = [f"recipe={spec['recipe']}", f"output_dir={out_dir}", f"trainer.max_steps={spec['steps']}",

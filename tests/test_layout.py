@@ -53,6 +53,62 @@ def test_imports_run_one_way(path):
     assert not bad, f"{path.relative_to(REPO)} ({mine}) imports {bad}"
 
 
+def _room_graph() -> dict[str, set[str]]:
+    """{room: rooms it imports}: a room is a sub-package or a top-level module of tunekit."""
+    graph: dict[str, set[str]] = {}
+    for path in _sources():
+        mine = _package(path)
+        for m in _imports(path):
+            if m.startswith("tunekit."):
+                target = m.split(".")[1]
+                if target not in (mine, "__init__"):
+                    graph.setdefault(mine, set()).add(target)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle between rooms (as a path a -> b -> ... -> a), or [] if there is none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt]
+            if nxt not in state:
+                found = visit(nxt, path + [nxt])
+                if found:
+                    return found
+        state[node] = 2
+        return []
+
+    for start in sorted(graph):
+        if start not in state:
+            found = visit(start, [start])
+            if found:
+                return found
+    return []
+
+
+def test_no_import_cycle_between_rooms():
+    """Lazy imports inside functions count: a cycle through one of them still ties the rooms in a
+    knot (a change in one reaches all of them)."""
+    cycle = _cycle(_room_graph())
+    assert not cycle, " -> ".join(cycle)
+
+
+def test_the_cycle_check_finds_a_planted_cycle():
+    assert _cycle({"config": {"methods"}, "methods": {"plan"}, "plan": {"config"}}) == ["config", "methods", "plan",
+                                                                                       "config"]
+    assert _cycle({"train": {"plan"}, "plan": {"device"}}) == []
+
+
+def test_the_config_schema_is_plain_data():
+    """tunekit/config.py imports nothing of tunekit: every room may read the schema, and the schema
+    depends on no room."""
+    assert [m for m in _imports(PACKAGE / "config.py") if m.startswith("tunekit")] == []
+
+
 def test_kernels_import_only_torch_and_triton():
     allowed = {"torch", "triton", "numpy", "tunekit_kernels", *sys.stdlib_module_names}
     for path in sorted((REPO / "kernels").rglob("*.py")):
@@ -82,3 +138,13 @@ def test_every_package_is_installed():
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(REPO).parts) for p in PACKAGE.rglob("__init__.py")}
     assert found - listed == set()
+
+
+LONGEST_FUNCTION = 120  # lines: a function longer than a screenful or two is several steps to be named
+
+
+@pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_function_is_longer_than_a_few_screens(path):
+    long = [f"{n.name} ({n.end_lineno - n.lineno + 1} lines)" for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > LONGEST_FUNCTION]
+    assert not long, f"{path.relative_to(REPO)}: {long}"

@@ -109,3 +109,12 @@ def path_fits(key: str, path) -> None:
     if size + INSIDE_BYTES > path_max:
         raise TunekitError(f"{key}: {full[:60]}... is {size} bytes long; with the {INSIDE_BYTES} bytes tunekit needs for "
                            f"the files inside it that passes the {path_max} a path may have; choose a shorter {key}")
+
+
+def text(key: str, value, what: str, allow_none: bool = True) -> None:
+    """A non-empty string (or None where allowed); one error naming the key and what it wants."""
+    if value is None and allow_none:
+        return
+    if not isinstance(value, str) or not value.strip():
+        raise TunekitError(f"{key}: empty; give {what}")
+

@@ -1,25 +1,20 @@
-"""Structured configs: the schema Hydra validates every recipe and command-line override against.
+"""The config's schema: plain data, the keys of every recipe and command line with their types
+and defaults. It imports nothing of tunekit, so every room may read it.
 
 Hydra composes recipes/ (train.yaml + the groups model/, data/, trainer/, tracker/, recipe/) on
 top of `TrainConfig`, so an unknown key or a value of the wrong type is rejected before anything
-runs. Checks that need more than a type (files that must exist, positive sizes) live in
-`validate()`. Only the recipe and the builders read this object; layers take plain arguments.
+runs. The `method` node holds `name` here; each method declares its own keys beside its code
+(tunekit/methods/<name>/), and tunekit.methods joins them into the node's schema when a command
+line is composed (`tunekit.methods.train_schema`). Checks that need more than a type (ranges,
+files that must exist, a key of another method) live in the room that owns the part they check,
+gathered by tunekit.train.checks.validate.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import tempfile
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 from typing import Any, Optional
-
-from hydra.core.config_store import ConfigStore
-
-from tunekit import TunekitError
-from tunekit.checks import number, one_of, path_fits
 
 
 class Optimizer(str, Enum):
@@ -92,18 +87,12 @@ class DataConfig:
     packing: bool = False
 
 
-def _method_config() -> type:
-    """The method.* schema: `name` and the keys of every registered method (tunekit.methods), each
-    declared once, by the method that reads it (its `config` dataclass, with its defaults and
-    comments). A key several methods read with different defaults (target_modules) defaults to
-    null here: the chosen method's default, filled in by `validate`. Method modules import no
-    torch, so building this costs what reading their dataclasses costs."""
-    from tunekit.methods import config_schema
+@dataclass
+class MethodConfig:
+    """The method node as the schema knows it: which method. Its keys are the method's own
+    (tunekit/methods/<name>/), joined in by tunekit.methods.config_schema."""
 
-    return config_schema()
-
-
-MethodConfig = _method_config()
+    name: str = "lora"
 
 
 @dataclass
@@ -218,14 +207,6 @@ class TrainConfig:
     distill: DistillConfig = field(default_factory=DistillConfig)
 
 
-def register_schema() -> None:
-    """Make `train_schema` available to the defaults list of recipes/train.yaml. Once a process:
-    building the structured config takes ~65 ms, and Hydra hands each compose a deep copy anyway."""
-    store = ConfigStore.instance()
-    if "train_schema.yaml" not in store.repo:
-        store.store(name="train_schema", node=TrainConfig)
-
-
 TRACKERS = ("none", "wandb")
 OBJECTIVES = ("sft", "distill")
 BEST_METRICS = ("auto", "val_loss", "val_accuracy", "val_exact_match")
@@ -234,301 +215,10 @@ BEST_METRICS = ("auto", "val_loss", "val_accuracy", "val_exact_match")
 # Keys that runs written by earlier versions of tunekit carry and this one no longer has: dropped when
 # such a run's config.yaml is read back, so that eval and export still open it.
 RETIRED_KEYS = (("kernels", "head_matmul"),)  # an fp32-head math mode, replaced by the precision policy
-
-
-def load_run_config(path: Path) -> "TrainConfig":
-    """A run's saved config.yaml, merged into the schema (enums and defaults come back typed)."""
-    from omegaconf import OmegaConf
-
-    saved = OmegaConf.load(path)
-    for group, key in RETIRED_KEYS:
-        if isinstance(saved.get(group), dict) or OmegaConf.is_dict(saved.get(group)):
-            saved[group].pop(key, None)
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), saved))
+SEED_MAX = 2**31 - 1  # numpy seeds must fit 32 bits; ranks add 1000 * rank on top
+AUTO = "auto"
 
 
 def plain(value):
     """An Enum member's value, or the value itself: configs built in Python may use plain strings."""
     return value.value if isinstance(value, Enum) else value
-
-
-SEED_MAX = 2**31 - 1  # numpy seeds must fit 32 bits; ranks add 1000 * rank on top
-AUTO = "auto"
-_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
-
-
-def _auto_int(value, key: str):
-    """A positive int (also given as a string of digits) or "auto"; one error otherwise."""
-    if isinstance(value, str) and value.strip().lower() == AUTO:
-        return AUTO
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise TunekitError(f"{key}: must be a positive integer or auto, got {value!r}")
-    return value
-
-
-def _auto_bool(value, key: str):
-    """true/false (as OmegaConf spells them: yes/no, on/off, 1/0) or "auto"; one error otherwise."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text == AUTO:
-        return AUTO
-    if text in _TRUE or text in _FALSE:
-        return text in _TRUE
-    raise TunekitError(f"{key}: must be true, false or auto, got {value!r}")
-
-
-def validate(cfg: TrainConfig) -> None:
-    """Every check that needs no model weights, cheapest first; each raises TunekitError naming the
-    key (or the file and row). Runs before anything loads (tunekit.commands.compose.check_overrides) and again in the job.
-
-    1. values and ranges of every key, the method's own checks (ranges and names, no model):
-       check_settings
-    2. output_dir can be created and written   (a probe folder, removed at once)
-    3. the libraries a choice needs            (bitsandbytes, wandb)
-    4. data files: every row read and checked  (no tokenizer)
-    5. model folders: config.json, weights, tokenizer; the method's targets against the model
-       built on the meta device (no weights)
-    """
-    check_settings(cfg)
-    if cfg.model.preset is not None:
-        from tunekit.plan.shape import preset_shape
-
-        preset_shape(cfg.model.preset)  # a known name
-    check_output_dir(cfg.output_dir)
-    _check_libraries(cfg)
-    _check_data(cfg.data)
-    from tunekit.methods.registry import ignored_keys
-
-    for key in ignored_keys(cfg.method):
-        logging.getLogger("tunekit").warning("%s: method %r has no such key; it is ignored", key, cfg.method.name)
-    _check_models(cfg)
-
-
-def check_settings(cfg: TrainConfig) -> None:
-    """The values of every key, the method's own included: all of validate() that reads no file and
-    no model (`tunekit doctor` checks its overrides with it before its runs start)."""
-    # The two keys that also take `auto` become an int / a bool, or "auto" for TrainRecipe.setup
-    # to resolve from the memory plan.
-    cfg.trainer.micro_batch_size = _auto_int(cfg.trainer.micro_batch_size, "trainer.micro_batch_size")
-    cfg.model.gradient_checkpointing = _auto_bool(cfg.model.gradient_checkpointing, "model.gradient_checkpointing")
-    cfg.model.offload_activations = _auto_bool(cfg.model.offload_activations, "model.offload_activations")
-    check_values(cfg)
-    from tunekit.methods import check_method_config, fill_method_defaults
-
-    fill_method_defaults(cfg.method)  # a null key: the chosen method's default
-    check_method_config(cfg.method, None, plain(cfg.model.quantize))
-
-
-def check_values(cfg: TrainConfig) -> None:
-    """Types, ranges and choices of every key except the method's (each method's check_config)."""
-    t, d, m, dist = cfg.trainer, cfg.data, cfg.model, cfg.distill
-    for key in ("max_steps", "micro_batch_size", "grad_accum", "eval_every", "save_every", "keep_checkpoints"):
-        if getattr(t, key) != AUTO:
-            number(f"trainer.{key}", getattr(t, key), ge=1, integer=True)
-    number("trainer.warmup_steps", t.warmup_steps, ge=0, integer=True)  # >= max_steps: warmup only, allowed
-    number("trainer.lr", t.lr, gt=0)
-    number("trainer.weight_decay", t.weight_decay, ge=0)
-    if t.lr * t.weight_decay >= 1:  # AdamW multiplies every weight by (1 - lr * wd) per step
-        raise TunekitError(f"trainer.weight_decay: lr * weight_decay = {t.lr * t.weight_decay:g} >= 1 would flip "
-                           "or zero every weight at each step; lower it")
-    number("trainer.max_grad_norm", t.max_grad_norm, gt=0, allow_inf=True)  # inf: no clipping
-    if t.dist_timeout_s != AUTO:
-        number("trainer.dist_timeout_s", t.dist_timeout_s, ge=60)  # below a minute: a save could never finish
-    number("trainer.eval_samples", t.eval_samples, ge=0, integer=True)
-    number("trainer.eval_task_rows", t.eval_task_rows, ge=1, integer=True)
-    number("trainer.eval_max_new_tokens", t.eval_max_new_tokens, ge=1, integer=True)
-    one_of("trainer.best_metric", t.best_metric, BEST_METRICS)
-    if not t.eval_task and t.best_metric in ("val_accuracy", "val_exact_match"):
-        raise TunekitError(f"trainer.best_metric: {t.best_metric} is measured only with trainer.eval_task=true")
-    one_of("trainer.optimizer", plain(t.optimizer), [o.value for o in Optimizer])
-    one_of("trainer.strategy", plain(t.strategy), [x.value for x in Strategy])
-    number("seed", cfg.seed, ge=0, le=SEED_MAX, integer=True)
-    _optional_text("output_dir", cfg.output_dir, "a folder for the run", allow_none=False)
-
-    _optional_text("model.path", m.path, "a model folder, or null for the default model")
-    one_of("model.quantize", plain(m.quantize), [q.value for q in Quantize])
-    one_of("model.dtype", plain(m.dtype), [x.value for x in DType])
-
-    _optional_text("data.path", d.path, "a data file, or null for the default data")
-    _optional_text("data.val_path", d.val_path, "a data file, or null to hold out data.val_fraction")
-    number("data.val_fraction", d.val_fraction, gt=0, lt=1)
-    one_of("data.format", plain(d.format), [f.value for f in DataFormat])
-    number("data.max_seq_len", d.max_seq_len, ge=8, integer=True)
-    if d.max_val_examples is not None:
-        number("data.max_val_examples", d.max_val_examples, ge=1, integer=True)
-
-    one_of("objective", cfg.objective, OBJECTIVES)
-    _optional_text("distill.teacher", dist.teacher, "a model folder, or null for the default model")
-    one_of("distill.teacher_quantize", plain(dist.teacher_quantize), [q.value for q in Quantize])
-    number("distill.alpha", dist.alpha, ge=0, le=1)
-    number("distill.temperature", dist.temperature, gt=0)
-    one_of("distill.divergence", plain(dist.divergence), [x.value for x in Divergence])
-    number("distill.beta", dist.beta, gt=0, lt=1)
-    number("distill.chunk_size", dist.chunk_size, ge=1, integer=True)
-    number("distill.student_keep_every", dist.student_keep_every, ge=0, integer=True)
-    if dist.student_keep_every == 1:
-        raise TunekitError("distill.student_keep_every: 1 keeps every layer (no smaller student); use 0 to train "
-                           "model.path as the student, or 2 or more")
-
-    one_of("kernels.fused_lora", plain(cfg.kernels.fused_lora), [x.value for x in FusedMode])
-    if plain(cfg.kernels.fused_lora) == "on" and plain(m.quantize) != "nf4":
-        raise TunekitError("kernels.fused_lora: on needs a 4-bit base (the kernel fuses NF4 dequantization into "
-                           "LoRA's matmul); set model.quantize=nf4, or kernels.fused_lora=auto")
-    if cfg.kernels.compile and plain(t.strategy) == "fsdp":
-        raise TunekitError("kernels.compile: not with trainer.strategy=fsdp (FSDP2 wraps every decoder layer's "
-                           "forward itself); set kernels.compile=false, or trainer.strategy=ddp")
-    if plain(t.strategy) == "fsdp":
-        from tunekit.train.fsdp import check_config
-
-        check_config(plain(cfg.kernels.fused_lora), cfg.objective)
-    one_of("tracker.name", cfg.tracker.name, TRACKERS)
-    _optional_text("tracker.project", cfg.tracker.project, "a project name", allow_none=False)
-
-
-def _optional_text(key: str, value, what: str, allow_none: bool = True) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, str) or not value.strip():
-        raise TunekitError(f"{key}: empty; give {what}")
-
-
-def check_output_dir(path: str, key: str = "output_dir") -> None:
-    """The run folder is, or can become, a writable folder: refused before Hydra or the run create it.
-
-    Writability is probed by creating (and at once removing) a hidden folder: permission bits
-    say nothing for root, and a read-only mount or a sandbox can refuse what os.access allows.
-    """
-    _optional_text(key, path, "a folder for the run")
-    path_fits(key, path)  # before any stat(): a name over NAME_MAX fails each one with ENAMETOOLONG
-    p = Path(path).expanduser()
-    # A symlink whose target is missing, or a loop of symlinks: exists() says False, so it would pass
-    # for a new folder, and creating it fails later with a traceback.
-    link = next((q for q in (p, *p.parents) if q.is_symlink() and not _resolves(q)), None)
-    if link is not None:
-        try:
-            dest = os.readlink(link)
-        except OSError:
-            dest = "?"
-        what = "a symlink loop" if _is_loop(link) else f"a dangling symlink (to {dest}, which does not exist)"
-        where = f"{p} is" if link == p else f"{p} lies under {link}, which is"
-        raise TunekitError(f"{key}: {where} {what}; give a real folder")
-    try:
-        if p.exists() and not p.is_dir():
-            raise TunekitError(f"{key}: {p} is a file; give a folder")
-        parent = p
-        while not parent.exists():
-            parent = parent.parent
-    except OSError as e:
-        raise TunekitError(f"{key}: cannot inspect {p}: {e.strerror or e}") from None
-    if not parent.is_dir():
-        raise TunekitError(f"{key}: {p} lies under {parent}, which is a file")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".tunekit-write-probe-", dir=parent))
-    except OSError as e:
-        where = "in" if parent == p else f"{p} in"
-        raise TunekitError(f"{key}: cannot create {where} {parent} ({e.strerror or e}); choose a writable "
-                           "folder") from None
-
-
-def _resolves(link: Path) -> bool:
-    try:
-        return link.exists()
-    except OSError:  # ELOOP on some platforms
-        return False
-
-
-def _is_loop(link: Path) -> bool:
-    try:
-        link.resolve(strict=True)
-    except RuntimeError:  # pathlib's "Symlink loop"
-        return True
-    except OSError as e:
-        import errno
-
-        return e.errno == errno.ELOOP
-    return False
-
-
-def _check_libraries(cfg: TrainConfig) -> None:
-    """A choice that needs an optional library fails here rather than as an ImportError mid-setup."""
-    from importlib.util import find_spec
-
-    wants_bnb = [("trainer.optimizer", plain(cfg.trainer.optimizer))] if plain(cfg.trainer.optimizer) != "adamw" else []
-    if plain(cfg.model.quantize) == "nf4":
-        wants_bnb.append(("model.quantize", "nf4"))
-    if cfg.objective == "distill" and plain(cfg.distill.teacher_quantize) == "nf4":
-        wants_bnb.append(("distill.teacher_quantize", "nf4"))
-    if wants_bnb and find_spec("bitsandbytes") is None:
-        key, value = wants_bnb[0]
-        raise TunekitError(f"{key}: {value} needs bitsandbytes, which is not installed: pip install bitsandbytes "
-                           "(or trainer.optimizer=adamw and model.quantize=none)")
-    if cfg.tracker.name == "wandb" and find_spec("wandb") is None:
-        raise TunekitError("tracker.name: wandb needs the wandb package: pip install wandb (or tracker=none)")
-
-
-def _check_data(d: DataConfig) -> None:
-    """Every row of the data files, read and checked (no tokenizer); the held-out split must leave
-    training rows."""
-    from tunekit.data.formats import check_file, row_char_limit
-
-    for key in ("path", "val_path"):
-        value = getattr(d, key)
-        if value is None:
-            continue
-        rows, _ = check_file(value, plain(d.format), f"data.{key}", row_char_limit(d.max_seq_len))
-        if key == "path" and d.val_path is None and rows - max(1, int(rows * d.val_fraction)) < 1:
-            raise TunekitError(f"data.path: {value} has {rows} row(s): too few to hold out data.val_fraction="
-                               f"{d.val_fraction} and train on the rest; add rows or give data.val_path")
-
-
-def _check_models(cfg: TrainConfig) -> None:
-    """The folders the run loads, from their small files; then the method against the model's layout
-    (built on the meta device). The default model is checked only once converted (the conversion
-    is the first run's job)."""
-    from tunekit.methods import check_method_config, get_method
-    from tunekit.model.default import converted_default_dir
-    from tunekit.model.folder import check_weights_match, max_positions, model_skeleton, read_json, resolve_model_path
-
-    def local(path: Optional[str], key: str) -> Optional[Path]:
-        if path is None:
-            return converted_default_dir()
-        resolved = Path(resolve_model_path(path, key=key))
-        return resolved if resolved.is_dir() else None  # a hub id: checked by resolve, no local layout
-
-    if cfg.model.preset is not None:
-        return  # a size for `tunekit plan`: no folder to check (`train` refuses it in check_trainable)
-    student_key, student = "model.path", local(cfg.model.path, "model.path")
-    if cfg.objective == "distill":
-        teacher = local(cfg.distill.teacher, "distill.teacher")
-        if cfg.distill.student_keep_every:  # the student is the teacher with fewer layers
-            student_key, student = "distill.teacher", teacher
-        elif teacher is not None and student is not None:
-            sizes = [read_json(p / "config.json", k).get("vocab_size") for p, k in
-                     ((student, "model.path"), (teacher, "distill.teacher"))]
-            if sizes[0] != sizes[1]:
-                raise TunekitError(f"distill.teacher: {teacher} has vocab_size {sizes[1]}, the student "
-                                   f"{student} {sizes[0]}; distillation needs the same vocabulary")
-        if teacher is not None and student != teacher:
-            check_weights_match(teacher, model_skeleton(str(teacher), "distill.teacher"), "distill.teacher")
-    if student is None:
-        return
-    limit = max_positions(read_json(student / "config.json", student_key))
-    if limit is not None and cfg.data.max_seq_len > limit:
-        raise TunekitError(f"data.max_seq_len: {cfg.data.max_seq_len} is more than the {limit} positions the model "
-                           f"in {student} was built for; lower it to {limit} or less")
-    if limit is not None:  # what the method adds to every row (a soft prompt) shares the model's positions
-        get_method(cfg.method.name).check_context(cfg.method, cfg.data.max_seq_len, limit, str(student))
-    skeleton = model_skeleton(str(student), student_key)
-    check_weights_match(student, skeleton, student_key)
-    check_method_config(cfg.method, skeleton, plain(cfg.model.quantize))
-    get_method(cfg.method.name).check_training(cfg.method, skeleton)  # what a run cannot train (LoRA on the head)
-
-
-def check_trainable(cfg: TrainConfig) -> None:
-    """What `train` needs beyond `validate` (which `tunekit plan` shares): real weights."""
-    if cfg.model.preset is not None:
-        raise TunekitError(f"model.preset: {cfg.model.preset!r} is a size for `tunekit plan` only (no weights); "
-                           "train from model.path")

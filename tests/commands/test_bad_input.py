@@ -194,18 +194,19 @@ def test_missing_optional_library_is_one_line(monkeypatch):
     import importlib.util
 
     from tunekit import TunekitError
-    from tunekit.config import ModelConfig, TrackerConfig, TrainConfig, TrainerConfig, _check_libraries
+    from tunekit.config import ModelConfig, TrackerConfig, TrainConfig, TrainerConfig
+    from tunekit.train.checks import check_libraries
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name in ("bitsandbytes", "wandb") else real(name, *a))
     with pytest.raises(TunekitError, match=r"^model.quantize: nf4 needs bitsandbytes, which is not installed"):
-        _check_libraries(TrainConfig(model=ModelConfig(quantize="nf4")))
+        check_libraries(TrainConfig(model=ModelConfig(quantize="nf4")))
     with pytest.raises(TunekitError, match=r"^trainer.optimizer: paged_adamw_8bit needs bitsandbytes"):
-        _check_libraries(TrainConfig(trainer=TrainerConfig(optimizer="paged_adamw_8bit")))
+        check_libraries(TrainConfig(trainer=TrainerConfig(optimizer="paged_adamw_8bit")))
     with pytest.raises(TunekitError, match=r"^tracker.name: wandb needs the wandb package"):
-        _check_libraries(TrainConfig(tracker=TrackerConfig(name="wandb")))
-    _check_libraries(TrainConfig())  # adamw on a bf16 base needs neither
+        check_libraries(TrainConfig(tracker=TrackerConfig(name="wandb")))
+    check_libraries(TrainConfig())  # adamw on a bf16 base needs neither
 
 
 # Refusals that come after a model loaded (its memory line is on stderr first): the last line is checked.

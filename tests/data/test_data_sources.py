@@ -10,7 +10,8 @@ import datasets
 import pytest
 from transformers import AutoTokenizer
 
-from tunekit.config import DataConfig, _check_data
+from tunekit.config import DataConfig
+from tunekit.data.checks import check_data_files
 from tunekit.data import IGNORE, DataError, load_splits, sources, tokenize_rows
 from tunekit.data.formats import check_file, read_rows
 from tunekit.data.tokenize import ensure_chat_template
@@ -112,7 +113,7 @@ def test_a_saved_dataset_trains_as_the_same_rows_in_a_file(tmp_path, tok):
     rows = [qa(i) for i in range(10)]
     folder = tmp_path / "saved"
     datasets.Dataset.from_list(rows).save_to_disk(str(folder))
-    _check_data(DataConfig(path=str(folder), max_seq_len=64, val_fraction=0.2))  # the config check accepts it
+    check_data_files(DataConfig(path=str(folder), max_seq_len=64, val_fraction=0.2))  # the config check accepts it
     assert check_file(folder, "auto", "data.path") == (10, "alpaca")
     got = load_splits(str(folder), None, "auto", tok, 64, 0.2, None, 0)
     want = load_splits(str(_jsonl(tmp_path / "same.jsonl", rows)), None, "auto", tok, 64, 0.2, None, 0)
@@ -125,7 +126,7 @@ def test_a_saved_dataset_dict_gives_its_held_out_split(tmp_path, tok, held):
     folder = tmp_path / "dd"
     datasets.DatasetDict({"train": datasets.Dataset.from_list(train_rows),
                           held: datasets.Dataset.from_list(held_rows)}).save_to_disk(str(folder))
-    _check_data(DataConfig(path=str(folder), max_seq_len=64))
+    check_data_files(DataConfig(path=str(folder), max_seq_len=64))
     train, val = load_splits(str(folder), None, "auto", tok, 64, 0.5, None, 0)
     assert train == tokenize_rows(train_rows, "alpaca", "x", tok, 64)  # every train row, none held out
     assert val == tokenize_rows(held_rows, "alpaca", "x", tok, 64)
@@ -140,7 +141,7 @@ def test_saved_dataset_errors_name_folder_split_and_row(tmp_path):
                          ).save_to_disk(str(bad))
     culprit = f"{bad}: row 2 of split 'validation': 'output' must be a non-empty string"
     with pytest.raises(DataError, match="^" + re.escape(culprit)):
-        _check_data(DataConfig(path=str(bad)))
+        check_data_files(DataConfig(path=str(bad)))
     plain = tmp_path / "plain"
     plain.mkdir()
     (plain / "train.jsonl").write_text(json.dumps(qa(1)) + "\n")
@@ -165,7 +166,7 @@ def test_a_hub_id_loads_with_load_dataset(tmp_path, tok, monkeypatch):
         return datasets.DatasetDict({"train": datasets.Dataset.from_list([qa(i) for i in range(8)])})
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    _check_data(DataConfig(path="tatsu-lab/alpaca", max_seq_len=64, val_fraction=0.25))
+    check_data_files(DataConfig(path="tatsu-lab/alpaca", max_seq_len=64, val_fraction=0.25))
     train, val = load_splits("tatsu-lab/alpaca", None, "auto", tok, 64, 0.25, None, 0)
     assert (len(train), len(val)) == (6, 2) and calls == ["tatsu-lab/alpaca"]  # loaded once for both
 
@@ -175,7 +176,7 @@ def test_an_unreachable_hub_is_one_error_naming_the_id(tmp_path, tok, monkeypatc
     monkeypatch.setattr(sources, "_LOADED", {})
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the real load_dataset, answering at once
     with pytest.raises(DataError) as err:
-        _check_data(DataConfig(path="tunekit-tests/no-such-dataset"))
+        check_data_files(DataConfig(path="tunekit-tests/no-such-dataset"))
     msg = str(err.value)
     assert msg.startswith(f"data.path: 'tunekit-tests/no-such-dataset' is not a local file or folder "
                           f"(no {tmp_path}/tunekit-tests/no-such-dataset), and the Hugging Face hub could not be "

@@ -51,7 +51,8 @@ def test_packed_row_gives_the_same_per_example_losses(tiny_model_dir, tiny_data)
 
 
 def test_packing_option_gives_the_same_step(tiny_model_dir, tiny_data, tmp_path):
-    from tunekit.config import DataConfig, MethodConfig, ModelConfig, TrainConfig, TrainerConfig
+    from tunekit.config import DataConfig, ModelConfig, TrainConfig, TrainerConfig
+    from tunekit.methods import MethodConfig
     from tunekit.train.loop import TrainRecipe
 
     results = []

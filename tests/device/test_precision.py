@@ -8,8 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from tunekit.device import facts as dev
+from tunekit.speed.offload import offload_context
 from tunekit.device import precision
-from tunekit.config import DataConfig, MethodConfig, ModelConfig, TrainConfig, TrainerConfig
+from tunekit.config import DataConfig, ModelConfig, TrainConfig, TrainerConfig
+from tunekit.methods import MethodConfig
 from tunekit.train.loop import TrainRecipe
 
 CPU = dev.DeviceFacts("cpu", cpu_bf16=False)
@@ -182,7 +184,7 @@ def test_offload_decision(setting, facts, ckpt, sharded, expected):
 
 def test_offloaded_checkpoint_inputs_give_the_same_gradients(tiny_model_dir):
     """The mechanism a GPU run uses (on a CPU the copies are not pinned): same loss, same gradients."""
-    from tunekit.config import MethodConfig as MC
+    from tunekit.methods import MethodConfig as MC
     from tunekit.methods import get_method
     from tunekit.model import decoder_and_head, load_base_model, prepare_for_training
     from tunekit.train.objective import SFTObjective
@@ -200,7 +202,7 @@ def test_offloaded_checkpoint_inputs_give_the_same_gradients(tiny_model_dir):
             if "lora_B" in n:
                 torch.nn.init.normal_(p, std=0.02, generator=g)
         decoder, head = decoder_and_head(model)
-        with dev.offload_context(torch.device("cpu")) if offload else torch.autograd.graph.saved_tensors_hooks(
+        with offload_context(torch.device("cpu")) if offload else torch.autograd.graph.saved_tensors_hooks(
                 lambda t: t, lambda t: t):
             hidden = decoder(input_ids=ids, attention_mask=batch["attention_mask"], use_cache=False).last_hidden_state
         loss, _ = SFTObjective().loss(hidden, head, batch)
@@ -257,8 +259,8 @@ def test_cudnn_attention_switch_holds_for_the_run_and_is_restored(tiny_model_dir
     """kernels.cudnn_attention=false keeps torch's cuDNN attention out for the whole run (a
     checkpointed block's recomputation in backward included: the switch is process-wide, not a
     context around the forward) and puts torch's setting back at the end."""
-    from tunekit.config import (DataConfig, KernelsConfig, MethodConfig, ModelConfig, TrainConfig,
-                                TrainerConfig)
+    from tunekit.config import DataConfig, KernelsConfig, ModelConfig, TrainConfig, TrainerConfig
+    from tunekit.methods import MethodConfig
     from tunekit.train.loop import TrainRecipe
 
     seen = []

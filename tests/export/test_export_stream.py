@@ -302,6 +302,47 @@ def test_llama3_8b_qlora_merged_export_fits_a_24gib_gpu(tmp_path):
                    facts, facts.total_memory, "tunekit export")
 
 
+def test_llama3_8b_qlora_gguf_adapter_export_fits_24gib(tmp_path, monkeypatch):
+    """The same run exported --format gguf-adapter (an f32 adapter GGUF, checked by llama.cpp over an
+    f16 GGUF of the dequantized NF4 base): on a 24 GiB GPU its phases there (the reference, the base's
+    tensors rounded one at a time) fit it, and the phases on the CPU (the adapter's read, llama.cpp's
+    check, which holds the one 16-bit copy of the model) fit 24 GiB of host memory. Before, the base
+    GGUF was f32 and written from the whole base dequantized in memory, kept until llama.cpp (which
+    reads the file whole) had loaded it: two fp32 copies, 59.83 GiB, on the host alone."""
+    from tunekit.export.memory import HOST_PHASES, gguf_adapter_phases, peak
+    from tunekit.plan.inference import Workload, check_fits, with_margin
+    from tunekit.plan.shape import PROJECTIONS, model_shape
+    from tunekit.device.facts import DeviceFacts, planning_facts
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_8B))
+    shape = model_shape(str(tmp_path), None)
+    gpu, host = planning_facts("cuda", 24 * GiB, cuda_available=False), DeviceFacts("cpu", total_memory=24 * GiB)
+    work = Workload(kv_tokens=0, forward_tokens=8 * 512, logit_rows=8 * 512)
+    lora = 16 * shape.num_layers * sum(i + o for p in PROJECTIONS for i, o in [shape.projection(p)])
+    phases = gguf_adapter_phases(shape, "nf4", 2 * 4 * lora, lora, 4, work, 4 * 8 * 512, n_ctx=512, held=4, stored=2)
+    on_gpu, terms = peak({k: v for k, v in phases.items() if k not in HOST_PHASES})
+    assert on_gpu == "reference" and sum(with_margin(terms, gpu).values()) < 23 * GiB
+    check_fits(terms, gpu, gpu.total_memory, "tunekit export")
+    on_host, terms = peak({k: v for k, v in phases.items() if k in HOST_PHASES})
+    assert on_host == "check: llama.cpp"
+    # one 16-bit copy: matrices in f16, the 65 norm vectors (4096 each) in f32
+    assert terms["base GGUF (f16)"] == 2 * shape.total_params + 2 * 65 * 4096
+    need = sum(with_margin(terms, host).values())
+    assert need < 21 * GiB and f"{need / GiB:.2f} GiB of 24.00 GiB free" in check_fits(terms, host, 24 * GiB, "x")
+    assert 2 * 4 * shape.total_params / GiB == pytest.approx(59.83, abs=0.01)  # the old f32 path's two copies
+    # the export's check on that GPU: its phases there against it, llama.cpp's against the host's memory
+    from tunekit.export import memory
+
+    monkeypatch.setattr("tunekit.device.facts.available_memory_bytes", lambda device: 24 * GiB)
+    line = memory._check_gguf_adapter(phases, gpu, 24 * GiB)
+    assert "GiB of 24.00 GiB free on cuda:0" in line and "its reference phase" in line
+    assert "GiB of 24.00 GiB free on cpu" in line and "its check: llama.cpp phase" in line
+    monkeypatch.setattr("tunekit.device.facts.available_memory_bytes", lambda device: 16 * GiB)
+    with pytest.raises(TunekitError, match=r"needs about 19.95 GiB on cpu \(base GGUF \(f16\) 14.96 GiB, .* but 16.00 "
+                                           r"GiB is free: --eval-batches 1 .* \(gguf-adapter: its check: llama.cpp phase\)"):
+        memory._check_gguf_adapter(phases, gpu, 24 * GiB)
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_streamed_gguf_holds_the_streamed_merge(qlora_run, tmp_path, dtype):
     """--format gguf of a LoRA run merges tensor by tensor as the file is written: every tensor of

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from _helpers import scaled_tiny_model, run_cli
 from tunekit import TunekitError
-from tunekit.config import MethodConfig
+from tunekit.methods import MethodConfig
 from tunekit.infer.decode import encode_prompts, generate, generate_ids
 from tunekit.commands.generate import main
 from tunekit.methods import get_method

@@ -54,7 +54,8 @@ def train_run(recipe: str, model_dir: Path, data: Path, out: Path, *extra: str) 
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    from tunekit.config import register_schema, validate
+    from tunekit.commands.compose import register_schema
+    from tunekit.train.checks import validate
     from tunekit.train.loop import TrainRecipe
 
     register_schema()

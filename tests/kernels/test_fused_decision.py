@@ -15,7 +15,7 @@ import torch
 
 from tunekit import TunekitError
 from tunekit.device import facts as dev
-from tunekit.config import MethodConfig
+from tunekit.methods import MethodConfig
 from tunekit.methods.lora.backend import (
     FusedDecision,
     FusedLoRALinear4bit,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tunekit import TunekitError
-from tunekit.config import MethodConfig
+from tunekit.methods import MethodConfig
 from tunekit.methods import get_method
 from tunekit.device import facts as dev
 from tunekit.methods.lora.backend import PATHS, FusedLoRALinear4bit, choose_lora_backend

@@ -22,7 +22,7 @@ import torch
 
 from test_methods import CPU, DTYPE, TOL, eval_logits, make_base, make_batch, train_steps
 from tunekit import TunekitError
-from tunekit.config import MethodConfig
+from tunekit.methods import MethodConfig
 from tunekit.methods import get_method
 from tunekit.methods.lora.loftq_io import LOFTQ_INIT_FILE, load_loftq_init
 from tunekit.model import load_base_model

@@ -16,7 +16,7 @@ import torch
 
 from test_methods import DTYPE, TOL, eval_logits, make_base, make_batch, train_steps
 from tunekit import TunekitError
-from tunekit.config import MethodConfig
+from tunekit.methods import MethodConfig
 from tunekit.methods import get_method
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0}

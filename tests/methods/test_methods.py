@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from _helpers import run_cli, tiny_args
 from tunekit import TunekitError
-from tunekit.config import MethodConfig
+from tunekit.methods import MethodConfig
 from tunekit.losses import sft_loss_from_hidden
 from tunekit.methods import available_methods, get_method, method_for_adapter
 from tunekit.methods.prompt_tuning import init_token_ids, load_soft_prompt
@@ -395,20 +395,79 @@ def test_new_recipes_train_from_the_cli(tiny_model_dir, tiny_data, tmp_path):
     assert seen == {(r, q) for r in ("adapter", "bitfit", "prompt_tuning", "ia3") for q in ("none", "nf4")}
 
 
-def test_a_key_the_chosen_method_does_not_read_is_named(caplog):
-    """method.r=4 with recipe=ia3 trains (IA)^3, which has no rank: one warning names the key (not an
-    error, since a -m sweep over recipes sets keys for some of its methods only)."""
+def test_a_key_the_chosen_method_does_not_read_is_refused():
+    """method.r=4 with recipe=ia3 would train (IA)^3, which has no rank: refused in one line naming
+    the key and the method's own keys, before anything loads."""
+    from tunekit import TunekitError
     from tunekit.commands.compose import compose_configs
-    from tunekit.methods.registry import ignored_keys
+    from tunekit.methods import foreign_keys
 
-    assert ignored_keys(MethodConfig(name="ia3", r=4, use_dora=True)) == ["method.r=4", "method.use_dora=True"]
-    assert ignored_keys(MethodConfig(name="lora", r=4, use_dora=True)) == []
-    assert ignored_keys(MethodConfig(name="ia3", target_modules=["k_proj"], feedforward_modules=[])) == []
-    with caplog.at_level("WARNING", logger="tunekit"):
+    assert foreign_keys(MethodConfig(name="ia3", r=4, use_dora=True)) == ["method.r=4", "method.use_dora=True"]
+    assert foreign_keys(MethodConfig(name="lora", r=4, use_dora=True)) == []
+    assert foreign_keys(MethodConfig(name="ia3", target_modules=["k_proj"], feedforward_modules=[])) == []
+    with pytest.raises(TunekitError, match=r"^method.r: method 'ia3' has no such key \(its keys: target_modules, "
+                                           r"feedforward_modules\)"):
         compose_configs(["recipe=ia3", "method.r=4", "model.preset=llama-3-8b"])
-    assert "method.r=4: method 'ia3' has no such key; it is ignored" in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="tunekit"):
-        for recipe in ("qlora", "lora", "ia3", "adapter", "bitfit", "prompt_tuning", "distill"):
-            compose_configs([f"recipe={recipe}", "model.preset=llama-3-8b"])
-    assert "no such key" not in caplog.text  # the recipes as shipped set no foreign key
+    for recipe in ("qlora", "lora", "ia3", "adapter", "bitfit", "prompt_tuning", "distill"):
+        compose_configs([f"recipe={recipe}", "model.preset=llama-3-8b"])  # the recipes as shipped set no foreign key
+    # a -m sweep over methods: a key is left to the jobs whose method reads it, and refused if none does
+    jobs = compose_configs(["-m", "recipe=lora,ia3", "method.r=8", "model.preset=llama-3-8b"])
+    assert [(c.method.name, c.method.r) for c in jobs] == [("lora", 8), ("ia3", 8)]
+    with pytest.raises(TunekitError, match=r"^method.r: method 'ia3' has no such key"):
+        compose_configs(["-m", "recipe=ia3,bitfit", "method.r=8", "model.preset=llama-3-8b"])
+
+
+def test_a_new_method_with_only_the_required_hooks_trains_on_a_stated_estimate(tiny_model_dir, tiny_data, tmp_path,
+                                                                                caplog):
+    """A method that has apply/owns/write/read and no planning hooks trains; the plan that sizes its
+    run is the frozen base's, and the log says what it leaves out."""
+    import math
+
+    import torch.nn as nn
+    from safetensors.torch import load_file, save_file
+
+    from tunekit.config import DataConfig, ModelConfig, TrainConfig, TrainerConfig
+    from tunekit.methods import registry
+    from tunekit.plan import memory
+    from tunekit.train.loop import TrainRecipe
+
+    class Gain(registry.Method):
+        """A trained gain on the final norm's output."""
+
+        def apply(self, model, cfg):
+            model.requires_grad_(False)
+            norm = model.model.norm
+            norm.register_parameter("toy_gain", nn.Parameter(torch.zeros(norm.weight.shape[0])))
+            norm.register_forward_hook(lambda m, a, out: (out.float() * (1 + m.toy_gain)).to(out.dtype))
+            return model
+
+        def owns(self, name):
+            return name.endswith("toy_gain")
+
+        def write(self, model, out_dir):
+            out_dir.mkdir(parents=True, exist_ok=True)
+            save_file({k: p.detach().contiguous() for k, p in model.named_parameters() if self.owns(k)},
+                      str(out_dir / "gain.safetensors"))
+
+        def read(self, model, in_dir):
+            model.load_state_dict(load_file(str(in_dir / "gain.safetensors")), strict=False)
+
+    registry.register("toy_gain")(Gain)
+    try:
+        cfg = TrainConfig(
+            output_dir=str(tmp_path / "run"), seed=0, method=MethodConfig(name="toy_gain"),
+            model=ModelConfig(path=str(tiny_model_dir), quantize="none", gradient_checkpointing="auto"),
+            data=DataConfig(path=str(tiny_data), max_seq_len=64, val_fraction=0.2, max_val_examples=2),
+            trainer=TrainerConfig(max_steps=2, micro_batch_size=2, grad_accum=1, eval_every=100, save_every=100,
+                                  eval_samples=0, lr=1e-2))
+        r = TrainRecipe(cfg, tmp_path / "run")
+        with caplog.at_level("INFO", logger="tunekit"):
+            r.setup()
+            rows = [r.train_step(step) for step in range(2)]
+        gain = r.model.model.norm.toy_gain
+        r.cleanup()
+    finally:
+        registry._REGISTRY.pop("toy_gain", None)
+        memory._PLANNERS.pop("toy_gain", None)
+    assert all(math.isfinite(row["loss"]) for row in rows) and gain.abs().max() > 0  # it trained
+    assert "an estimate: method 'toy_gain' has no plan of its own" in caplog.text

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tunekit.config import MethodConfig
+from tunekit.methods import MethodConfig
 from tunekit.data import collate, load_splits
 from tunekit.methods import get_method
 from tunekit.model import compute_dtype, decoder_and_head, load_base_model, load_tokenizer, quantized_bits_per_param

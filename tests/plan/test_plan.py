@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tunekit.config import MethodConfig
+from tunekit.methods import MethodConfig
 from tunekit.data import collate, collate_packed
 from tunekit.device.facts import DeviceFacts
 from tunekit.methods import get_method

@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 
 from tunekit import TunekitError
 from tunekit.speed import torch_compile as compiled
-from tunekit.config import DataConfig, KernelsConfig, MethodConfig, ModelConfig, TrainConfig, TrainerConfig
+from tunekit.config import DataConfig, KernelsConfig, ModelConfig, TrainConfig, TrainerConfig
+from tunekit.methods import MethodConfig
 from tunekit.model.layers import decoder_layers
 from tunekit.train.loop import TrainRecipe
 

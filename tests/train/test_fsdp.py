@@ -187,7 +187,8 @@ def test_first_step_symptoms_stop_with_one_line():
 
 
 def test_config_refusals_and_the_fingerprint():
-    from tunekit.config import TrainConfig, check_values
+    from tunekit.config import TrainConfig
+    from tunekit.train.checks import check_values
     from tunekit.train.resume import fingerprint
 
     with pytest.raises(TunekitError, match="kernels.fused_lora: on is not supported with trainer.strategy=fsdp"):

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from _helpers import read_jsonl
-from tunekit.config import DataConfig, MethodConfig, ModelConfig, TrainConfig, TrainerConfig
+from tunekit.config import DataConfig, ModelConfig, TrainConfig, TrainerConfig
+from tunekit.methods import MethodConfig
 from tunekit.device import facts as dev
 from tunekit.device import precision
 from tunekit.train.loop import TrainRecipe

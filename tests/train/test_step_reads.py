@@ -19,7 +19,8 @@ import traceback
 import torch
 from torch.overrides import TorchFunctionMode
 
-from tunekit.config import DataConfig, MethodConfig, ModelConfig, TrainConfig, TrainerConfig
+from tunekit.config import DataConfig, ModelConfig, TrainConfig, TrainerConfig
+from tunekit.methods import MethodConfig
 from tunekit.train.loop import TrainRecipe
 
 READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu"}

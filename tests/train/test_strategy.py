@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 import tunekit.train.loop as loop
 from _helpers import read_jsonl
-from tunekit.config import DataConfig, KernelsConfig, MethodConfig, ModelConfig, TrainConfig, TrainerConfig
+from tunekit.config import DataConfig, KernelsConfig, ModelConfig, TrainConfig, TrainerConfig
+from tunekit.methods import MethodConfig
 from tunekit.train.strategy import FSDP2, SingleOrDDP
 
 

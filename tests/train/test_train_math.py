@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tunekit.config import DataConfig, MethodConfig, ModelConfig, TrainConfig, TrainerConfig
+from tunekit.config import DataConfig, ModelConfig, TrainConfig, TrainerConfig
+from tunekit.methods import MethodConfig
 from tunekit.losses import sft_loss
 from tunekit.train.optim import build_optimizer, warmup_cosine
 from tunekit.train.loop import TrainRecipe

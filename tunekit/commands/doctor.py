@@ -150,7 +150,7 @@ class Doctor:
         collecting the same LoRA tensors with the same values). A correct kernel that is merely
         slower than peft + bitsandbytes passes, with its times and a note: `auto` trains with peft
         there, `on` with the kernel."""
-        from tunekit.config import MethodConfig
+        from tunekit.methods import MethodConfig
         from tunekit.methods.lora.backend import adapter_change, adapter_state, lora_4bit_layers, prove_kernel
         from tunekit.methods import get_method
         from tunekit.model import load_base_model
@@ -353,7 +353,7 @@ def check_overrides(steps: int, overrides: list[str]) -> None:
     `tunekit train` would print, not in every run's log after the kernel checks. Values only: the
     runs themselves check --model, --data and the targets against that model."""
     from tunekit.commands.compose import compose_configs
-    from tunekit.config import check_settings
+    from tunekit.train.checks import check_settings
 
     compose_configs(settings(steps, "auto", overrides), check=check_settings)
 

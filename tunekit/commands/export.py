@@ -13,7 +13,7 @@ enough of it (or --force) is renamed into place, with its fidelity report beside
     gguf      PATH  : one GGUF file (Llama architecture) + PATH.fidelity.json; f16/bf16/f32 written by
               tunekit, Q8_0 / Q6_K / Q5_K_M / Q4_K_M by llama.cpp's quantizer; checked by llama.cpp
     gguf-adapter PATH : a LoRA as llama.cpp's LoRA adapter GGUF (applied over the base's own GGUF, unmerged)
-              + PATH.fidelity.json; f32 (or f16); checked by llama.cpp over an f32 GGUF of the base it trained on
+              + PATH.fidelity.json; f32 (or f16); checked by llama.cpp over an f16 GGUF of the base it trained on
 
 Without --dtype, the narrowest dtype that keeps the gain is chosen (merged: bf16, fp16, fp32;
 gguf: f16, f32; gguf-adapter: f32) and the report says which and why. Existing PATH: a previous tunekit export
@@ -34,13 +34,12 @@ from tunekit.checks import number
 from tunekit.commands.parse import Parser, add_device_argument
 from tunekit.export import gguf_adapter
 from tunekit.export.gate import KL_ADAPTER, MIN_GAIN_KEPT, MIN_GAIN_KEPT_LOSSY, TASK_MIN_GAIN_KEPT, TASK_MIN_GAIN_KEPT_LOSSY
-from tunekit.export.job import REPORT, Export, gguf_name
+from tunekit.export.job import Export, gguf_name
 from tunekit.export.task import DEFAULT_TASK_ROWS
-from tunekit.export.writing import atomic_file, check_out, report_path
+from tunekit.export.writing import check_out, report_path
 from tunekit.infer import llamacpp
 from tunekit.runs.open import open_source
 from tunekit.device.facts import command_facts, cpuinfo_text
-from tunekit.train.checkpoint import atomic_dir
 
 log = logging.getLogger("tunekit")
 FORMATS = ("adapter", "merged", "gguf", "gguf-adapter")
@@ -151,7 +150,7 @@ def _refuse_early(src, fmt: str, candidates: tuple) -> tuple[Optional[str], bool
         return llamacpp.version() + ("" if repack else f" ({repack_why})"), repack
     if fmt == "gguf-adapter":
         repack, repack_why = llamacpp.weight_repacking(cpuinfo_text())
-        return llamacpp.version() + ", adapter applied over an f32 GGUF of its base" + (
+        return llamacpp.version() + ", adapter applied over an f16 GGUF of its base" + (
             "" if repack else f" ({repack_why})"), repack
     return {"adapter": "peft / tunekit", "merged": "transformers"}[fmt], False
 
@@ -177,14 +176,17 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, dtype: Optional[str] 
     job = Export(src, fmt, out, candidates, target, checked_by, repack, started,
                   dict(dtype=dtype, requantize=requantize, merge_into=merge_into, force=force, kl_threshold=kl_threshold,
                        min_gain=min_gain, min_task_gain=min_task_gain))
-    job.prepare(eval_batches, data, task_rows)
-    job.measure_trained()
-    job.merge()
-    if fmt in ("gguf", "gguf-adapter"):
-        return atomic_file(out, job.build, REPORT)
-    result = {}
-    atomic_dir(out, lambda tmp: result.update(job.build(tmp)))
-    return result
+    job.open(eval_batches, data, task_rows)
+    job.reference_figures()
+
+    def build(tmp: Path) -> dict:  # in the temp folder that place renames into --out
+        for candidate in job.candidates_in(tmp):  # in turn, until one passes the gate
+            job.write(tmp, candidate)
+            with job.reload(tmp) as exported:
+                job.gate(candidate, job.check(exported), exported)
+        return job.conclude(tmp)
+
+    return job.place(build)
 
 
 def build_parser() -> argparse.ArgumentParser:

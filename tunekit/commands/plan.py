@@ -20,6 +20,7 @@ from tunekit.config import plain
 from tunekit.device.facts import available_memory_bytes, compute_dtype, default_device, dtype_name, planning_facts
 from tunekit.plan import GiB, Plan, predict
 from tunekit.plan.inputs import planner_inputs
+from tunekit.plan.choose import estimate_note
 from tunekit.plan.memory import method_of
 from tunekit.plan.shape import preset_names, preset_source
 
@@ -106,6 +107,7 @@ def render(plan: Plan, memory_gib: Optional[float], cfg, source: str) -> str:
         f"grad_accum {s.grad_accum}, gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}"
         + (f"; teacher {s.teacher.name} ({s.teacher_quantize}), chunk {s.distill_chunk}" if s.teacher else ""),
         f"  device: {plan.facts.describe()}" + (f" x {plan.ranks}" if plan.ranks > 1 else ""),
+        *([f"  {estimate_note(plan).removeprefix('; ')}"] if estimate_note(plan) else []),
         "",
     ]
     names = []

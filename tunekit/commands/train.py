@@ -47,7 +47,7 @@ def _train_job(cfg) -> None:
 
 def _train(obj, output_dir: Path) -> None:
     """Train one validated TrainConfig into output_dir; errors and signals end as one line."""
-    from tunekit.config import check_trainable, validate
+    from tunekit.train.checks import check_trainable, validate
     from tunekit.train.loop import TrainRecipe
 
     recipe = TrainRecipe(obj, output_dir)
@@ -90,7 +90,7 @@ def _train(obj, output_dir: Path) -> None:
 def main(argv: list[str]) -> None:
     import hydra
 
-    from tunekit.config import register_schema
+    from tunekit.commands.compose import register_schema
 
     check_flags(argv)
     if not PASSTHROUGH.intersection(argv):

@@ -339,16 +339,6 @@ def dist_timeout_s(setting, checkpoint_bytes: Optional[int]) -> int:
     return int(DIST_TIMEOUT_BASE_S + extra)
 
 
-def offload_context(device: torch.device):
-    """Autograd's saved tensors go to host memory (pinned where the device is a GPU) and come back
-    when backward needs them. Around a checkpointed decoder that is each block's input: what a
-    checkpointed block keeps while its insides are recomputed in backward. The copies run on a side
-    stream and come back one block ahead of backward (tunekit.speed.offload)."""
-    from tunekit.speed.offload import Offloader
-
-    return Offloader(device).hooks()
-
-
 class Streams:
     """A side stream and the waits between it and the compute stream (tunekit.speed.offload copies
     activations on it); every method a no-op off CUDA, so the same bookkeeping runs in CPU tests."""

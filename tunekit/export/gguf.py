@@ -170,14 +170,18 @@ def _numpy_type(ndim: int, dtype: str):
 
 
 def _as_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
-    """A tensor as the array GGUFWriter stores (see _numpy_type)."""
-    t = t.detach().float().cpu().contiguous()  # the merged model may live on a GPU
+    """A tensor as the array GGUFWriter stores (see _numpy_type). A tensor already in the stored
+    16-bit dtype is taken as it is, without a fp32 copy of it (for the 128k x 4096 embedding of an
+    8B model that copy is 2 GB); anything else is rounded once, to nearest even, by torch."""
+    t = t.detach().cpu()  # the merged model may live on a GPU
     np_type, _ = _numpy_type(t.dim(), dtype)
     if np_type is np.float32:
-        return t.numpy()
+        return t.float().contiguous().numpy()
     if np_type is np.float16:
-        return t.half().numpy()
-    return t.bfloat16().view(torch.int16).numpy().view(np.uint16)  # round-to-nearest-even by torch
+        return (t if t.dtype == torch.float16 else t.float().half()).contiguous().numpy()
+    # numpy has no bf16: the raw 16-bit patterns
+    half = t if t.dtype == torch.bfloat16 else t.float().bfloat16()
+    return half.contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
 def write_gguf(model: nn.Module, tokenizer, path: Path, dtype: str = "bf16", name: str = "tunekit-export") -> None:

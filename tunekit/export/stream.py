@@ -35,6 +35,7 @@ are not stored under the model's own names.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -60,14 +61,16 @@ UNSUPPORTED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "rank_p
 
 @dataclass
 class StreamPlan:
-    """What a streamed merge reads and writes (built by plan_stream, before anything loads)."""
+    """What a streamed merge reads and writes (built by plan_stream, before anything loads); without
+    updates (plan_base), the base itself as the run computed with it."""
 
     base: Path  # the base model folder
     files: dict[str, Path]  # tensor name -> the base file holding it
     names: list[str]  # the merged checkpoint's tensors, in the base files' order
     updates: dict[str, tuple[str, str]]  # weight name -> (lora_A key, lora_B key) in the adapter file
     scale: float  # s
-    nf4: frozenset[str]  # weight names rounded through NF4 (empty unless merged into the dequantized weights)
+    nf4: frozenset[str]  # weight names rounded through NF4 (empty unless the run's base is 4-bit, and merged
+    # into or written as the dequantized weights)
     adapter_file: Path
     tied: dict[str, str]  # tied name (not written) -> the name it shares a tensor with
 
@@ -91,13 +94,28 @@ def plan_stream(src, target: Optional[str]) -> tuple[Optional[StreamPlan], str]:
         return None, "a LoftQ start (its base is rebuilt, or the start subtracted, on the loaded model)"
     if src.quantize == "nf4" and target == "original":
         return None, "--merge-into original over a 4-bit base is checked against the exact fp32 merge"
-    base = Path(src.base_path)
+    plan, why = plan_base(Path(src.base_path), src.base_key, src.quantize == "nf4")
+    if plan is None:
+        return None, why
+    updates, why = _updates(folder / ADAPTER_FILE, set(plan.names), plan.tied)
+    if updates is None:
+        return None, why
+    r = float(cfg["r"])
+    scale = float(cfg["lora_alpha"]) / (math.sqrt(r) if cfg.get("use_rslora") else r)
+    return dataclasses.replace(plan, updates=updates, scale=scale, adapter_file=folder / ADAPTER_FILE), ""
+
+
+def plan_base(base: Path, key: str, nf4: bool) -> tuple[Optional[StreamPlan], str]:
+    """The base alone as a streamed plan (no update: each tensor comes out as the run computed with
+    it, rounded through NF4 where `nf4` and the 4-bit loader quantizes it), or (None, why not): the
+    tensors of `base`'s safetensors files under the model's own names, in the files' order. `key`:
+    the setting that named `base`, for the error line of a config.json transformers rejects."""
     files = _base_files(base)
     if files is None:
         return None, f"{base} holds no safetensors weights to stream from"
     from tunekit.model.folder import model_skeleton
 
-    skeleton = model_skeleton(str(base), src.base_key)
+    skeleton = model_skeleton(str(base), key)
     tied = dict(getattr(skeleton, "all_tied_weights_keys", None) or {})
     wanted = [k for k in skeleton.state_dict() if k not in tied]
     missing = [k for k in wanted if k not in files]
@@ -105,13 +123,8 @@ def plan_stream(src, target: Optional[str]) -> tuple[Optional[StreamPlan], str]:
         return None, f"{base}'s files do not name the model's tensor {missing[0]} (transformers renames them on load)"
     order = {f: i for i, f in enumerate(dict.fromkeys(files.values()))}
     names = sorted(wanted, key=lambda k: (order[files[k]], k))
-    updates, why = _updates(folder / ADAPTER_FILE, set(wanted), tied)
-    if updates is None:
-        return None, why
-    r = float(cfg["r"])
-    scale = float(cfg["lora_alpha"]) / (math.sqrt(r) if cfg.get("use_rslora") else r)
-    nf4 = frozenset(nf4_weights(skeleton)) if src.quantize == "nf4" else frozenset()
-    return StreamPlan(base, files, names, updates, scale, nf4, folder / ADAPTER_FILE, tied), ""
+    rounded = frozenset(nf4_weights(skeleton)) if nf4 else frozenset()
+    return StreamPlan(base, files, names, {}, 0.0, rounded, Path(), tied), ""
 
 
 def stored_dtype(src) -> torch.dtype:
@@ -274,7 +287,8 @@ def write_merged(plan: StreamPlan, tokenizer, out_dir: Path, dtype: torch.dtype,
 
 def write_merged_gguf(plan: StreamPlan, tokenizer, path: Path, dtype: str, device: torch.device, name: str) -> None:
     """The merged model as one GGUF file (bf16, fp16 or fp32 as in tunekit.export.gguf), each tensor
-    merged as it is written: the same tensors write_merged stores, with no model in memory."""
+    merged as it is written: the same tensors write_merged stores, with no model in memory. A plan
+    without updates (plan_base) writes the base the run computed over (tunekit.export.gguf_adapter)."""
     from transformers import AutoConfig
 
     from tunekit.export.gguf import write_gguf_tensors

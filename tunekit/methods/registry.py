@@ -4,8 +4,9 @@ A method decides which small part of a frozen base trains. It is one file in thi
 `Method` subclass registered under its name, and it owns everything about itself:
 
 * its config: a dataclass of its `method.*` keys (defaults, one comment each) and `check_config`,
-  the range checks naming the key; tunekit.config's `MethodConfig` schema is the union of every
-  registered method's keys (`config_schema`), not a list of its own;
+  the range checks naming the key; the method node's schema is the union of every registered
+  method's keys (`config_schema`), and a key the chosen method does not read is refused
+  (`check_own_keys`);
 * its adapter folder: `write`/`read` in its standard format (PEFT, or tunekit's own), the kinds it
   is recognised by (`adapter_kinds`: adapter_config.json's "peft_type" or "method"), how to
   rebuild its structure from such a folder (`config_from_adapter`, `open_adapter`), `merge`;
@@ -74,7 +75,7 @@ class Method:
 
     # ------------------------------------------------------------ config
     def settings(self, cfg) -> Any:
-        """This method's keys read off a method config (tunekit.config.MethodConfig or any object with
+        """This method's keys read off a method config (tunekit.methods.MethodConfig or any object with
         the attributes): an instance of `config`, a key that is absent or null taking its default."""
         if self.config is None:
             return None
@@ -203,8 +204,11 @@ _REGISTRY: Dict[str, Callable[[], Method]] = {}
 
 def register(name: str):
     def deco(cls):
+        from tunekit.plan.memory import register_planner
+
         _REGISTRY[name] = cls
         cls.name = name
+        register_planner(name, cls)  # the planner takes its terms from the method, never imports it
         return cls
 
     return deco
@@ -233,10 +237,9 @@ def fill_method_defaults(cfg) -> None:
             setattr(cfg, f.name, getattr(resolved, f.name))
 
 
-def ignored_keys(cfg) -> list[str]:
+def foreign_keys(cfg) -> list[str]:
     """The method.* keys of cfg set to a value the chosen method never reads ("method.r=4" with
-    method.name=ia3): keys of other methods that differ from the schema's default. A warning, not
-    an error: a -m sweep over recipes sets keys for some of its methods only."""
+    method.name=ia3): keys of other methods that differ from the schema's default."""
     method = get_method(cfg.name)
     own = {f.name for f in dataclasses.fields(method.config)} if method.config is not None else set()
     out = []
@@ -248,6 +251,26 @@ def ignored_keys(cfg) -> list[str]:
         if value is not None and value != _default(f):
             out.append(f"method.{f.name}={value}")
     return out
+
+
+def own_keys(name: str) -> list[str]:
+    """The method.* keys the method `name` reads (besides `name`)."""
+    method = get_method(name)
+    return [f.name for f in dataclasses.fields(method.config)] if method.config is not None else []
+
+
+def check_own_keys(cfg, sweep: tuple = (), given: Optional[set] = None) -> None:
+    """A key of another method is refused in one line, not ignored: the run would not be the one
+    the command line describes. `sweep`: the method names of every job of a -m sweep; a key one of
+    them reads is left to the jobs of that method (`-m recipe=lora,ia3 method.r=8`). `given`: the
+    method keys the command line set (None: every key); a recipe's own keys for its method are not
+    the user's when method.name switches the method (`recipe=lora method.name=full`)."""
+    shared = {k for name in sweep for k in own_keys(name)}
+    foreign = [k for k in foreign_keys(cfg) if k.split("=")[0].removeprefix("method.") not in shared
+               and (given is None or k.split("=")[0].removeprefix("method.") in given)]
+    if foreign:
+        raise TunekitError(f"{foreign[0].split('=')[0]}: method {cfg.name!r} has no such key (its keys: "
+                           f"{', '.join(own_keys(cfg.name)) or 'none'}); remove it, or choose the method that reads it")
 
 
 def available_methods() -> list[str]:
@@ -308,11 +331,17 @@ def cannot_merge(name: str) -> TunekitError:
 
 
 # ------------------------------------------------------------------ the method.* schema
+_SCHEMAS: dict = {}
+
+
 def config_schema() -> type:
-    """tunekit.config's MethodConfig: `name`, then the keys of every registered method in the order
+    """The method node's schema: `name`, then the keys of every registered method in the order
     they registered, each once. A key several methods declare must have one type; where their
     defaults differ, the schema's default is null, read as "the chosen method's default"
-    (`Method.settings`, and `fill_method_defaults` when a config is validated)."""
+    (`Method.settings`, and `fill_method_defaults` when a config is validated). Built once per
+    process, after every method has registered (tunekit.methods imports them all)."""
+    if "method" in _SCHEMAS:
+        return _SCHEMAS["method"]
     declared: dict[str, list] = {}  # key -> [type, [defaults], first field]
     for cls in _REGISTRY.values():
         if cls.config is None:
@@ -330,9 +359,35 @@ def config_schema() -> type:
             fields.append((key, kind, _same_default(first)))
         else:
             fields.append((key, Optional[kind] if not _is_optional(kind) else kind, dataclasses.field(default=None)))
-    schema = dataclasses.make_dataclass("MethodConfig", fields)
-    schema.__module__ = "tunekit.config"  # where it is used and documented
+    from tunekit.config import MethodConfig  # the node as the plain schema knows it (its name)
+
+    schema = dataclasses.make_dataclass("MethodConfig", fields, bases=(MethodConfig,))
+    schema.__module__ = "tunekit.methods"  # where it is built and exported
+    _SCHEMAS["method"] = schema
     return schema
+
+
+def train_schema() -> type:
+    """tunekit.config.TrainConfig with its method node typed by `config_schema`: what Hydra composes
+    recipes and command lines against, and what a run's saved config.yaml is read back into."""
+    if "train" not in _SCHEMAS:
+        from tunekit.config import TrainConfig
+
+        method = config_schema()
+        schema = dataclasses.make_dataclass(
+            "TrainConfig", [("method", method, dataclasses.field(default_factory=method))], bases=(TrainConfig,))
+        schema.__module__ = "tunekit.methods"
+        _SCHEMAS["train"] = schema
+    return _SCHEMAS["train"]
+
+
+def in_train_schema(cfg):
+    """A TrainConfig (built in Python, its method node any object with the keys) as an instance of
+    `train_schema`, so that OmegaConf writes every key of its method node (a run's config.yaml)."""
+    method = config_schema()
+    node = cfg.method if isinstance(cfg.method, method) else method(
+        **{f.name: getattr(cfg.method, f.name) for f in dataclasses.fields(method) if hasattr(cfg.method, f.name)})
+    return train_schema()(**{**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, "method": node})
 
 
 def _default(f: dataclasses.Field):

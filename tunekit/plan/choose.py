@@ -26,14 +26,14 @@ from tunekit import TunekitError
 from tunekit.device.facts import DeviceFacts, available_memory_bytes, probe, rank_device
 from tunekit.plan import AUTO_HEADROOM, GiB, Plan, predict
 from tunekit.plan.inputs import planner_inputs
-from tunekit.plan.memory import method_of
+from tunekit.plan.memory import estimated, method_of
 
 log = logging.getLogger(__name__)
 AUTO_MICRO_BATCHES = (64, 32, 16, 8, 4, 2, 1)
 
 
 def is_auto(value) -> bool:
-    """config.validate normalises the `auto` keys to an int/bool or the string "auto"."""
+    """tunekit.train.checks.validate normalises the `auto` keys to an int/bool or the string "auto"."""
     return value == "auto"
 
 
@@ -182,4 +182,12 @@ def resolve_memory_settings(cfg, device: torch.device, ranks: int = 1, local_ran
         return f"memory: {settings}; free memory unknown on {facts.describe()}, not planned"
     free = f"{gib(available)} free on {facts.describe()}"
     return (f"memory: {settings}; planned peak {gib(plan.needed_beyond_runtime())} of {free} "
-            f"(worst micro-batch: {b} x {cfg.data.max_seq_len} tokens)")
+            f"(worst micro-batch: {b} x {cfg.data.max_seq_len} tokens){estimate_note(plan)}")
+
+
+def estimate_note(plan) -> str:
+    """What a plan leaves out, said where it is shown: a method without planning hooks of its own."""
+    if not estimated(plan.shape, plan.setup):
+        return ""
+    return (f"; an estimate: method {plan.setup.method!r} has no plan of its own, so what it adds (its trained "
+            "tensors, their optimizer state, what its layers keep for backward) is not counted")

@@ -16,7 +16,7 @@ from typing import Optional
 
 
 from tunekit.device.facts import DeviceFacts, compute_dtype, offload_activations
-from tunekit.plan.memory import TrainSetup
+from tunekit.plan.memory import TrainSetup, method_of_name
 from tunekit.plan.shape import ModelShape, model_shape, student_shape
 
 
@@ -30,8 +30,6 @@ def planner_inputs(cfg, facts: DeviceFacts, teacher_shape: Optional[ModelShape] 
 
     The shapes are read from config.json files (or presets) unless passed in.
     """
-    from tunekit.methods import get_method
-
     m, t, d = cfg.method, cfg.trainer, cfg.distill
     distill = cfg.objective == "distill"
     if distill and teacher_shape is None:
@@ -42,7 +40,7 @@ def planner_inputs(cfg, facts: DeviceFacts, teacher_shape: Optional[ModelShape] 
         else:
             student = model_shape(cfg.model.path, getattr(cfg.model, "preset", None))
     dtype = compute_dtype(_value(cfg.model.dtype), facts)
-    method = get_method(m.name)
+    method = method_of_name(m.name)  # the method's planning hooks, registered by tunekit.methods
     setup = TrainSetup(
         method=m.name, options=method.plan_options(m),
         quantize=_value(cfg.model.quantize), compute_bytes=dtype.itemsize,

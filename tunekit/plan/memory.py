@@ -37,6 +37,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from tunekit import TunekitError
 from tunekit.plan.shape import PROJECTIONS, ModelShape
 from tunekit.plan.terms import PlanTerms, Site
 
@@ -95,17 +96,15 @@ class TrainSetup:
     offload_activations: bool = False
 
     def __init__(self, method: str = "lora", options: Any = None, **values):
-        from tunekit.methods import get_method
-        from tunekit.methods.registry import _REGISTRY
-
-        kind = get_method(method).plan_options_type
+        planner = method_of_name(method)
+        kind = getattr(planner, "plan_options_type", NoPlanOptions)
         if isinstance(options, dict):
             options = kind(**options)
         elif not isinstance(options, kind):  # None, or another method's (replace(setup, method=...))
             options = kind()
-        aliases, own = get_method(method).plan_aliases, {}
+        aliases, own = getattr(planner, "plan_aliases", {}), {}
         for key in [k for k in values if k not in _SETUP_FIELDS]:
-            if not any(key in cls.plan_aliases for cls in _REGISTRY.values()):
+            if not any(key in cls.plan_aliases for cls in _PLANNERS.values()):
                 raise TypeError(f"TrainSetup() got an unexpected keyword argument {key!r}")
             value = values.pop(key)
             if key in aliases:
@@ -127,15 +126,54 @@ class TrainSetup:
 _SETUP_FIELDS = {f.name for f in dataclasses.fields(TrainSetup)}
 
 
-def plan_terms(shape: ModelShape, st: TrainSetup) -> PlanTerms:
-    """What the setup's method adds to the plan (tunekit.plan.terms)."""
-    return method_of(st).plan_terms(shape, st)
+# The methods the planner knows, by name: each method registers its planning hooks here when it
+# registers itself (tunekit.methods.registry.register), so that the planner takes what it needs
+# from the methods without importing them.
+_PLANNERS: dict = {}
+
+
+@dataclass(frozen=True)
+class NoPlanOptions:
+    """The planner options of a method that declares none."""
+
+
+def register_planner(name: str, cls) -> None:
+    """`cls`: a method class with `plan_terms(shape, setup)`, `plan_options_type`, `plan_aliases`,
+    `trains_base` and `plan_label(options)` (tunekit.methods.registry.Method)."""
+    _PLANNERS[name] = cls
+
+
+def method_of_name(name: str):
+    if name not in _PLANNERS:
+        raise TunekitError(f"method.name: the planner knows no method {name!r} (known: {sorted(_PLANNERS)}); "
+                           "methods register with the planner when tunekit.methods is imported")
+    return _PLANNERS[name]()
 
 
 def method_of(st: TrainSetup):
-    from tunekit.methods import get_method
+    return method_of_name(st.method)
 
-    return get_method(st.method)
+
+def plan_terms(shape: ModelShape, st: TrainSetup) -> PlanTerms:
+    """What the setup's method adds to the plan (tunekit.plan.terms). A method without planning
+    hooks of its own still trains: its plan is the frozen base's, with nothing for what the method
+    adds (`estimated_terms`), and `tunekit plan` and the run's log say so."""
+    method = method_of(st)
+    try:
+        return method.plan_terms(shape, st)
+    except NotImplementedError:
+        return ESTIMATED_TERMS
+
+
+# A method without plan_terms: no trained tensors, nothing saved, no extra FLOPs. The base, the
+# activations and the loss are the planner's own and stay exact; what the method adds is missing,
+# and is usually small (a PEFT method trains under 1% of the weights).
+ESTIMATED_TERMS = PlanTerms(estimated=True)
+
+
+def estimated(shape: ModelShape, st: TrainSetup) -> bool:
+    """Whether the plan of `st` leaves out what its method adds (no planning hooks of its own)."""
+    return plan_terms(shape, st).estimated
 
 
 @dataclass

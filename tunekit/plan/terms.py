@@ -77,6 +77,8 @@ def _keeps_nothing(site: Site) -> int:
 class PlanTerms:
     """A method's part of the plan (see the module docstring)."""
 
+    # True for a method with no plan_terms of its own: the plan leaves out what it adds
+    estimated: bool = False
     trainable: tuple = ()
     saves: Callable[[Site], int] = _keeps_nothing
     grad_outputs: frozenset = field(default_factory=frozenset)

@@ -98,14 +98,26 @@ class Source:
         return (self.base_path, self.quantize, self.dtype)
 
 
+def load_run_config(path: Path) -> TrainConfig:
+    """A run's saved config.yaml, merged into the schema (enums and defaults come back typed)."""
+    from omegaconf import OmegaConf
+
+    from tunekit.config import RETIRED_KEYS
+    from tunekit.methods import train_schema
+
+    saved = OmegaConf.load(path)
+    for group, key in RETIRED_KEYS:
+        if isinstance(saved.get(group), dict) or OmegaConf.is_dict(saved.get(group)):
+            saved[group].pop(key, None)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(train_schema()), saved))
+
+
 def read_run_config(cfg_path: Path) -> TrainConfig:
     """A run's config.yaml, typed; one line naming the file for anything else. OmegaConf parses with
     a safe YAML loader, so a Python tag (`!!python/object/...`) runs nothing: it is a YAMLError,
     refused here like any text that is not a tunekit config (binary bytes too)."""
     import yaml
     from omegaconf.errors import OmegaConfBaseException
-
-    from tunekit.config import load_run_config
 
     try:
         # Merge into the schema so enum values and defaults come back typed, as in training.

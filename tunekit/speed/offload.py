@@ -88,3 +88,11 @@ class Offloader:
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+def offload_context(device: torch.device):
+    """Autograd's saved tensors go to host memory (pinned where the device is a GPU) and come back
+    when backward needs them. Around a checkpointed decoder that is each block's input: what a
+    checkpointed block keeps while its insides are recomputed in backward. The copies run on a side
+    stream and come back one block ahead of backward (tunekit.speed.offload)."""
+    return Offloader(device).hooks()

@@ -21,7 +21,7 @@ from transformers import AutoConfig
 from tunekit import TunekitError
 from tunekit.config import TrainConfig, plain
 from tunekit.data import BatchSchedule, collate, collate_packed, load_splits
-from tunekit.methods import get_method, trainable_parameters
+from tunekit.methods import get_method, in_train_schema, trainable_parameters
 from tunekit.model import (load_base_model, load_tokenizer, prepare_for_training, quantized_bits_per_param,
                            resolve_model_path)
 from tunekit.model.student import make_student
@@ -319,7 +319,7 @@ class RecipeSetup:
         if not self.main:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.output_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(self.cfg)))
+        atomic_write_text(self.output_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(in_train_schema(self.cfg))))
         atomic_write_text(self.output_dir / DATA_FINGERPRINT, json.dumps(
             {k: v for k, v in self.fingerprint.items() if k.endswith(":sha256")}, indent=2))
 

@@ -34,7 +34,7 @@ from tunekit.data import IGNORE, count_tokens, eval_micro_batches
 from tunekit.model import decoder_and_head
 from tunekit.device import facts as dev
 from tunekit.device import precision
-from tunekit.speed import packed_attention
+from tunekit.speed import offload, packed_attention
 from tunekit.train.build import RecipeSetup
 from tunekit.train.checkpoint import atomic_dir, atomic_write_text, latest_checkpoint, save_checkpoint
 from tunekit.train.objective import model_inputs
@@ -192,7 +192,7 @@ class TrainRecipe(RecipeSetup):
         decoder, head = decoder_and_head(self.model)
 
         def forward():
-            with dev.offload_context(self.device) if self.offload else contextlib.nullcontext():
+            with offload.offload_context(self.device) if self.offload else contextlib.nullcontext():
                 hidden = decoder(**model_inputs(batch), **packed, use_cache=False).last_hidden_state
             return objective_fn(hidden, head, batch)
 

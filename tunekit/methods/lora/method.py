@@ -242,7 +242,7 @@ class LoRA(Method):
 
     # ------------------------------------------------------------ adapter folders
     def config_from_adapter(self, adapter_cfg: dict):
-        from tunekit.config import MethodConfig
+        from tunekit.methods import MethodConfig
 
         targets = adapter_cfg["target_modules"]
         targets = [targets] if isinstance(targets, str) else sorted(targets)

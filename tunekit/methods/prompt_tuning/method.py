@@ -10,7 +10,7 @@ Position ids are the default 0..N+L-1, the soft prompt first, exactly as peft's
 PeftModelForCausalLM does it, so the saved folder is a standard peft PROMPT_TUNING adapter
 (adapter_config.json + adapter_model.safetensors with `prompt_embeddings`: (N, dim)) that
 `peft.PeftModel.from_pretrained` loads and runs to the same logits. The model it trains is
-tunekit.methods.soft_prompt.SoftPromptLM.
+tunekit.methods.prompt_tuning.soft_prompt.SoftPromptLM.
 """
 
 from __future__ import annotations
@@ -24,22 +24,14 @@ from typing import TYPE_CHECKING, Optional
 from tunekit import TunekitError
 from tunekit.checks import number
 from tunekit.methods.registry import Method, register
+from tunekit.methods.prompt_tuning.config import PromptTuningConfig
 from tunekit.plan.terms import PlanTerms
 
 if TYPE_CHECKING:
     import torch
     import torch.nn as nn
 
-    from tunekit.methods.soft_prompt import SoftPromptLM
-
-
-@dataclass
-class PromptTuningConfig:
-    """The method.* keys of prompt tuning: soft prompt length, and the text whose token embeddings
-    initialise it (repeated/truncated to num_virtual_tokens); null = random vocabulary rows."""
-
-    num_virtual_tokens: int = 20
-    prompt_init_text: Optional[str] = None
+    from tunekit.methods.prompt_tuning.soft_prompt import SoftPromptLM
 
 
 @dataclass(frozen=True)
@@ -118,7 +110,7 @@ class PromptTuning(Method):
     def apply(self, model: nn.Module, cfg) -> SoftPromptLM:
         import torch
 
-        from tunekit.methods.soft_prompt import SoftPromptLM
+        from tunekit.methods.prompt_tuning.soft_prompt import SoftPromptLM
 
         self.check_config(cfg, model)
         c = self.settings(cfg)
@@ -170,7 +162,7 @@ class PromptTuning(Method):
             model.prompt_embeddings.copy_(prompt)
 
     def config_from_adapter(self, adapter_cfg: dict):
-        from tunekit.config import MethodConfig
+        from tunekit.methods import MethodConfig
 
         return MethodConfig(name="prompt_tuning", num_virtual_tokens=int(adapter_cfg["num_virtual_tokens"]))
 

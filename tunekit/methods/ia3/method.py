@@ -32,6 +32,7 @@ from tunekit import TunekitError
 from tunekit.checks import names
 from tunekit.methods.merging import dequantized_linear, replace_module, to_plain_model
 from tunekit.methods.registry import Method, register
+from tunekit.methods.ia3.config import IA3Config
 from tunekit.plan.shape import PROJECTIONS
 from tunekit.plan.terms import PlanTerms, Site, planned_projections
 
@@ -41,17 +42,6 @@ if TYPE_CHECKING:
 
 PARAM = "ia3_l"
 PEFT_PREFIX = "base_model.model."  # peft's path to the wrapped model, in its file keys
-
-
-@dataclass
-class IA3Config:
-    """The method.* keys of (IA)^3."""
-
-    # the projections that get a vector ([all-linear]: all seven): Liu et al. scale keys, values
-    # and the MLP's inner activation
-    target_modules: List[str] = field(default_factory=lambda: ["k_proj", "v_proj", "down_proj"])
-    # the targets whose input, not output, is scaled (down_proj's input is the MLP's activation)
-    feedforward_modules: List[str] = field(default_factory=lambda: ["down_proj"])
 
 
 @dataclass(frozen=True)
@@ -186,7 +176,7 @@ class IA3(Method):
 
     def config_from_adapter(self, adapter_cfg: dict):
         """peft records module names or dotted paths; (IA)^3 here scales projections by name."""
-        from tunekit.config import MethodConfig
+        from tunekit.methods import MethodConfig
 
         def short(key):
             value = adapter_cfg[key] or []

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, List
 from tunekit import TunekitError
 from tunekit.checks import names, number, one_of
 from tunekit.methods.registry import Method, register
+from tunekit.methods.adapter.config import AdapterConfig
 from tunekit.plan.terms import PlanTerms, Site
 
 if TYPE_CHECKING:
@@ -40,16 +41,6 @@ SUBLAYERS = ("self_attn", "mlp")
 SITES = {"self_attn": "attn_out", "mlp": "mlp_out"}  # where each adapter sits in the planner's block walk
 CHILD = "bottleneck_adapters"  # the ModuleDict's name inside each decoder layer (in state-dict keys)
 CONFIG_TYPE = "TUNEKIT_BOTTLENECK_ADAPTER"
-
-
-@dataclass
-class AdapterConfig:
-    """The method.* keys of bottleneck adapters: width of dim -> bottleneck -> dim, its nonlinearity
-    (gelu | silu | relu), and the sublayers whose output is adapted."""
-
-    bottleneck: int = 64
-    activation: str = "gelu"
-    sublayers: List[str] = field(default_factory=lambda: ["self_attn", "mlp"])
 
 
 @dataclass(frozen=True)
@@ -154,7 +145,7 @@ class BottleneckAdapter(Method):
         load_tensors_into(in_dir, self._state(model))
 
     def config_from_adapter(self, adapter_cfg: dict):
-        from tunekit.config import MethodConfig
+        from tunekit.methods import MethodConfig
 
         return MethodConfig(name="adapter", bottleneck=int(adapter_cfg["bottleneck"]),
                             activation=adapter_cfg["activation"], sublayers=list(adapter_cfg["targets"]))

@@ -25,6 +25,7 @@ from tunekit import TunekitError
 from tunekit.checks import names
 from tunekit.methods.merging import dequantized_linear, replace_module, to_plain_model
 from tunekit.methods.registry import Method, register
+from tunekit.methods.bitfit.config import BitFitConfig
 from tunekit.plan.shape import PROJECTIONS
 from tunekit.plan.terms import PlanTerms, planned_projections
 
@@ -38,13 +39,6 @@ BIAS_FLAG = {"q_proj": "attention_bias", "k_proj": "attention_bias", "v_proj": "
              "o_proj": "attention_bias", "gate_proj": "mlp_bias", "up_proj": "mlp_bias", "down_proj": "mlp_bias"}
 PARAM = "bitfit_bias"
 CONFIG_TYPE = "TUNEKIT_BITFIT"
-
-
-@dataclass
-class BitFitConfig:
-    """The method.* keys of BitFit: the projections that get a bias ([all-linear]: all seven)."""
-
-    target_modules: List[str] = field(default_factory=lambda: ["all-linear"])
 
 
 @dataclass(frozen=True)
@@ -167,7 +161,7 @@ class BitFit(Method):
         return to_plain_model(model)
 
     def config_from_adapter(self, adapter_cfg: dict):
-        from tunekit.config import MethodConfig
+        from tunekit.methods import MethodConfig
 
         return MethodConfig(name="bitfit", target_modules=list(adapter_cfg["targets"]))
 

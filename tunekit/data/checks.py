@@ -1,0 +1,34 @@
+"""The `data.*` keys checked before anything loads: their values, then every row of the files they
+name (no tokenizer). Called by tunekit.train.checks.validate."""
+
+from __future__ import annotations
+
+from tunekit import TunekitError
+from tunekit.checks import number, one_of, text
+from tunekit.config import DataConfig, DataFormat, plain
+
+
+def check_data_values(d: DataConfig) -> None:
+    """Types, ranges and choices of the data.* keys."""
+    text("data.path", d.path, "a data file, or null for the default data")
+    text("data.val_path", d.val_path, "a data file, or null to hold out data.val_fraction")
+    number("data.val_fraction", d.val_fraction, gt=0, lt=1)
+    one_of("data.format", plain(d.format), [f.value for f in DataFormat])
+    number("data.max_seq_len", d.max_seq_len, ge=8, integer=True)
+    if d.max_val_examples is not None:
+        number("data.max_val_examples", d.max_val_examples, ge=1, integer=True)
+
+
+def check_data_files(d: DataConfig) -> None:
+    """Every row of the data files, read and checked (no tokenizer); the held-out split must leave
+    training rows."""
+    from tunekit.data.formats import check_file, row_char_limit
+
+    for key in ("path", "val_path"):
+        value = getattr(d, key)
+        if value is None:
+            continue
+        rows, _ = check_file(value, plain(d.format), f"data.{key}", row_char_limit(d.max_seq_len))
+        if key == "path" and d.val_path is None and rows - max(1, int(rows * d.val_fraction)) < 1:
+            raise TunekitError(f"data.path: {value} has {rows} row(s): too few to hold out data.val_fraction="
+                               f"{d.val_fraction} and train on the rest; add rows or give data.val_path")

@@ -1,0 +1,7 @@
+"""Full fine-tuning: every weight of the model trains. Meant for small students (recipe=distill
+
+The method as a folder: how it applies, saves, merges and plans (method.py).
+Importing it registers the method (no torch at import time).
+"""
+
+from tunekit.methods.full.method import FullFineTune  # noqa: F401
