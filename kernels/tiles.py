@@ -16,7 +16,7 @@ such gathers out of its loop (see ``_nf4_weight_tile`` in lora.py).
 
 ``shared_memory(...)`` compiles one launch for an NVIDIA target on any machine (Triton's wheel
 ships ptxas) and returns the bytes one block needs, as ``metadata.shared`` reports at launch;
-tests/kernel_ops/test_tiles.py checks every offered config with it (``check_targets``), and
+tests/kernels/test_tiles.py checks every offered config with it (``check_targets``), and
 ``scripts/kernel_tiles.py`` prints the table of every config. It needs the kernels compiled, not
 interpreted: import them with TRITON_INTERPRET unset.
 
@@ -39,7 +39,7 @@ SMEM_LIMIT: dict[tuple[int, int], int] = {
     (8, 9): 101_376,  # L4, L40S, RTX 40xx
     (9, 0): 232_448,  # H100, H200
 }
-# The targets the kernels are checked for (tests/kernel_ops/test_tiles.py), oldest first.
+# The targets the kernels are checked for (tests/kernels/test_tiles.py), oldest first.
 TARGETS: tuple[tuple[int, int], ...] = tuple(SMEM_LIMIT)
 BF16_MIN_CAPABILITY = (8, 0)  # bf16 tl.dot needs Ampere; Volta and Turing train in fp16
 
@@ -64,7 +64,7 @@ def dtypes_for(capability: Sequence[int]) -> tuple[torch.dtype, ...]:
 # per compute dtype, before pruning per device. Untuned guesses: no GPU has timed them yet. fp32
 # (tl.dot in IEEE fp32 runs on the FMA units, not tensor cores; Turing trains in it) gets smaller
 # tiles. (128, 256, 64) with 4 stages is for sm_80 / sm_90 only: pruned on sm_86 / sm_89. Few
-# tiles: tests/kernel_ops/test_tiles.py compiles each one offered, per target and dtype.
+# tiles: tests/kernels/test_tiles.py compiles each one offered, per target and dtype.
 MATMUL_TILES: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
     "half": ((128, 256, 64, 8, 4), (128, 128, 64, 8, 3), (64, 64, 32, 4, 5)),
     "fp32": ((128, 128, 32, 8, 3), (64, 64, 32, 4, 4)),
@@ -107,7 +107,7 @@ def matmul_shared_estimate(config: triton.Config, dtype: torch.dtype, capability
     stage the two dot operands, once; in fp16 the store then converts the (BLOCK_M x BLOCK_P) output
     tile's layout through shared memory (2 bytes an element, reusing that space). Hopper's warpgroup MMA writes a half-precision accumulator back
     through shared memory for the store (BLOCK_M x BLOCK_P x 4 bytes, reusing the loop's space).
-    tests/kernel_ops/test_tiles.py compiles every offered config and checks this bound.
+    tests/kernels/test_tiles.py compiles every offered config and checks this bound.
     """
     kw = config.kwargs
     bm, bp, bq = kw["BLOCK_M"], kw["BLOCK_P"], kw["BLOCK_Q"]

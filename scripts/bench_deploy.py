@@ -31,8 +31,9 @@ import sys
 import time
 from pathlib import Path
 
+from benchlib import versions as installed
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
 
 # (name, export arguments, artifact file or folder name)
 EXPORTS = [
@@ -85,8 +86,6 @@ def cpu_name() -> str:
 
 
 def versions() -> dict:
-    from bench_threads import versions as installed
-
     return installed(("torch", "transformers", "peft", "bitsandbytes", "llama_cpp_python"))
 
 

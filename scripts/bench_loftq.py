@@ -32,10 +32,9 @@ import statistics
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+from benchlib import device_name, fail, pct, run_logged, train_seconds, tunekit_exe, write_result
 
-from bench_task import device_name, fail, pct, run_logged, train_seconds, tunekit_exe, write_result  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv=None):

@@ -47,7 +47,7 @@ DEFAULT_CONFIGS = [
      "trainer.optimizer=adamw_8bit trainer.micro_batch_size=2 data.max_seq_len=512"),
 ]
 SUITE_MODEL_NAME = "the suite's random Llama (hidden 384, 4 blocks, vocabulary 4096)"
-# The suite's configurations run on a smaller random Llama (tests/test_plan_measured.py).
+# The suite's configurations run on a smaller random Llama (tests/plan/test_plan_measured.py).
 SUITE_CONFIGS = [
     ("qlora ckpt, 8x256", "recipe=qlora model.gradient_checkpointing=true trainer.micro_batch_size=8 data.max_seq_len=256"),
     ("qlora no ckpt, 2x512", "recipe=qlora model.gradient_checkpointing=false trainer.micro_batch_size=2 data.max_seq_len=512"),
@@ -312,7 +312,7 @@ planner's worst micro-batch (rows of `data.max_seq_len` tokens, one a token shor
 padded, every token trained), one warm-up step on the same batch first (optimizer state,
 first-call buffers, the matmul kernels oneDNN compiles per shape), then
 the largest growth over the measured steps. The static terms (4-bit weights with their
-quantization state, trainable tensors, optimizer state) are not in this table: `tests/test_plan.py`
+quantization state, trainable tensors, optimizer state) are not in this table: `tests/plan/test_plan.py`
 checks them, and every tensor autograd saves, against the real objects byte for byte.
 
 Two measurements per row:

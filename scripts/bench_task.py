@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from benchlib import (build_cfg, device_name, evaluate, fail, pct, run_logged, train_seconds, tunekit_exe,
+                      write_result)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
-sys.path.insert(0, str(SCRIPTS))
 RECIPES = ("qlora", "lora", "adapter", "bitfit", "prompt_tuning", "full")
 
 
@@ -74,10 +73,6 @@ def parse_args(argv=None):
     return args
 
 
-def tunekit_exe() -> str:
-    return str(Path(sys.executable).with_name("tunekit"))
-
-
 def spec_for(args, recipe: str, data: dict, lr: float | None = None, seed: int = 0) -> dict:
     """A scripts/bench_train.py spec: the same keys make its TRL child and its config builder agree."""
     extra = [f"data.val_path={data['val_path']}", f"trainer.warmup_steps={args.warmup_steps}", f"seed={seed}",
@@ -89,22 +84,7 @@ def spec_for(args, recipe: str, data: dict, lr: float | None = None, seed: int =
 
 
 def default_lr(args, recipe: str, data: dict) -> float:
-    from bench_train import build_cfg
-
     return build_cfg(spec_for(args, recipe, data), str(args.work / "unused")).trainer.lr
-
-
-def run_logged(cmd: list[str], log: Path) -> tuple[int, float]:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        rc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
-    return rc, time.perf_counter() - t0
-
-
-def fail(what: str, log: Path) -> None:
-    tail = log.read_text()[-3000:] if log.is_file() else ""
-    raise SystemExit(f"bench_task: {what} failed; log {log}:\n{tail}")
 
 
 def seed_dir(args, seed: int) -> Path:
@@ -146,7 +126,6 @@ def train_recipe(args, recipe: str, data: dict, lrs: list[float], seed: int) -> 
 
 def train_trl(args, data: dict, lrs: list[float], seed: int) -> list[dict]:
     """The standard stack at each lr, saved as a run folder that `tunekit eval` reads."""
-    from bench_train import build_cfg
     from omegaconf import OmegaConf
 
     jobs = []
@@ -171,33 +150,6 @@ def train_trl(args, data: dict, lrs: list[float], seed: int) -> list[dict]:
                                                       "steps": args.steps, "losses": res["losses"]}, indent=2))
         print(f"trl-qlora lr {lr:g} seed {seed}: {wall:.0f} s", flush=True)
     return jobs
-
-
-def evaluate(args, job: dict, with_base: bool) -> None:
-    out = job["dir"] / "eval.json"
-    if out.is_file() and (not with_base or "base" in json.loads(out.read_text())):
-        job["eval"] = json.loads(out.read_text())
-        return
-    log = args.work / "logs" / f"eval-{job['method']}-{job['dir'].name}-seed{job['seed']}.log"
-    cmd = [tunekit_exe(), "eval", str(job["dir"]), "--out", str(out), "--batch-size", str(args.eval_batch_size),
-           "--json"] + (["--base"] if with_base else [])
-    rc, wall = run_logged(cmd, log)
-    if rc != 0:
-        fail(f"tunekit eval {job['dir']}", log)
-    job["eval"] = json.loads(out.read_text())
-    print(f"eval {job['method']} lr {job['lr']:g} seed {job['seed']}: {wall:.0f} s", flush=True)
-
-
-def train_seconds(run: Path) -> float:
-    """Seconds in optimizer steps (evaluations, loading and saving left out), as the TRL child counts."""
-    metrics = run / "metrics.jsonl"
-    if metrics.is_file():
-        return sum(json.loads(line).get("step_time_s", 0.0) for line in metrics.read_text().splitlines() if line.strip())
-    return json.loads((run / "summary.json").read_text())["wall_s"]
-
-
-def pct(x) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
 
 
 def mean(xs: list[float]) -> float:
@@ -309,26 +261,6 @@ def main(argv=None) -> int:
               "runs": runs}
     write_result(args.out, result, markdown)
     return 0
-
-
-def device_name() -> str:
-    """The GPU's name, or the CPU's with its core count."""
-    import os
-
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-
-
-def write_result(out: Path, result: dict, render) -> None:
-    """out.json (the raw result) and out.md (render(result)), printed as well."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps(result, indent=2) + "\n")
-    Path(f"{out}.md").write_text(render(result))
-    print(render(result))
-    print(f"wrote {out}.json and {out}.md")
 
 
 if __name__ == "__main__":

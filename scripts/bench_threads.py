@@ -36,6 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from tunekit.device.threads import SPINCOUNT, cores  # noqa: E402  (no torch: the parent stays light)
 
+from benchlib import versions  # noqa: E402
+
 SETTINGS = {"libgomp default": "300000", "tunekit": SPINCOUNT}
 SCENARIOS = ("alone", "pair", "busy")
 BURNER = "while True: pass"
@@ -117,19 +119,6 @@ def machine() -> dict:
     field = lambda key: next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith(key)), "?")  # noqa: E731
     return {"cpu": field("model name"), "cpu_family": field("cpu family"), "cpu_model": field("model\t"),
             "avx512_bf16": "avx512_bf16" in info, "cores": cores()}
-
-
-def versions(packages=("torch", "transformers", "peft", "bitsandbytes", "tunekit")) -> dict:
-    """Installed version of each package (None where it is not installed)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for pkg in packages:
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out
 
 
 def markdown(result: dict) -> str:

@@ -10,7 +10,7 @@ trained tokens of the whole accumulated batch). Every system x repetition runs i
 subprocess (order A B A B ...), so peak memory is per system. Per system it reports input
 (non-padding) tokens/s and median step time over the steps after --warmup, peak memory (CPU: peak
 RSS; GPU: torch.cuda max allocated/reserved), the first steps' losses (same math -> same numbers)
-and tunekit/baseline ratios; on GPU also MFU (formula in `useful_flops`).
+and tunekit/baseline ratios; on GPU also MFU (formula in benchlib's `useful_flops`).
 
     python scripts/bench_train.py                                  # CPU, SmolLM2-135M, packing on and off
     python scripts/bench_train.py --config gpu-1b                  # random-init Llama ~1B, seq 2048, packed
@@ -43,6 +43,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchlib import build_cfg, lengths, matmul_peak, step_examples, sync, useful_flops
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = ("tunekit", "trl", "trl-liger")
@@ -96,41 +98,6 @@ def parse_args(argv=None):
 
 
 # ---------------------------------------------------------------------------- shared child setup
-def build_cfg(spec: dict, out_dir: str):
-    from hydra import compose, initialize_config_module
-    from omegaconf import OmegaConf
-
-    from tunekit.commands.compose import register_schema
-
-    register_schema()
-    over = [f"recipe={spec['recipe']}", f"output_dir={out_dir}", f"trainer.max_steps={spec['steps']}",
-            f"trainer.micro_batch_size={spec['micro_batch_size']}", f"trainer.grad_accum={spec['grad_accum']}",
-            f"data.max_seq_len={spec['seq_len']}", f"data.packing={spec['packing']}",
-            "trainer.eval_every=1000000", "trainer.save_every=1000000"]
-    over += [f"model.path={spec['model']}"] if spec["model"] else []
-    over += [f"data.path={spec['data']}"] if spec["data"] else []
-    with initialize_config_module(config_module="tunekit_recipes", version_base="1.3"):
-        cfg = OmegaConf.to_object(compose(config_name="train", overrides=over + spec["set"]))
-    # `auto` settings (gradient checkpointing, micro-batch size) resolved once, as `tunekit train`
-    # resolves them on this device, so both systems run the same choice (a bare "auto" string
-    # would read as true to TRL and peft).
-    import torch
-
-    from tunekit.device.facts import probe
-    from tunekit.commands.plan import resolve_auto
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg.auto_resolved = resolve_auto(cfg, probe(device), None, 1)
-    return cfg
-
-
-def sync():
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def reset_peak():
     """Start the training-phase memory peak: CUDA peak stats, or the process's VmHWM (Linux)."""
     import torch
@@ -156,20 +123,12 @@ def memory() -> dict:
     return mem
 
 
-def step_examples(train: list[dict], schedule, step: int) -> list[list[dict]]:
-    return [[train[i] for i in idx] for idx in schedule.micro_batches(step)]
-
-
 def token_counts(micro: list[list[dict]]) -> tuple[int, int]:
     """(input tokens, trained tokens) of one step, as tunekit counts them: no padding; an example's
     first label is never trained (nothing predicts it alone; packed, it is masked)."""
     n_input = sum(len(e["input_ids"]) for mb in micro for e in mb)
     n_trained = sum(sum(lab != -100 for lab in e["labels"][1:]) for mb in micro for e in mb)
     return n_input, n_trained
-
-
-def lengths(micro: list[list[dict]]) -> list[int]:
-    return [len(e["input_ids"]) for mb in micro for e in mb]
 
 
 # ---------------------------------------------------------------------------- system: tunekit
@@ -325,53 +284,6 @@ def run_child(spec: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------- parent
-def useful_flops(model_dir: str, trainable: int, micro: list[int], n_trained: int) -> float:
-    """Useful FLOPs of one optimizer step for LoRA over a frozen base (recomputation by gradient
-    checkpointing is not useful work and is not counted). Per input token:
-      4 * N         N = base parameters in the decoder blocks (no embeddings, no head): forward 2N, and
-                    the backward's input gradient 2N; a frozen base has no weight gradient
-      6 * N_lora    LoRA weights: forward 2, input gradient 2, weight gradient 2
-    per example of n tokens (per layer: Q K^T and A V, 2 n^2 d each, full square as in PaLM's count):
-      12 * L * d * n^2   forward 4 L d n^2 + backward 8 L d n^2
-    per trained token (tunekit and TRL's fused head both apply the head to trained positions only):
-      4 * d * V     output head forward + input gradient
-    """
-    from transformers import AutoConfig
-
-    c = AutoConfig.from_pretrained(model_dir)
-    d, L, V, f = c.hidden_size, c.num_hidden_layers, c.vocab_size, c.intermediate_size
-    kv = c.num_key_value_heads * (d // c.num_attention_heads)
-    n_base = L * (2 * d * d + 2 * d * kv + 3 * d * f)  # q,o + k,v + gate,up,down
-    tokens = sum(micro)
-    return (4 * n_base + 6 * trainable) * tokens + 12 * L * d * sum(n * n for n in micro) + 4 * d * V * n_trained
-
-
-def matmul_peak(dtype_name: str, reps: int = 10) -> dict:
-    """This machine's own matmul ceiling, measured in this run: the best GFLOP/s of torch.mm over
-    a square 2048^3 product and the default model's widest projection shape (4096 x 576 @ 576 x
-    1536), median of `reps` after warm-up. On the CPU, MFU is reported against the figure of the
-    dtype the runs' base computes in (model.dtype=auto: bf16 where the CPU has it natively)."""
-    import torch
-
-    dtype = getattr(torch, dtype_name)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    best = {}
-    for m, k, n in ((2048, 2048, 2048), (4096, 576, 1536)):
-        a = torch.randn(m, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
-        for _ in range(3):
-            a @ b
-        times = []
-        for _ in range(reps):
-            sync()
-            t = time.perf_counter()
-            a @ b
-            sync()
-            times.append(time.perf_counter() - t)
-        best[f"{m}x{k}x{n}"] = 2 * m * k * n / statistics.median(times) / 1e9
-    return {"gflops": max(best.values()), "by_shape": best}
-
-
 def forced_dtype(sets: list[str]) -> str | None:
     """The compute dtype a `--set model.dtype=bf16|fp32` forces on the runs (None: auto decides)."""
     names = {"bf16": "bfloat16", "fp32": "float32"}

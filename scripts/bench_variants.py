@@ -24,11 +24,9 @@ import shutil
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+from benchlib import device_name, evaluate, fail, pct, run_logged, train_seconds, tunekit_exe, write_result
 
-from bench_task import (device_name, evaluate, fail, pct, run_logged, train_seconds, tunekit_exe,  # noqa: E402
-                        write_result)
+REPO = Path(__file__).resolve().parents[1]
 
 # name -> (recipe, overrides). The plain arm of each base comes first: the others are read against it.
 VARIANTS = {

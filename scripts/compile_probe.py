@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import build_cfg
 
 
 def main(argv=None) -> int:
@@ -77,7 +77,6 @@ def main(argv=None) -> int:
 
 def _setup(recipe: str, steps: int, overrides: list[str]):
     """TrainRecipe set up as `bench_train.py --config cpu` builds it (default model, seq 256, 8 x 2, padded)."""
-    from bench_train import build_cfg
     from tunekit.train.loop import TrainRecipe
 
     spec = {"recipe": recipe, "steps": steps, "micro_batch_size": 8, "grad_accum": 2, "seq_len": 256,

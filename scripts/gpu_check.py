@@ -84,7 +84,7 @@ def settings(tiny: bool) -> dict:
             "doctor": ["--steps", "4", "trainer.micro_batch_size=2", "trainer.grad_accum=2", "data.max_seq_len=64",
                        "data.val_fraction=0.1", "data.max_val_examples=2", "model.gradient_checkpointing=false",
                        "trainer.lr=1e-3", "trainer.eval_samples=1", "trainer.eval_max_new_tokens=2"],
-            # the suite's benchmark check reads this run (tests/kernel_ops/test_doctor.py)
+            # the suite's benchmark check reads this run (tests/kernels/test_doctor.py)
             "bench": ["--config", "cpu", "--steps", "2", "--warmup", "1", "--reps", "1", "--packing", "on",
                       "--seq-len", "64", "--micro-batch-size", "4", "--grad-accum", "2", "--peak-reps", "2"],
             "plan": [("qlora ckpt, 2x128", "1b", "recipe=qlora model.gradient_checkpointing=true "

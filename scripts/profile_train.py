@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import build_cfg, lengths, matmul_peak, step_examples, useful_flops
 
 FAMILIES = [  # (family, substrings of an op name), first match wins
     # kernels.compile=true: an inductor graph's own time is its fused elementwise kernels (first: its
@@ -71,7 +70,6 @@ def main(argv=None) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from bench_train import build_cfg
     from tunekit.train.loop import TrainRecipe
 
     spec = {"recipe": args.recipe, "steps": args.warmup + args.steps, "micro_batch_size": args.micro_batch_size,
@@ -130,7 +128,6 @@ def roofline_lines(r, cfg, steps: range, events) -> tuple[dict, list[str]]:
     from transformers import AutoConfig
 
     import roofline
-    from bench_train import lengths, matmul_peak, step_examples, useful_flops
     from tunekit.model import resolve_model_path
 
     model_dir = resolve_model_path(cfg.model.path)

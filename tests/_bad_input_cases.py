@@ -1,6 +1,6 @@
 """The bad-input catalogue's rows: one command line each and the culprit its error must name.
 
-Run by tests/test_bad_input.py. Adding a case is one line in CASES: train(id, overrides, culprit) /
+Run by tests/commands/test_bad_input.py. Adding a case is one line in CASES: train(id, overrides, culprit) /
 export(...) / generate(...). Placeholders: {tiny} the tiny model folder, {data} a good data file,
 {w} the folder of fixture files built by tests/_bad_input_world.py, {out} the case's own
 output_dir, {cwd} its working directory.

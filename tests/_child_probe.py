@@ -1,4 +1,4 @@
-"""A stand-in for `tunekit.commands.main` in tests/test_children.py: says what it was given, then ends as told.
+"""A stand-in for `tunekit.commands.main` in tests/commands/test_children.py: says what it was given, then ends as told.
 
     python -m _child_probe exit 3 | exit "a message" | raise | sleep SECONDS | read
 """

@@ -1,6 +1,6 @@
 """Helpers shared by the test modules (plain functions; fixtures live in conftest.py).
 
-Kept out of conftest.py: tests/kernel_ops has a conftest.py of its own, and pytest imports both
+Kept out of conftest.py: tests/kernels has a conftest.py of its own, and pytest imports both
 under the module name `conftest`, so `from _helpers import ...` would find whichever came last.
 """
 

@@ -20,6 +20,12 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without CUDA the Triton kernels run in Triton's numpy interpreter, which must be on before triton
+# is imported (its own @jit library functions are decorated then). Set here, not in
+# tests/kernels/conftest.py: pytest reads a folder's conftest.py only when it collects that folder,
+# and the folders collected before kernels/ import triton (tests/device's through bitsandbytes).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -40,10 +46,19 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # this order (pyproject.toml turns off xdist's own reordering, which sorts modules by their number
 # of tests), so the long ones start first and the short ones fill in after them instead of one
 # worker finishing a long module alone at the end.
-LONGEST_FIRST = ("test_export.py", "kernel_ops/test_tiles.py", "test_plan_measured.py", "test_compile.py", "test_fsdp.py",
-                 "test_taskeval.py", "test_bad_input.py", "kernel_ops/test_doctor.py", "test_default_model.py",
-                 "test_bench_train.py", "test_resume.py", "test_distributed.py", "test_gguf_adapter.py",
-                 "test_methods.py", "test_recipes.py", "test_gguf_eval.py")
+LONGEST_FIRST = ("export/test_export.py", "kernels/test_tiles.py", "plan/test_plan_measured.py",
+                 "speed/test_compile.py", "train/test_fsdp.py", "infer/test_taskeval.py",
+                 "commands/test_bad_input.py", "kernels/test_doctor.py", "model/test_default_model.py",
+                 "scripts/test_bench_train.py", "train/test_resume.py", "train/test_distributed.py",
+                 "export/test_gguf_adapter.py", "methods/test_methods.py", "commands/test_recipes.py",
+                 "infer/test_gguf_eval.py")
+
+
+def pytest_configure(config):
+    # A module moved or renamed without its entry above would silently lose its place in the order.
+    moved = [name for name in LONGEST_FIRST if not (Path(__file__).parent / name).is_file()]
+    if moved:
+        raise pytest.UsageError(f"tests/conftest.py: LONGEST_FIRST names modules that are not there: {moved}")
 
 
 def pytest_collection_modifyitems(config, items):

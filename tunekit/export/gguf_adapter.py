@@ -68,7 +68,7 @@ adapter over its base as llama.cpp runs any f16 GGUF of it (a merged f16 GGUF, r
 way, read KL 1.5e-5 against the trained model on the tweet-sentiment run,
 benchmarks/export/deploy-tweet-sentiment-2026-11-25.md, two orders below the gate's KL bound of
 3e-3). bf16 would make those roundings 8x larger (KL, which grows as the square of a small
-perturbation, ~64x) in the same memory. tests/test_gguf_adapter.py bounds the logits from this count.
+perturbation, ~64x) in the same memory. tests/export/test_gguf_adapter.py bounds the logits from this count.
 """
 
 from __future__ import annotations

@@ -332,7 +332,7 @@ class LoRA(Method):
         per_layer = [n for p in o.targets for i, out in [shape.projection(p)] for n in (o.r * i, out * o.r)]
         flops = 2 * shape.num_layers * sum(o.r * (i + out) for p in o.targets for i, out in [shape.projection(p)])
         # The torch path (tunekit.methods.lora.compute_dtype) through a recomputed block: measured on the CPU
-        # (tests/test_plan_measured.py, qlora with checkpointing) its step peaks ~3 (T, m) buffers
+        # (tests/plan/test_plan_measured.py, qlora with checkpointing) its step peaks ~3 (T, m) buffers
         # above the rest of the walk, which tensors exactly is not pinned down; counted so that the
         # plan does not fall short (it read -18% without them).
         torch_path = setup.lora_compute and not setup.fused_kernel

@@ -259,7 +259,7 @@ def loftq_start_bytes(in_dim: int, out_dim: int, r: int, iters: int) -> int:
       torch's MKL gesdd took 3-4.7 k^2 on the 2-core EPYC, the most for tall weights: the bound
       leaves room for a LAPACK build that blocks differently); with 2 or more iterations,
       W - s B A formed in fp64 (B A and W in fp64: 16).
-    tests/test_loftq_train.py holds this against the measured growth on the CPU. A GPU's SVD
+    tests/methods/test_loftq_train.py holds this against the measured growth on the CPU. A GPU's SVD
     (cuSOLVER) has a workspace of its own, not measured."""
     n, k = in_dim * out_dim, min(in_dim, out_dim)
     held = int((11 if iters >= 2 else 10.5) * n)

@@ -61,7 +61,7 @@ def test_gpu_check_dry_run_writes_every_stage(gpu_check):
     assert [r["compute_dtype"] for r in var] == [auto, auto, "float16"]
     assert var[2]["skipped_steps"] is not None and var[2]["loss_scale"] > 0
     # per-example attention against the mask in bf16: the first loss within the bound derived in
-    # tests/test_packed_attention.py (1e-3); the next two steps' updates differ by the gradients'
+    # tests/speed/test_packed_attention.py (1e-3); the next two steps' updates differ by the gradients'
     # like relative amount times a loss change per step of a few percent at this lr: far below it
     assert var[1]["max_loss_rel_diff"] < 1e-3
     md = (out / "gpu_check.md").read_text()

@@ -1,22 +1,17 @@
-"""Test setup for tunekit_kernels: Triton interpreter on CPU, and an import fallback.
+"""Test setup for tunekit_kernels: an import fallback, the GPU-only skips, the relative-error check.
 
-Without CUDA the kernels run in Triton's numpy interpreter, which must be switched on
-before any kernel module is imported (``@triton.jit`` picks the interpreter when the
-function is decorated).
+Without CUDA the kernels run in Triton's numpy interpreter, switched on in tests/conftest.py: it
+must be on before triton is imported, and tests collected before this folder import it.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _import_tunekit_kernels():

@@ -1,6 +1,6 @@
 """The loop trains through either strategy object (tunekit.train.strategy) with the same results.
 
-Two ranks are tests/test_fsdp.py's (slow: real processes). Here FSDP2 runs in this process over a
+Two ranks are tests/train/test_fsdp.py's (slow: real processes). Here FSDP2 runs in this process over a
 one-rank gloo group, against SingleOrDDP on one process: the same TrainRecipe, so every call the
 loop makes of a strategy (wrap, run, reduce_grads, clip, all_finite, full_trained, the optimizer
 state saved and loaded, in_sync, summary) goes through FSDP2's path, the sharding machinery

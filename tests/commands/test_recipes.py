@@ -48,7 +48,7 @@ def test_qlora_writes_every_output(qlora_run):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["last_val_loss"] < summary["first_val_loss"]  # lr 1e-3 on a tiny model: visible drop
     # what data.max_seq_len cut from rows that still train, said once and kept (exact figures:
-    # tests/test_data_sources.py); the tiny data's longest rows pass 64 tokens
+    # tests/data/test_data_sources.py); the tiny data's longest rows pass 64 tokens
     data = summary["data"]
     assert data["max_seq_len"] == 64 and data["train"]["rows"] + data["held_out"]["rows"] == 48
     assert data["train"]["truncated_rows"] > 0 and data["train"]["trained_tokens_lost"] > 0 and data["dropped_rows"] == {}

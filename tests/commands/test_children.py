@@ -1,7 +1,7 @@
 """tunekit.commands.forkserver: a command run as a fork of a fork server must end as the same command run in a
 fresh interpreter (exit status, output, environment, working directory), and die when killed.
 
-The doctor (tests/kernel_ops/test_doctor.py) and every CLI test of the suite (tests/_cli_forker.py)
+The doctor (tests/kernels/test_doctor.py) and every CLI test of the suite (tests/_cli_forker.py)
 run their commands through this server on the CPU; on a GPU the doctor's start fresh. Both ways run
 here, on `_child_probe`, a stand-in for tunekit.commands.main that imports nothing heavy, so a fresh
 interpreter or a server costs only Python's own start.

@@ -1,6 +1,6 @@
 """method.init=loftq on the tiny model: the start, its adapter folder, the merges and a resume.
 
-tests/test_loftq.py checks the LoftQ computation itself (quantization as bitsandbytes does it,
+tests/methods/test_loftq.py checks the LoftQ computation itself (quantization as bitsandbytes does it,
 the alternation, the keep rule, the start file). Here it is a LoRA start a user trains from:
 
 * the started model is closer to the original (unquantized) model than plain QLoRA's start;

@@ -1,7 +1,7 @@
 """Task evaluation (`tunekit eval`), training-time samples / task metric, keep_best.
 
 The figures are checked against independent oracles on a tiny fp32 model whose weights are scaled
-up so that every context gives a different greedy answer (see tests/test_generate.py):
+up so that every context gives a different greedy answer (see tests/infer/test_generate.py):
   - response loss == the trainer's own held-out loss on the same rows (right-padded full forward),
   - class scores == log p(answer | prompt) from a plain forward of prompt + answer, row by row,
   - exact match == a no-cache greedy loop over the full sequence, row by row, normalised.

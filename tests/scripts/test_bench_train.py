@@ -1,5 +1,5 @@
 """scripts/bench_train.py without CUDA. Its run on the tiny random Llama (both systems, 2 steps, 1 rep)
-is the GPU check's bench stage, checked in tests/kernel_ops/test_doctor.py."""
+is the GPU check's bench stage, checked in tests/kernels/test_doctor.py."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ def test_the_policy_computes_fp16_with_loss_scaling_on_volta_and_turing(capabili
     if scaling:
         assert "dynamic loss scaling" in p.describe() and "fp16 but no bf16" in p.reason
         ok, why = dev.fused_kernel_support(facts, torch.float16, triton_installed=True)
-        assert ok, why  # the fused kernel compiles fp16 there (its configs: tests/kernel_ops/test_tiles.py)
+        assert ok, why  # the fused kernel compiles fp16 there (its configs: tests/kernels/test_tiles.py)
 
 
 def test_the_cpu_policy_is_unchanged_and_fp16_is_obeyed_where_asked():

@@ -1,0 +1,196 @@
+"""What several benchmark scripts share: one module, so that no script imports another.
+
+Each script runs as `python scripts/NAME.py ...`; Python puts the script's own folder first on
+sys.path, so `from benchlib import ...` finds this file with no change to the path.
+
+  the training setup   build_cfg (a spec -> tunekit's config, `auto` settings resolved as `tunekit
+                       train` would), step_examples, lengths, useful_flops, matmul_peak, sync
+                       (bench_train, bench_task, profile_train, compile_probe)
+  runs and results     tunekit_exe, run_logged, fail, evaluate, train_seconds, write_result
+                       (bench_task, bench_variants, bench_loftq)
+  reporting            pct, device_name, versions (those and bench_threads, bench_deploy)
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------- the training setup
+def build_cfg(spec: dict, out_dir: str):
+    """tunekit's train config for a bench spec (recipe, steps, micro_batch_size, grad_accum, seq_len,
+    packing, model, data, set), composed from tunekit_recipes as `tunekit train` composes it."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from tunekit.commands.compose import register_schema
+
+    register_schema()
+    over = [f"recipe={spec['recipe']}", f"output_dir={out_dir}", f"trainer.max_steps={spec['steps']}",
+            f"trainer.micro_batch_size={spec['micro_batch_size']}", f"trainer.grad_accum={spec['grad_accum']}",
+            f"data.max_seq_len={spec['seq_len']}", f"data.packing={spec['packing']}",
+            "trainer.eval_every=1000000", "trainer.save_every=1000000"]
+    over += [f"model.path={spec['model']}"] if spec["model"] else []
+    over += [f"data.path={spec['data']}"] if spec["data"] else []
+    with initialize_config_module(config_module="tunekit_recipes", version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="train", overrides=over + spec["set"]))
+    # `auto` settings (gradient checkpointing, micro-batch size) resolved once, as `tunekit train`
+    # resolves them on this device, so both systems run the same choice (a bare "auto" string
+    # would read as true to TRL and peft).
+    import torch
+
+    from tunekit.device.facts import probe
+    from tunekit.commands.plan import resolve_auto
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg.auto_resolved = resolve_auto(cfg, probe(device), None, 1)
+    return cfg
+
+
+def sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def step_examples(train: list[dict], schedule, step: int) -> list[list[dict]]:
+    return [[train[i] for i in idx] for idx in schedule.micro_batches(step)]
+
+
+def lengths(micro: list[list[dict]]) -> list[int]:
+    return [len(e["input_ids"]) for mb in micro for e in mb]
+
+
+def useful_flops(model_dir: str, trainable: int, micro: list[int], n_trained: int) -> float:
+    """Useful FLOPs of one optimizer step for LoRA over a frozen base (recomputation by gradient
+    checkpointing is not useful work and is not counted). Per input token:
+      4 * N         N = base parameters in the decoder blocks (no embeddings, no head): forward 2N, and
+                    the backward's input gradient 2N; a frozen base has no weight gradient
+      6 * N_lora    LoRA weights: forward 2, input gradient 2, weight gradient 2
+    per example of n tokens (per layer: Q K^T and A V, 2 n^2 d each, full square as in PaLM's count):
+      12 * L * d * n^2   forward 4 L d n^2 + backward 8 L d n^2
+    per trained token (tunekit and TRL's fused head both apply the head to trained positions only):
+      4 * d * V     output head forward + input gradient
+    """
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    d, L, V, f = c.hidden_size, c.num_hidden_layers, c.vocab_size, c.intermediate_size
+    kv = c.num_key_value_heads * (d // c.num_attention_heads)
+    n_base = L * (2 * d * d + 2 * d * kv + 3 * d * f)  # q,o + k,v + gate,up,down
+    tokens = sum(micro)
+    return (4 * n_base + 6 * trainable) * tokens + 12 * L * d * sum(n * n for n in micro) + 4 * d * V * n_trained
+
+
+def matmul_peak(dtype_name: str, reps: int = 10) -> dict:
+    """This machine's own matmul ceiling, measured in this run: the best GFLOP/s of torch.mm over
+    a square 2048^3 product and the default model's widest projection shape (4096 x 576 @ 576 x
+    1536), median of `reps` after warm-up. On the CPU, MFU is reported against the figure of the
+    dtype the runs' base computes in (model.dtype=auto: bf16 where the CPU has it natively)."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    best = {}
+    for m, k, n in ((2048, 2048, 2048), (4096, 576, 1536)):
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        for _ in range(3):
+            a @ b
+        times = []
+        for _ in range(reps):
+            sync()
+            t = time.perf_counter()
+            a @ b
+            sync()
+            times.append(time.perf_counter() - t)
+        best[f"{m}x{k}x{n}"] = 2 * m * k * n / statistics.median(times) / 1e9
+    return {"gflops": max(best.values()), "by_shape": best}
+
+
+# ---------------------------------------------------------------------------- runs and results
+def tunekit_exe() -> str:
+    return str(Path(sys.executable).with_name("tunekit"))
+
+
+def run_logged(cmd: list[str], log: Path) -> tuple[int, float]:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
+    return rc, time.perf_counter() - t0
+
+
+def fail(what: str, log: Path) -> None:
+    tail = log.read_text()[-3000:] if log.is_file() else ""
+    raise SystemExit(f"{Path(sys.argv[0]).stem}: {what} failed; log {log}:\n{tail}")
+
+
+def evaluate(args, job: dict, with_base: bool) -> None:
+    out = job["dir"] / "eval.json"
+    if out.is_file() and (not with_base or "base" in json.loads(out.read_text())):
+        job["eval"] = json.loads(out.read_text())
+        return
+    log = args.work / "logs" / f"eval-{job['method']}-{job['dir'].name}-seed{job['seed']}.log"
+    cmd = [tunekit_exe(), "eval", str(job["dir"]), "--out", str(out), "--batch-size", str(args.eval_batch_size),
+           "--json"] + (["--base"] if with_base else [])
+    rc, wall = run_logged(cmd, log)
+    if rc != 0:
+        fail(f"tunekit eval {job['dir']}", log)
+    job["eval"] = json.loads(out.read_text())
+    print(f"eval {job['method']} lr {job['lr']:g} seed {job['seed']}: {wall:.0f} s", flush=True)
+
+
+def train_seconds(run: Path) -> float:
+    """Seconds in optimizer steps (evaluations, loading and saving left out), as the TRL child counts."""
+    metrics = run / "metrics.jsonl"
+    if metrics.is_file():
+        return sum(json.loads(line).get("step_time_s", 0.0) for line in metrics.read_text().splitlines() if line.strip())
+    return json.loads((run / "summary.json").read_text())["wall_s"]
+
+
+def write_result(out: Path, result: dict, render) -> None:
+    """out.json (the raw result) and out.md (render(result)), printed as well."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.json").write_text(json.dumps(result, indent=2) + "\n")
+    Path(f"{out}.md").write_text(render(result))
+    print(render(result))
+    print(f"wrote {out}.json and {out}.md")
+
+
+# ---------------------------------------------------------------------------- reporting
+def pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def device_name() -> str:
+    """The GPU's name, or the CPU's with its core count."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def versions(packages=("torch", "transformers", "peft", "bitsandbytes", "tunekit")) -> dict:
+    """Installed version of each package (None where it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in packages:
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
