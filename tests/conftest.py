@@ -46,9 +46,9 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # this order (pyproject.toml turns off xdist's own reordering, which sorts modules by their number
 # of tests), so the long ones start first and the short ones fill in after them instead of one
 # worker finishing a long module alone at the end.
-LONGEST_FIRST = ("export/test_export.py", "kernels/test_tiles.py", "plan/test_plan_measured.py",
+LONGEST_FIRST = ("kernels/test_doctor.py", "export/test_export.py", "kernels/test_tiles.py", "plan/test_plan_measured.py",
                  "speed/test_compile.py", "train/test_fsdp.py", "infer/test_taskeval.py",
-                 "commands/test_bad_input.py", "kernels/test_doctor.py", "model/test_default_model.py",
+                 "commands/test_bad_input.py", "model/test_default_model.py", "train/test_shared_start.py",
                  "scripts/test_bench_train.py", "train/test_resume.py", "train/test_distributed.py",
                  "export/test_gguf_adapter.py", "methods/test_methods.py", "commands/test_recipes.py",
                  "infer/test_gguf_eval.py")
