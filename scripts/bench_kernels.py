@@ -18,12 +18,13 @@ versions.  Needs CUDA; on a machine without it, exits with a one-line message.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import re
 import statistics
 import sys
 from pathlib import Path
+
+from benchlib import import_kernels  # tunekit_kernels, installed or from this checkout
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,21 +45,6 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations (includes Triton autotuning)")
     p.add_argument("--peak-gbps", type=float, default=None, help="device peak memory bandwidth, GB/s")
     return p.parse_args(argv)
-
-
-def import_kernels():
-    try:
-        import tunekit_kernels
-
-        return tunekit_kernels
-    except ImportError:  # repo checkout without `pip install -e .`
-        pkg = REPO / "kernels"
-        spec = importlib.util.spec_from_file_location("tunekit_kernels", pkg / "__init__.py",
-                                                      submodule_search_locations=[str(pkg)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["tunekit_kernels"] = mod
-        spec.loader.exec_module(mod)
-        return mod
 
 
 def cuda_time_ms(fn, repeats, warmup):

@@ -194,3 +194,23 @@ def versions(packages=("torch", "transformers", "peft", "bitsandbytes", "tunekit
         except PackageNotFoundError:
             out[pkg] = None
     return out
+
+
+def import_kernels():
+    """tunekit_kernels: the installed package, or from this checkout's kernels/ folder without
+    `pip install -e .` (never imported as `kernels`, which would shadow Hugging Face's package)."""
+    try:
+        import tunekit_kernels
+
+        return tunekit_kernels
+    except ImportError:
+        import importlib.util
+
+        pkg = REPO / "kernels"
+        spec = importlib.util.spec_from_file_location("tunekit_kernels", pkg / "__init__.py",
+                                                      submodule_search_locations=[str(pkg)])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["tunekit_kernels"] = mod
+        spec.loader.exec_module(mod)
+        return mod
+

@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchlib import import_kernels  # tunekit_kernels, installed or from this checkout
+
 REPO = Path(__file__).resolve().parents[1]
 BEFORE_PKG = "tunekit_kernels_before"
 
@@ -41,23 +43,6 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, default=2, help="compiling processes (default 2)")
     p.add_argument("--out", type=Path, help="also write the tables to this markdown file")
     return p.parse_args(argv)
-
-
-def import_kernels():
-    try:
-        import tunekit_kernels
-
-        return tunekit_kernels
-    except ImportError:  # repo checkout without `pip install -e .`: never import kernels/ as `kernels`
-        import importlib.util
-
-        pkg = REPO / "kernels"
-        spec = importlib.util.spec_from_file_location("tunekit_kernels", pkg / "__init__.py",
-                                                      submodule_search_locations=[str(pkg)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["tunekit_kernels"] = mod
-        spec.loader.exec_module(mod)
-        return mod
 
 
 def import_before(rev: str):

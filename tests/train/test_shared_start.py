@@ -12,7 +12,8 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _rank(rank: int, world: int, init_file: str, model_dir: str, init: str, out: str) -> None:
+def _rank(rank: int, world: int, init_file: str, model_dir: str, out: str) -> None:
+    """Both starts in one process group: each spawn of two ranks costs seconds of imports."""
     import types
 
     import torch.distributed as dist
@@ -30,37 +31,45 @@ def _rank(rank: int, world: int, init_file: str, model_dir: str, init: str, out:
     real_loftq, real_pissa = loftq.apply_loftq, LoraLayer.pissa_init
     loftq.apply_loftq = lambda *a, **k: calls.append("loftq") or real_loftq(*a, **k)
     LoraLayer.pissa_init = lambda self, *a, **k: calls.append("pissa") or real_pissa(self, *a, **k)
-    quantize = "nf4" if init == "loftq" else "none"
-    model = load_base_model(model_dir, quantize, torch.float32, torch.device("cpu"))
-    if rank == 1 and quantize == "none":  # a rank whose own start would differ: it must take rank 0's
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "proj" in n:
-                    p.add_(1e-3)
-    strategy = SingleOrDDP(types.SimpleNamespace(num_processes=world, process_index=rank), torch.device("cpu"))
-    cfg = MethodConfig(name="lora", r=4, alpha=8, dropout=0.0, init=init,
-                       target_modules=["q_proj", "v_proj", "down_proj"])
-    method = get_method("lora")
-    model = apply_method(method, model, cfg, model_dir, None, strategy, lambda msg: None)
+    for init in ("loftq", "pissa"):
+        calls.clear()
+        quantize = "nf4" if init == "loftq" else "none"
+        model = load_base_model(model_dir, quantize, torch.float32, torch.device("cpu"))
+        if rank == 1 and quantize == "none":  # a rank whose own start would differ: it must take rank 0's
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if "proj" in n:
+                        p.add_(1e-3)
+        strategy = SingleOrDDP(types.SimpleNamespace(num_processes=world, process_index=rank), torch.device("cpu"))
+        cfg = MethodConfig(name="lora", r=4, alpha=8, dropout=0.0, init=init,
+                           target_modules=["q_proj", "v_proj", "down_proj"])
+        method = get_method("lora")
+        model = apply_method(method, model, cfg, model_dir, None, strategy, lambda msg: None)
 
-    def digest(tensors) -> dict:
-        return {n: hashlib.sha256(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-                for n, t in tensors.items()}
+        def digest(tensors) -> dict:
+            return {n: hashlib.sha256(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                    for n, t in tensors.items()}
 
-    kept = variants.start_of(model)
-    init_attr = getattr(model, loftq_io.INIT_ATTR, None)
-    Path(out, f"rank{rank}.json").write_text(json.dumps({
-        "calls": calls, "tensors": digest(method.start_tensors(model)),
-        "kept": None if kept is None else digest(kept),
-        "loftq_layers": None if init_attr is None else sorted(init_attr.layers)}))
+        kept = variants.start_of(model)
+        init_attr = getattr(model, loftq_io.INIT_ATTR, None)
+        Path(out, f"rank{rank}-{init}.json").write_text(json.dumps({
+            "calls": calls, "tensors": digest(method.start_tensors(model)),
+            "kept": None if kept is None else digest(kept),
+            "loftq_layers": None if init_attr is None else sorted(init_attr.layers)}))
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("init", ["loftq", "pissa"])
-def test_rank_0_computes_the_start_and_every_rank_gets_it_bit_for_bit(init, tiny_model_dir, tmp_path):
-    mp.start_processes(_rank, args=(2, str(tmp_path / "pg"), str(tiny_model_dir), init, str(tmp_path)),
+@pytest.fixture(scope="module")
+def two_ranks(tiny_model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("shared-start")
+    mp.start_processes(_rank, args=(2, str(out / "pg"), str(tiny_model_dir), str(out)),
                        nprocs=2, join=True, start_method="spawn")
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    return out
+
+
+@pytest.mark.parametrize("init", ["loftq", "pissa"])
+def test_rank_0_computes_the_start_and_every_rank_gets_it_bit_for_bit(init, two_ranks):
+    r0, r1 = (json.loads((two_ranks / f"rank{r}-{init}.json").read_text()) for r in (0, 1))
     assert r0["calls"] and not r1["calls"]  # only rank 0 computed a start
     assert r0["tensors"] == r1["tensors"]  # A, B, the rewritten base (codes and absmax), bit for bit
     assert len(r0["tensors"]) >= 3 * 2 * 3  # 2 layers x 3 targets x (A, B, base weight, ...)
