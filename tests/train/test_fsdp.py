@@ -90,8 +90,11 @@ def test_qlora_two_fsdp_ranks_match_one_process_and_resume(tiny_model_dir, tiny_
     """QLoRA (4-bit codes stored as bf16 and sharded; paged AdamW 32-bit on the shards; gradient
     checkpointing; accumulation and clipping) on two ranks == one process (G = 2 above, fp32
     compute); a resume from the step-2 checkpoint ends where the uninterrupted run ended. One
-    held-out row: rank 1 evaluates nothing and runs filler forwards for rank 0's gathers."""
-    common = ["recipe=qlora", "model.dtype=fp32", *ONE_EXAMPLE, "data.max_val_examples=1", "trainer.strategy=fsdp"]
+    held-out row: rank 1 evaluates nothing and runs filler forwards for rank 0's gathers. The LoRA
+    starts from LoftQ: rank 0 computes it alone and sends it, so both ranks train from the start one
+    process computes."""
+    common = ["recipe=qlora", "model.dtype=fp32", *ONE_EXAMPLE, "data.max_val_examples=1", "trainer.strategy=fsdp",
+              "method.init=loftq"]
     two = tmp_path / "two"
     r = launch_two_ranks(tiny_args(tiny_model_dir, tiny_data, two, *common), tmp_path, 29521)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -107,6 +110,7 @@ def test_qlora_two_fsdp_ranks_match_one_process_and_resume(tiny_model_dir, tiny_
     _holds_half(two)
     assert r.stderr.count("fsdp: 2 decoder layers + the rest sharded over 2 ranks") == 1  # one log line, rank 0
     assert r.stderr.count("adapter saved to") == 1
+    assert r.stderr.count("start computed on rank 0") == 1
     assert "4-bit codes stored as bf16; checked at the first forward" in r.stderr
     state = json.loads((two / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
     assert state["optimizer"]["world_size"] == 2 and len(state["optimizer"]["ranks"]) == 2  # each rank's own shards
