@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import yaml
 
 from _helpers import tiny_args
@@ -268,3 +269,15 @@ def test_dora_plans_the_identity_peft_builds_each_forward():
     grown = dora.memory.terms["working set (block backward)"] - lora.memory.terms["working set (block backward)"]
     assert grown >= 4 * (14336**2 + 3 * 4096 * 14336)  # 1.42 GiB: the identity and three (4096, 14336) fp32 tensors
     assert dora.peak - lora.peak >= grown
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a GPU answers")
+def test_planning_for_a_gpu_on_a_machine_without_one_needs_no_memory_figure(capsys):
+    """`--device cuda` without `--memory` where no GPU is visible: the free memory is unknown (said so),
+    not a traceback from torch.cuda."""
+    from tunekit.device import facts as dev
+
+    assert dev.available_memory_bytes(torch.device("cuda")) is None
+    code, out, err = run_main(["plan", "recipe=qlora", "model.preset=llama-3-8b", "--device", "cuda"], capsys)
+    assert code == 0, err
+    assert "an unknown amount (give --memory)" in out
