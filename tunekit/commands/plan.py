@@ -117,7 +117,7 @@ def render(plan: Plan, memory_gib: Optional[float], cfg, source: str) -> str:
         f"grad_accum {s.grad_accum}, gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}"
         + (f"; teacher {s.teacher.name} ({s.teacher_quantize}), chunk {s.distill_chunk}" if s.teacher else ""),
         f"  device: {plan.facts.describe()}" + (f" x {plan.ranks}" if plan.ranks > 1 else ""),
-        *([f"  {estimate_note(plan).removeprefix('; ')}"] if estimate_note(plan) else []),
+        *([f"  {note.removeprefix('; ')}"] if (note := estimate_note(plan)) else []),
         "",
     ]
     names = []
