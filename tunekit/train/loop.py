@@ -282,6 +282,7 @@ class TrainRecipe(RecipeSetup):
         with self.strategy.full_trained(self.model):
             if self.main:
                 facts = {"tokens_seen": self.tokens_seen, "first_eval": self.first_eval,
+                         "data_position": self.schedule.start(step),  # where the next step's examples start
                          "fingerprint": self.fingerprint,
                          **({"loss_scaler": self.scaler.state_dict()} if self.scaler.enabled else {})}
                 save_checkpoint(self.output_dir, step, lambda d: self.method.save(self.model, d), optimizer,
