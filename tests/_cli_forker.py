@@ -74,7 +74,8 @@ class Running:
             return None
         for child in self.children:
             child.wait(0)  # kills what still runs
-        result = {"id": self.case["id"], "code": code, "stdout": self.out.read_text("utf-8", "replace"),
+        # each rank's own exit status; None: still running when stopped (the grace or the timeout ran out)
+        result = {"id": self.case["id"], "code": code, "rank_codes": codes, "stdout": self.out.read_text("utf-8", "replace"),
                   "stderr": self.err.read_text("utf-8", "replace"), "seconds": round(now - self.start, 3)}
         for path in self.files:
             path.unlink()
@@ -117,7 +118,9 @@ class CliServer:
         cmd = cmd or [str(Path(sys.executable).with_name("tunekit")), *args]
         if result["code"] == "timeout":
             raise subprocess.TimeoutExpired(cmd, timeout, result["stdout"], result["stderr"])
-        return subprocess.CompletedProcess(cmd, result["code"], result["stdout"], result["stderr"])
+        done = subprocess.CompletedProcess(cmd, result["code"], result["stdout"], result["stderr"])
+        done.rank_codes = result["rank_codes"]  # with `ranks`: each rank's exit status, in rank order
+        return done
 
     def batch(self, cases: list[dict], jobs: int, timeout: float, warmup: list[str] | None = None) -> list[dict]:
         """Every case ({"id", "argv", "cwd", "env": added to the server's, "user", "input"}), `jobs`

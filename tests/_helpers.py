@@ -143,7 +143,7 @@ def _free_port() -> int:
 
 
 def launch_two_ranks(args: list[str], cwd: Path, port: int, timeout: int = 300,
-                     real: bool = False) -> subprocess.CompletedProcess:
+                     real: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
     """`accelerate launch LAUNCH_FLAGS -m tunekit.commands.main train ARGS`: two gloo ranks on the CPU.
 
     By default each rank is a fork of the fork server (as run_cli's commands are) with the
@@ -152,9 +152,10 @@ def launch_two_ranks(args: list[str], cwd: Path, port: int, timeout: int = 300,
     transformers, peft and bitsandbytes. One difference, on purpose: no launcher process, so rank 0
     hosts the rendezvous store itself (TORCHELASTIC_USE_AGENT_STORE dropped), as in any launch
     without torchrun's agent. real=True (one test does), or TUNEKIT_TEST_FRESH_CLI=1, runs the
-    real launcher.
+    real launcher. `env`: added to both ranks' environment. Forked, the result's `rank_codes` holds
+    each rank's own exit status (None: still running when the grace after a failed rank ran out).
     """
-    env = {**os.environ, **LAUNCH_ENV}
+    env = {**os.environ, **LAUNCH_ENV, **(env or {})}
     cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", *LAUNCH_FLAGS,
            "--main_process_port", str(port), "-m", "tunekit.commands.main", "train", *args]
     # PYTHONFAULTHANDLER is read at interpreter start: the forked child turns it on itself

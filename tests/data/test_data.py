@@ -188,6 +188,20 @@ def test_schedule_is_deterministic_and_splits_ranks():
     assert BatchSchedule(lengths, 2, 2, 1, 0, seed=4).micro_batches(0) != one.micro_batches(0)
 
 
+def test_schedule_resumed_on_another_number_of_ranks_goes_on_with_the_next_example():
+    """Three steps on two ranks (8 examples a step), then a resume as one process (4 a step): the
+    examples the resumed steps take are the ones an uninterrupted run on two ranks would have taken
+    next, in the same data order, across an epoch boundary (37 examples)."""
+    lengths = list(range(10, 47))
+    two = [BatchSchedule(lengths, 2, 2, world_size=2, rank=r, seed=3) for r in range(2)]
+    alone = BatchSchedule(lengths, 2, 2, world_size=1, rank=0, seed=3, resumed=(3, two[0].start(3)))
+    assert two[0].start(3) == 24 and alone.start(3) == 24 and alone.start(5) == 32
+    for before, after in ((3, 3), (4, 5)):  # a step of two ranks == the next two steps of one process
+        whole = sorted(i for r in two for mb in r.micro_batches(before) for i in mb)
+        assert sorted(i for s in (after, after + 1) for mb in alone.micro_batches(s) for i in mb) == whole
+    assert alone.epoch_of(10) == 52 / 37
+
+
 def test_epoch_covers_every_example_once():
     sched = BatchSchedule([5] * 20, 5, 1, 1, 0, seed=0)
     seen = [i for step in range(4) for mb in sched.micro_batches(step) for i in mb]

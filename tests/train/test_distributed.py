@@ -70,6 +70,22 @@ def test_two_ranks_resume_each_with_its_own_random_state(tiny_model_dir, tiny_da
     state = json.loads((crashed / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
     assert len(state["rng"]) == 2 and state["rng"][0]["torch"] != state["rng"][1]["torch"]
 
+    # the same checkpoint resumed by one process: every rank saved the whole optimizer state, so it
+    # resumes, with one line saying the global batch changed; the data goes on where it stopped
+    alone = tmp_path / "alone"
+    shutil.copytree(full, alone)
+    shutil.rmtree(alone / "checkpoints" / "step-000004")
+    shutil.rmtree(alone / "adapter")
+    r = run_cli(["train", *tiny_args(tiny_model_dir, tiny_data, alone, *common, "trainer.resume=true")], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("trainer.resume: the checkpoint was written by 2 ranks, this run has 1: the global batch "
+                          "changes from 2 to 1 x") == 1, r.stderr[-3000:]
+    assert "resumed from" in r.stderr
+    state = json.loads((alone / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
+    # 2 steps x 2 ranks x 2 micro-batches x 2 rows, then 2 steps x 1 rank x 2 x 2
+    assert state["fingerprint"]["world_size"] == 1 and state["data_position"] == 2 * 8 + 2 * 4
+    assert json.loads((alone / "summary.json").read_text())["world_size"] == 1
+
 
 def test_two_ranks_on_a_locked_output_dir_stop_together(tiny_model_dir, tiny_data, tmp_path):
     """Rank 0 finds output_dir locked by another run; rank 1, which takes no lock of its own, stops with it

@@ -125,6 +125,19 @@ def test_qlora_two_fsdp_ranks_match_one_process_and_resume(tiny_model_dir, tiny_
     a, b = _adapter(two), _adapter(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)  # the same computations in the same order: bitwise
 
+    # on one process: each rank saved its own shards' optimizer state, so it is refused, in one line,
+    # before the model loads (no "base:" line), naming both numbers of ranks
+    fewer = tmp_path / "fewer"
+    shutil.copytree(two, fewer)
+    shutil.rmtree(fewer / "checkpoints" / "step-000004")
+    shutil.rmtree(fewer / "adapter")
+    r = run_cli(["train", *tiny_args(tiny_model_dir, tiny_data, fewer, *common, "trainer.resume=true")], tmp_path)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert (f"tunekit: error: trainer.resume: the checkpoint in {fewer / 'checkpoints' / 'step-000002'} was written "
+            "by 2 FSDP ranks; this run has 1 process (its optimizer state whole, not sharded)") in r.stderr
+    assert "resume with --num_processes 2, or start a new output_dir" in r.stderr
+    assert "base:" not in r.stderr and "Traceback" not in r.stderr
+
 
 def test_lora_over_bf16_two_fsdp_ranks_match_one_process(untied_model_dir, tiny_data, tmp_path):
     """LoRA over a bf16 base (bf16 compute) whose embeddings and head are units of their own, G = 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 import json
 import shutil
 import signal
@@ -264,3 +265,22 @@ def test_a_kill_at_any_point_of_a_save_leaves_nothing_after_the_resume(full_run,
     assert f"leftover of an interrupted save: restored {ck / 'step-000002'} from {HOME_PREFIX}" in r.stderr
     assert "resumed from" in r.stderr and (run / "summary.json").is_file()
     assert _tunekit_left(run) == [] and lost_or_changed(run, mine) == [] and lost_or_changed(ck, in_ck) == []
+
+
+def test_another_number_of_ranks_resumes_data_parallel_and_is_refused_under_fsdp(tmp_path):
+    """world_size_change: the same number passes silently; data parallel (or one process) on another
+    number resumes with a line; FSDP on either side is refused, naming both numbers."""
+    from tunekit import TunekitError
+    from tunekit.train.resume import world_size_change
+
+    ddp = lambda n: {"world_size": n}  # noqa: E731  (trainer.strategy=ddp is left out of the fingerprint)
+    fsdp = lambda n: {"world_size": n, "trainer.strategy": "fsdp"}  # noqa: E731
+    assert world_size_change(ddp(2), ddp(2), tmp_path) is None and world_size_change(fsdp(4), fsdp(4), tmp_path) is None
+    assert world_size_change(ddp(2), ddp(4), tmp_path).startswith(
+        "trainer.resume: the checkpoint was written by 2 ranks, this run has 4: the global batch changes")
+    for saved, now, said in ((fsdp(2), fsdp(4), "2 FSDP ranks; this run has 4 FSDP ranks"),
+                             (fsdp(2), fsdp(1), "2 FSDP ranks; this run has 1 process (its optimizer state whole"),
+                             (fsdp(1), fsdp(2), "1 process (its optimizer state whole, not sharded); this run has 2 FSDP")):
+        with pytest.raises(TunekitError, match=re.escape(f"in {tmp_path} was written by {said}")) as e:
+            world_size_change(saved, now, tmp_path)
+        assert f"resume with --num_processes {saved['world_size']}, or start a new output_dir" in str(e.value)

@@ -57,9 +57,34 @@ def _train(obj, output_dir: Path) -> None:
         check_trainable(obj)
         recipe.setup()
         summary = recipe.train()
-    except TunekitError as e:  # also where Hydra runs the job: report it ourselves, as one line
+    except BaseException as e:
+        _stop(recipe, e, output_dir)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        # Whatever the way out: the next run may use output_dir at once (process death drops the lock too).
+        recipe.release()
+    if recipe.main:
+        _report_done(summary, output_dir)
+    recipe.cleanup()
+
+
+def _stop(recipe, e: BaseException, output_dir: Path) -> None:
+    """A run that stops on `e`: one line and exit where it is known, else `e` goes on (a bug's traceback).
+
+    With several ranks, an error that came from another rank (a collective whose peer failed or died,
+    the launcher's SIGTERM after it) ends this rank with the line naming that rank, exit status 1;
+    this rank's own error is told to the others first (tunekit.train.peers)."""
+    if isinstance(e, SystemExit):
+        return
+    line = recipe.stopped_by_peer(e)
+    if line is not None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher stops the others too: this line stands
+        fail(line, code=1)
+    recipe.announce(e)
+    if isinstance(e, TunekitError):  # also where Hydra runs the job: report it ourselves, as one line
         fail(str(e))
-    except KeyboardInterrupt as e:  # SIGINT, or SIGTERM through _raise_terminated
+    if isinstance(e, KeyboardInterrupt):  # SIGINT, or SIGTERM through _raise_terminated
         # Whatever was being written when the signal came was in a temp folder, removed on the way out.
         from tunekit.train.checkpoint import latest_checkpoint
 
@@ -68,23 +93,20 @@ def _train(obj, output_dir: Path) -> None:
                  if last else "no checkpoint was saved yet; start again to train")
         name, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("SIGINT", 130)
         fail(f"interrupted by {name}; {where}", code=code)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        # Whatever the way out: the next run may use output_dir at once (process death drops the lock too).
-        recipe.release()
-    if recipe.main:
-        changes = []
-        for name in ("loss", "kl", "ce"):
-            first, last = summary.get(f"first_val_{name}"), summary.get(f"last_val_{name}")
-            if last is not None:
-                changes.append(f"val {name} {'n/a (resumed)' if first is None else f'{first:.4f}'} -> {last:.4f}")
-        for name in ("accuracy", "exact_match"):  # trainer.eval_task
-            first, last = summary.get(f"first_val_{name}"), summary.get(f"last_val_{name}")
-            if last is not None:
-                was = "n/a (resumed)" if first is None else f"{100 * first:.1f}%"
-                changes.append(f"{name.replace('_', ' ')} {was} -> {100 * last:.1f}%")
-        log.info("done in %.0f s: %s; outputs in %s", summary["wall_s"], ", ".join(changes), output_dir)
-    recipe.cleanup()
+
+
+def _report_done(summary: dict, output_dir: Path) -> None:
+    changes = []
+    for name in ("loss", "kl", "ce"):
+        first, last = summary.get(f"first_val_{name}"), summary.get(f"last_val_{name}")
+        if last is not None:
+            changes.append(f"val {name} {'n/a (resumed)' if first is None else f'{first:.4f}'} -> {last:.4f}")
+    for name in ("accuracy", "exact_match"):  # trainer.eval_task
+        first, last = summary.get(f"first_val_{name}"), summary.get(f"last_val_{name}")
+        if last is not None:
+            was = "n/a (resumed)" if first is None else f"{100 * first:.1f}%"
+            changes.append(f"{name.replace('_', ' ')} {was} -> {100 * last:.1f}%")
+    log.info("done in %.0f s: %s; outputs in %s", summary["wall_s"], ", ".join(changes), output_dir)
 
 
 def main(argv: list[str]) -> None:

@@ -9,6 +9,7 @@ with no sampler state to save. Each rank takes every world_size-th example of th
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Optional
 
 import torch
 
@@ -47,7 +48,10 @@ def group_by_length(lengths: list[int], cap: int, overhead: int = MICRO_BATCH_OV
 
 class BatchSchedule:
     def __init__(self, lengths: list[int], micro_batch_size: int, grad_accum: int, world_size: int, rank: int, seed: int,
-                 min_padding: bool = True):
+                 min_padding: bool = True, resumed: Optional[tuple[int, int]] = None):
+        """`resumed=(step, examples)`: step `step` starts at example `examples` of the data order (a
+        resume on another number of ranks: the steps before had another global batch). Without it,
+        step s starts at s x the global batch."""
         self.lengths = lengths
         self.min_padding = min_padding
         self.micro_batch_size = micro_batch_size
@@ -56,6 +60,12 @@ class BatchSchedule:
         self.rank = rank
         self.seed = seed
         self.global_batch = micro_batch_size * grad_accum * world_size
+        self.resumed = resumed or (0, 0)
+
+    def start(self, step: int) -> int:
+        """The position in the data order where optimizer step `step` starts."""
+        at, examples = self.resumed
+        return examples + (step - at) * self.global_batch
 
     @lru_cache(maxsize=4)
     def _perm(self, epoch: int) -> list[int]:
@@ -63,12 +73,12 @@ class BatchSchedule:
         return torch.randperm(len(self.lengths), generator=g).tolist()
 
     def epoch_of(self, step: int) -> float:
-        return step * self.global_batch / len(self.lengths)
+        return self.start(step) / len(self.lengths)
 
     def micro_batches(self, step: int) -> list[list[int]]:
         """This rank's micro-batches (lists of example indices) for optimizer step `step`."""
         n = len(self.lengths)
-        start = step * self.global_batch
+        start = self.start(step)
         picked = [self._perm(pos // n)[pos % n] for pos in range(start, start + self.global_batch)]
         mine = picked[self.rank :: self.world_size]
         # The loss is token-normalised over the whole accumulated batch, so how this step's examples

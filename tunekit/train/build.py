@@ -168,7 +168,9 @@ class RecipeSetup:
             self._info(f"trainer.resume=true but no checkpoint in {self.output_dir}: starting from step 0")
             return
         state = read_state(ckpt)
-        check_same_run(state.get("fingerprint", {}), self.fingerprint, ckpt)
+        note = check_same_run(state.get("fingerprint", {}), self.fingerprint, ckpt)
+        if note:  # data parallel on another number of ranks: the global batch changes size
+            self._info(note)
         self.resume_from, self.resume_state = ckpt, state
 
     def _choose_precision(self) -> None:
@@ -286,9 +288,17 @@ class RecipeSetup:
         groups = self.method.param_groups(self.model, self.params, cfg.method, t.lr)  # LoRA+: B's own rate
         self.optimizer = build_optimizer(plain(t.optimizer), groups, t.lr, t.weight_decay, self.device)
         self.scheduler = warmup_cosine(self.optimizer, t.warmup_steps, t.max_steps)
+        # A resume on another number of ranks (data parallel) goes on from the example after the last
+        # one the checkpoint's ranks trained: the steps before it had their own global batch.
+        resumed = None
+        if self.resume_state is not None:
+            step = self.resume_state["step"]
+            ranks = self.resume_state.get("fingerprint", {}).get("world_size") or self.strategy.world_size
+            # checkpoints before data_position was saved: every step had the checkpoint's global batch
+            resumed = (step, self.resume_state.get("data_position", step * t.micro_batch_size * t.grad_accum * ranks))
         self.schedule = BatchSchedule([len(e["input_ids"]) for e in self.train_data], t.micro_batch_size,
                                       t.grad_accum, self.strategy.world_size, self.strategy.rank, cfg.seed,
-                                      min_padding=not cfg.data.packing)
+                                      min_padding=not cfg.data.packing, resumed=resumed)
 
     def _start_or_resume(self) -> None:
         """Per-rank random streams and the step counters: from step 0, or from `resume_from`.
@@ -306,7 +316,8 @@ class RecipeSetup:
         if ckpt is None:
             return
         state = load_checkpoint(ckpt, self.strategy.optimizer_to_load(self.optimizer), self.scheduler)
-        dev.set_rng_state(state["rng"][self.strategy.rank], self.device)
+        if self.strategy.rank < len(state["rng"]):  # a rank the checkpoint's run did not have keeps its seed's
+            dev.set_rng_state(state["rng"][self.strategy.rank], self.device)
         self.start_step, self.tokens_seen = state["step"], state.get("tokens_seen", 0)
         self.first_eval = state.get("first_eval")
         if self.scaler.enabled and "loss_scaler" in state:

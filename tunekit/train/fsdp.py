@@ -390,7 +390,8 @@ class Sharded:
 class _RankStates:
     """What the checkpoint sees of a sharded optimizer: {"world_size": N, "ranks": [state of rank 0,
     ...]}. Saving writes all of them (safetensors + JSON, like any optimizer state); loading gives
-    each rank back its own (resume requires the same number of ranks: it is in the fingerprint)."""
+    each rank back its own. Resume on another number of ranks is refused before the model loads
+    (tunekit.train.resume.world_size_change): the parts would not match the new ranks' shards."""
 
     def __init__(self, optimizer, rank: int, world_size: int, states: Optional[list]):
         self.optimizer, self.rank, self.world_size, self.states = optimizer, rank, world_size, states
@@ -401,5 +402,7 @@ class _RankStates:
     def load_state_dict(self, state: dict) -> None:
         ranks = state.get("ranks") if isinstance(state, dict) else None
         if not isinstance(ranks, list) or len(ranks) != self.world_size:
-            raise ValueError(f"expected the optimizer state of {self.world_size} FSDP ranks")
+            held = f"{len(ranks)} FSDP ranks" if isinstance(ranks, list) else "no FSDP ranks"
+            raise ValueError(f"it holds the optimizer state of {held}, this run has {self.world_size} "
+                             "(tunekit.train.resume.world_size_change refuses that before the model loads)")
         load_state(self.optimizer, ranks[self.rank])

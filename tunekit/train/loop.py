@@ -38,6 +38,7 @@ from tunekit.speed import offload, packed_attention
 from tunekit.train.build import RecipeSetup
 from tunekit.train.checkpoint import atomic_dir, atomic_write_text, latest_checkpoint, save_checkpoint
 from tunekit.train.objective import model_inputs
+from tunekit.train.peers import Peers, fail_for_test, group_timeout_s, one_line
 from tunekit.train.strategy import choose_strategy
 
 log = logging.getLogger("tunekit")
@@ -49,6 +50,7 @@ class TrainRecipe(RecipeSetup):
         self.output_dir = Path(output_dir)
         self.lock = None  # rank 0's RunLock on output_dir, from setup() on
         self.fingerprint = None  # what the run trains (tunekit.train.resume.fingerprint), from setup() on
+        self.peers = None  # with several ranks: who failed, if one did (tunekit.train.peers), from setup() on
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -79,6 +81,14 @@ class TrainRecipe(RecipeSetup):
         """The Accelerator (it starts the process group, with an explicit timeout), this rank's device
         and its facts, and the run's strategy (tunekit.train.strategy.choose_strategy)."""
         self.acc = Accelerator(kwargs_handlers=[self._process_group_kwargs()])
+        self.peers = Peers.start(self.dist_timeout_s)  # a rank that fails or dies is named to the others
+        if self.peers is not None and self.acc.is_main_process:
+            waits = group_timeout_s()
+            if waits is not None and round(waits) != self.dist_timeout_s:  # a process group started before this run
+                log.warning("the collectives wait %.0f s, not trainer.dist_timeout_s=%d s: the process group was "
+                            "started before tunekit's (its timeout is fixed then)", waits, self.dist_timeout_s)
+            else:
+                log.info("collectives time out after %d s (trainer.dist_timeout_s)", self.dist_timeout_s)
         # A single process's Accelerator().device is `cuda` without an index (tunekit.device.facts.rank_device).
         self.device = dev.rank_device(self.acc.device, self.acc.local_process_index)
         self.facts = dev.probe(self.device)
@@ -94,6 +104,18 @@ class TrainRecipe(RecipeSetup):
         if lock is not None:
             lock.release()
 
+    def stopped_by_peer(self, e) -> "str | None":
+        """The line to end this rank with where `e` (an exception, a signal's KeyboardInterrupt) came
+        from another rank's failure or death; None where it is this rank's own (tunekit.train.peers)."""
+        if self.peers is None or isinstance(e, TunekitError):
+            return None
+        return self.peers.stopped_by_peer(None if isinstance(e, KeyboardInterrupt) else e)
+
+    def announce(self, e: BaseException) -> None:
+        """This rank fails with `e`: the other ranks are told, to name it in their own line."""
+        if self.peers is not None and not isinstance(e, KeyboardInterrupt):
+            self.peers.announce(one_line(e))
+
     # ------------------------------------------------------------------ train
     def train(self) -> dict:
         """Evaluate, then step by step: train_step, evaluate every eval_every, checkpoint every
@@ -105,6 +127,7 @@ class TrainRecipe(RecipeSetup):
                 self.first_eval = self.evaluate(0)
             last_val = self.first_eval
             for step in range(self.start_step, t.max_steps):
+                fail_for_test(self.strategy.rank, step + 1)  # TUNEKIT_TEST_FAIL_AT, tests only
                 self.tracker.step(self.train_step(step))
                 done = step + 1
                 if done % t.eval_every == 0 or done == t.max_steps:
@@ -259,6 +282,7 @@ class TrainRecipe(RecipeSetup):
         with self.strategy.full_trained(self.model):
             if self.main:
                 facts = {"tokens_seen": self.tokens_seen, "first_eval": self.first_eval,
+                         "data_position": self.schedule.start(step),  # where the next step's examples start
                          "fingerprint": self.fingerprint,
                          **({"loss_scaler": self.scaler.state_dict()} if self.scaler.enabled else {})}
                 save_checkpoint(self.output_dir, step, lambda d: self.method.save(self.model, d), optimizer,
@@ -333,6 +357,10 @@ class TrainRecipe(RecipeSetup):
         self.release()
         if getattr(self, "cudnn_attention_before", None) is not None:
             precision.set_cudnn_attention(self.cudnn_attention_before)
+        if self.peers is not None:
+            # every rank stops watching before any may exit: one that ends first is not one that died
+            self.peers.close()
+            self.strategy.barrier()
         self.acc.end_training()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             # The model, its sharded state and the optimizer hold tensors and collective handles tied

@@ -4,7 +4,10 @@ A checkpoint records the fingerprint of the run that wrote it: every config valu
 trained weights or the order of the data (method, rank, targets, optimizer, lr, seed, batch
 layout, dtype...), the SHA-256 of the data files, and the number of ranks. Resuming with any of
 them changed would silently train a different run on top of the first, so it is refused with
-the keys that differ. What only changes when or how long the run trains, or what it reports, may
+the keys that differ. The number of ranks alone may change where every rank saved the whole
+optimizer state (data parallel, one process): the run goes on with a larger or smaller global batch
+and says so. FSDP's checkpoint holds one part of the optimizer state per rank: it resumes only on
+as many ranks as wrote it (`world_size_change`). What only changes when or how long the run trains, or what it reports, may
 change: `MAY_CHANGE` below.
 """
 
@@ -78,10 +81,40 @@ def fingerprint(cfg, world_size: int, hashes: Optional[dict] = None) -> dict[str
     return kept
 
 
+def _shards(fp: dict) -> bool:
+    """Whether the run of fingerprint `fp` shards its optimizer state over its ranks (FSDP on several)."""
+    return fp.get("trainer.strategy") == "fsdp" and (fp.get("world_size") or 1) > 1
+
+
+def world_size_change(saved: dict, current: dict, ckpt: Path) -> Optional[str]:
+    """A different number of ranks on resume: None where it is the same; the refusal (a TunekitError)
+    where either run shards the optimizer state (FSDP keeps one part per rank: it resumes on as many
+    ranks as wrote it); else (data parallel: every rank saved the whole state) the line to log, since
+    the global batch changes size from here on."""
+    was, now = saved.get("world_size"), current.get("world_size")
+    if was is None or was == now:
+        return None
+    if _shards(saved) or _shards(current):
+        def ranks(fp: dict, n) -> str:
+            return f"{n} FSDP rank{'s' if n != 1 else ''}" if _shards(fp) else (
+                f"{n} process{'es' if n != 1 else ''} (its optimizer state whole, not sharded)")
+
+        raise TunekitError(f"trainer.resume: the checkpoint in {ckpt} was written by {ranks(saved, was)}; this run "
+                           f"has {ranks(current, now)}: FSDP saves one part of the optimizer state per rank, so the "
+                           f"run resumes only on {was}; resume with --num_processes {was}, or start a new output_dir")
+    return (f"trainer.resume: the checkpoint was written by {was} rank{'s' if was != 1 else ''}, this run has {now}: "
+            f"the global batch changes from {was} to {now} x trainer.micro_batch_size x trainer.grad_accum examples "
+            "per step; the data continues with the example after the last one trained, and ranks without a random "
+            "state of their own in the checkpoint start a fresh one, so the run is no longer the one an "
+            "uninterrupted run would have trained")
+
+
 def run_changes(saved: dict, current: dict, ckpt: Path) -> Optional[str]:
     """What differs between a checkpoint's fingerprint and this config's, as the end of a sentence
-    ("this config differs from the run saved in CKPT in seed (0 -> 1); ..."), or None."""
-    changed = [k for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+    ("this config differs from the run saved in CKPT in seed (0 -> 1); ..."), or None. The number of
+    ranks is world_size_change's."""
+    changed = [k for k in sorted(set(saved) | set(current))
+               if saved.get(k) != current.get(k) and k != "world_size"]
     if not changed:
         return None
 
@@ -95,11 +128,13 @@ def run_changes(saved: dict, current: dict, ckpt: Path) -> Optional[str]:
             "data order, so resuming would mix two runs. Restore them, or train into a new output_dir")
 
 
-def check_same_run(saved: dict, current: dict, ckpt: Path) -> None:
-    """Refuse to resume `ckpt` when anything in the fingerprint differs; name what differs."""
+def check_same_run(saved: dict, current: dict, ckpt: Path) -> Optional[str]:
+    """Refuse to resume `ckpt` when anything in the fingerprint differs; name what differs. Returns
+    world_size_change's line where a data-parallel run resumes on another number of ranks."""
     changes = run_changes(saved, current, ckpt)
     if changes:
         raise TunekitError(f"trainer.resume: {changes}")
+    return world_size_change(saved, current, ckpt)
 
 
 def check_output_dir(output_dir: Path, resume: bool, allow_nonempty: bool = False) -> None:
@@ -197,6 +232,11 @@ def check_resumable(output_dir: Path, max_steps: int, current: Optional[dict] = 
                               {k: v for k, v in current.items() if k not in later}, ckpt)
     if changes:
         conflicts.append(f"trainer.resume: {changes}")
+    if current is not None:
+        try:
+            world_size_change(state.get("fingerprint", {}), current, ckpt)
+        except TunekitError as e:
+            conflicts.append(str(e))
     if len(conflicts) == 1:
         raise TunekitError(conflicts[0])
     if conflicts:  # every one in one line: fixing the first must not only reveal the next
