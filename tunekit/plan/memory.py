@@ -51,6 +51,9 @@ BNB_MIN_8BIT_SIZE, BNB_STATE_BLOCK = 4096, 256
 # unit too, once its backward ends), so they are part of what a step adds, as measured on two gloo
 # ranks (benchmarks/plan/plan-cpu-fsdp.md).
 STATIC_TERMS = ("base weights", "trainable parameters", "optimizer state", "teacher weights")
+# Terms FSDP splits over the ranks (the rest: activations, the loss, the gathered weights, is whole
+# on every rank; a 4-bit base's quantization state, inside "base weights", too).
+SHARDED_TERMS = ("base weights", "trainable parameters", "gradients", "optimizer state", "teacher weights")
 # The distillation chunk's working set in (chunk, vocab) fp32 buffers (5.1-5.2 measured).
 DISTILL_CHUNK_BUFFERS = 5.25
 
@@ -186,6 +189,8 @@ class Memory:
     terms: dict = field(default_factory=dict)
     phase: str = ""
     host: dict = field(default_factory=dict)  # bytes kept in host memory instead (offloaded activations)
+    # FSDP: the terms that are this rank's share, split over the ranks (the others are whole on every rank)
+    sharded: tuple = ()
 
     @property
     def total(self) -> int:
@@ -459,6 +464,8 @@ def step_memory(shape: ModelShape, st: TrainSetup, ranks: int = 1, sharded: bool
         mem.terms["gathered blocks (FSDP)"] = fsdp_gathered_bytes(shape, st)
     if st.teacher is not None:
         mem.terms["teacher weights"] = base_weight_bytes(st.teacher, st.teacher_quantize, st.compute_bytes) // split
+    if split > 1:
+        mem.sharded = tuple(k for k in SHARDED_TERMS if k in mem.terms)
     act = activation_bytes(shape, st)
     if st.offload_activations and st.gradient_checkpointing:  # the blocks' inputs wait in host memory
         mem.host["offloaded activations"] = act["blocks"]
