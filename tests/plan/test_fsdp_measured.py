@@ -17,7 +17,8 @@ Checked per rank:
   saved tensors are counted exactly (test_plan.py), what is left is transient working sets the plan
   bounds from above, allocator rounding, and here the gathered weights, which the plan counts as
   two blocks plus the root unit at every phase while FSDP2 holds two blocks only in backward.
-  Measured: -3.0% to +5.1% (benchmarks/plan/plan-cpu-fsdp.md); -3.0% to +6.6% over five runs, the same rows.
+  Measured: -3.0% to +5.1% (benchmarks/plan/plan-cpu-fsdp.md); -3.0% to +6.6% over five
+  runs while the rows were chosen.
 * the state after sharding, term by term, against the plan's per-rank terms: byte for byte where
   every parameter's dim 0 splits evenly; otherwise within the padding bound: FSDP2 gives a rank
   ceil(d0 / 2) or floor(d0 / 2) rows, so each rank is off the plan's even split by half a row per
