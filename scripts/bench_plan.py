@@ -17,6 +17,8 @@ shorter (so the batch is padded and attention gets a mask, as on real data), eve
 
     python scripts/bench_plan.py                       # the default model, writes benchmarks/plan/plan-cpu.md/.json
     python scripts/bench_plan.py --configs suite --model DIR --out /tmp/x   # the test suite's configurations
+
+trainer.strategy=fsdp on two gloo ranks: scripts/bench_plan_fsdp.py.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchlib import (LIVE_MMAP_THRESHOLD, M_MMAP_THRESHOLD, SUITE_MODEL_NAME, FixedSchedule, build_suite_model,
+                      machine, rss_kib, warm_parent, worst_batch)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,7 +50,6 @@ DEFAULT_CONFIGS = [
     ("qlora adamw_8bit dropout, 2x512", "recipe=qlora model.gradient_checkpointing=false method.dropout=0.1 "
      "trainer.optimizer=adamw_8bit trainer.micro_batch_size=2 data.max_seq_len=512"),
 ]
-SUITE_MODEL_NAME = "the suite's random Llama (hidden 384, 4 blocks, vocabulary 4096)"
 # The suite's configurations run on a smaller random Llama (tests/plan/test_plan_measured.py).
 SUITE_CONFIGS = [
     ("qlora ckpt, 8x256", "recipe=qlora model.gradient_checkpointing=true trainer.micro_batch_size=8 data.max_seq_len=256"),
@@ -58,13 +61,6 @@ SUITE_CONFIGS = [
     ("prompt_tuning, 4x256", "recipe=prompt_tuning trainer.micro_batch_size=4 data.max_seq_len=256"),
     ("distill qlora ckpt, 4x256", "recipe=distill model.gradient_checkpointing=true trainer.micro_batch_size=4 data.max_seq_len=256"),
 ]
-# A Llama of a middle size for the suite: big enough that a step's growth is hundreds of MiB
-# (far above allocator noise), small enough for seconds per step; a small vocabulary so the
-# loss does not drown the layers (the data uses only token ids below it).
-SUITE_LLAMA = dict(vocab_size=4096, hidden_size=384, intermediate_size=1024, num_hidden_layers=4,
-                   num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", choices=["default", "suite"], default="default")
@@ -76,76 +72,6 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=3, help="measured optimizer steps per configuration (max peak)")
     p.add_argument("--out", type=Path, help="output path without suffix (default benchmarks/plan/plan-cpu[-suite])")
     return p.parse_args(argv)
-
-
-def rss_kib(field: str = "VmRSS") -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def build_suite_model(out: Path, tokenizer_dir: str) -> Path:
-    """The suite's random Llama (bf16 on disk) with the default model's tokenizer."""
-    if (out / "config.json").is_file():
-        return out
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cfg = LlamaConfig(**SUITE_LLAMA, max_position_embeddings=8192, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
-    tok.save_pretrained(out)
-    shrink_tokenizer(out / "tokenizer.json", SUITE_LLAMA["vocab_size"])
-    return out
-
-
-def shrink_tokenizer(path: Path, size: int) -> None:
-    """Keep the tokenizer's first `size` ids (and the merges that stay inside them), so that it has
-    no id without an embedding row: tunekit refuses such a pair. SmolLM2's special tokens and byte
-    alphabet are among its first ids, so the shrunk BPE still encodes any text."""
-    data = json.loads(path.read_text())
-    vocab = {t: i for t, i in data["model"]["vocab"].items() if i < size}
-    merges = []
-    for m in data["model"]["merges"]:
-        a, b = m.split(" ", 1) if isinstance(m, str) else m
-        if a in vocab and b in vocab and a + b in vocab:
-            merges.append(m)
-    data["model"]["vocab"], data["model"]["merges"] = vocab, merges
-    data["added_tokens"] = [t for t in data["added_tokens"] if t["id"] < size]
-    path.write_text(json.dumps(data, ensure_ascii=False))
-
-
-def worst_batch(seq: int, rows: int, vocab: int, eos: int) -> list[dict]:
-    """`rows` fully trained text rows: the first max_seq_len tokens long, the others one shorter."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for i in range(rows):
-        n = seq if i == 0 else seq - 1
-        ids = torch.randint(3, min(vocab, 4096), (n - 1,), generator=g).tolist() + [eos]
-        out.append({"input_ids": ids, "labels": list(ids)})
-    return out
-
-
-class FixedSchedule:
-    """Stands in for BatchSchedule: every step is grad_accum copies of one micro-batch."""
-
-    def __init__(self, rows: int, grad_accum: int):
-        self.rows, self.grad_accum = rows, grad_accum
-
-    def micro_batches(self, step: int) -> list[list[int]]:
-        return [list(range(self.rows))] * self.grad_accum
-
-    def epoch_of(self, step: int) -> float:
-        return 0.0
-
-
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-LIVE_MMAP_THRESHOLD = 128 * 1024  # glibc's initial threshold, kept fixed
 
 
 def measure(overrides: list[str], work: Path, steps: int) -> dict:
@@ -225,19 +151,6 @@ def run_forked(overrides: list[str], work: Path, steps: int, mmap_threshold: int
     return json.loads(data) if data else {"ok": False, "error": "child died without a result"}
 
 
-def warm_parent(model_dir: str) -> None:
-    """Import and touch everything a run imports, so the children's baseline holds it."""
-    import bitsandbytes  # noqa: F401
-    import torch
-
-    import tunekit.train.loop  # noqa: F401
-    from tunekit.model import load_tokenizer
-
-    load_tokenizer(model_dir)
-    x = torch.randn(64, 64)
-    (x @ x).sum()
-
-
 def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -288,12 +201,7 @@ def main(argv=None):
 
     out = args.out or REPO / "benchmarks" / "plan" / ("plan-cpu" if args.configs == "default" else "plan-cpu-suite")
     out.parent.mkdir(parents=True, exist_ok=True)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.machine())
-    import transformers
-
-    meta = {"device": f"{cpu}, {torch.get_num_threads()} threads", "torch": torch.__version__,
-            "transformers": transformers.__version__, "model": model if args.configs == "default" or args.model else SUITE_MODEL_NAME, "configs": args.configs, "steps": args.steps,
+    meta = {**machine(), "model": model if args.configs == "default" or args.model else SUITE_MODEL_NAME, "configs": args.configs, "steps": args.steps,
             "metric": "max over the steps of (VmHWM during the step - VmRSS after setup and a warm-up step)",
             "predicted": "Plan.peak minus its static terms (base/teacher weights, trainable parameters, optimizer "
                          "state): gradients, activations and the loss's working set",

@@ -9,6 +9,8 @@ sys.path, so `from benchlib import ...` finds this file with no change to the pa
   runs and results     tunekit_exe, run_logged, fail, evaluate, train_seconds, write_result
                        (bench_task, bench_variants, bench_loftq)
   reporting            pct, device_name, versions (those and bench_threads, bench_deploy)
+  a step's memory      the suite's random Llama, rss_kib, worst_batch, FixedSchedule, the mmap
+                       threshold, warm_parent, machine (bench_plan, bench_plan_fsdp)
 """
 
 from __future__ import annotations
@@ -214,3 +216,103 @@ def import_kernels():
         spec.loader.exec_module(mod)
         return mod
 
+
+# ---------------------------------------------------------------------------- a step's memory
+SUITE_MODEL_NAME = "the suite's random Llama (hidden 384, 4 blocks, vocabulary 4096)"
+# A Llama of a middle size for the suite: big enough that a step's growth is hundreds of MiB
+# (far above allocator noise), small enough for seconds per step; a small vocabulary so the
+# loss does not drown the layers (the data uses only token ids below it).
+SUITE_LLAMA = dict(vocab_size=4096, hidden_size=384, intermediate_size=1024, num_hidden_layers=4,
+                   num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True)
+
+def rss_kib(field: str = "VmRSS") -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def build_suite_model(out: Path, tokenizer_dir: str) -> Path:
+    """The suite's random Llama (bf16 on disk) with the default model's tokenizer."""
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = LlamaConfig(**SUITE_LLAMA, max_position_embeddings=8192, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    tok.save_pretrained(out)
+    shrink_tokenizer(out / "tokenizer.json", SUITE_LLAMA["vocab_size"])
+    return out
+
+
+def shrink_tokenizer(path: Path, size: int) -> None:
+    """Keep the tokenizer's first `size` ids (and the merges that stay inside them), so that it has
+    no id without an embedding row: tunekit refuses such a pair. SmolLM2's special tokens and byte
+    alphabet are among its first ids, so the shrunk BPE still encodes any text."""
+    data = json.loads(path.read_text())
+    vocab = {t: i for t, i in data["model"]["vocab"].items() if i < size}
+    merges = []
+    for m in data["model"]["merges"]:
+        a, b = m.split(" ", 1) if isinstance(m, str) else m
+        if a in vocab and b in vocab and a + b in vocab:
+            merges.append(m)
+    data["model"]["vocab"], data["model"]["merges"] = vocab, merges
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["id"] < size]
+    path.write_text(json.dumps(data, ensure_ascii=False))
+
+
+def worst_batch(seq: int, rows: int, vocab: int, eos: int) -> list[dict]:
+    """`rows` fully trained text rows: the first max_seq_len tokens long, the others one shorter."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(rows):
+        n = seq if i == 0 else seq - 1
+        ids = torch.randint(3, min(vocab, 4096), (n - 1,), generator=g).tolist() + [eos]
+        out.append({"input_ids": ids, "labels": list(ids)})
+    return out
+
+
+class FixedSchedule:
+    """Stands in for BatchSchedule: every step is grad_accum copies of one micro-batch."""
+
+    def __init__(self, rows: int, grad_accum: int):
+        self.rows, self.grad_accum = rows, grad_accum
+
+    def micro_batches(self, step: int) -> list[list[int]]:
+        return [list(range(self.rows))] * self.grad_accum
+
+    def epoch_of(self, step: int) -> float:
+        return 0.0
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+LIVE_MMAP_THRESHOLD = 128 * 1024  # glibc's initial threshold, kept fixed
+
+
+def machine() -> dict:
+    import torch
+    import transformers
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.machine())
+    return {"device": f"{cpu}, {torch.get_num_threads()} threads", "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
+def warm_parent(model_dir: str) -> None:
+    """Import and touch everything a run imports, so the children's baseline holds it."""
+    import bitsandbytes  # noqa: F401
+    import torch
+
+    import tunekit.train.loop  # noqa: F401
+    from tunekit.model import load_tokenizer
+
+    load_tokenizer(model_dir)
+    x = torch.randn(64, 64)
+    (x @ x).sum()

@@ -47,6 +47,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # of tests), so the long ones start first and the short ones fill in after them instead of one
 # worker finishing a long module alone at the end.
 LONGEST_FIRST = ("kernels/test_doctor.py", "export/test_export.py", "kernels/test_tiles.py", "plan/test_plan_measured.py",
+                 "plan/test_fsdp_measured.py",
                  "speed/test_compile.py", "train/test_fsdp.py", "infer/test_taskeval.py",
                  "commands/test_bad_input.py", "model/test_default_model.py", "train/test_shared_start.py",
                  "scripts/test_bench_train.py", "train/test_resume.py", "train/test_distributed.py",

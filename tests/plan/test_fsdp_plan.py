@@ -93,3 +93,25 @@ def test_plan_cli_text_verdict_under_fsdp(capsys):
     assert "fits: needs" in out and "does NOT fit" not in out and "FSDP over 4 ranks would need" not in out
     main(args + flags)
     assert "does NOT fit" in capsys.readouterr().out
+
+
+def test_plan_cli_fsdp_column_marks_the_terms_split_over_the_ranks(capsys):
+    """The FSDP column says which of its rows are a rank's share (divided by N) and which every rank
+    holds whole; the verdict names the column it reads."""
+    args = ["plan", *LLAMA8, "trainer.strategy=fsdp", "trainer.micro_batch_size=2", "model.gradient_checkpointing=true",
+            "--device", "cuda", "--memory", "40", "--gpus", "4"]
+    main(args)
+    out = capsys.readouterr().out
+    rows = {line.split("  ")[1].strip(): line for line in out.splitlines() if line.startswith("  ") and "GiB" in line
+            and not line.lstrip().startswith(("fits", "gradient checkpointing on", "device:"))}
+    split = ("base weights", "trainable parameters", "gradients", "optimizer state")
+    for name in split:
+        assert rows[name].rstrip().endswith("GiB (1/4)"), rows[name]  # the FSDP column, last
+        assert rows[name].count("(1/4)") == 1, rows[name]  # never in the DDP column
+    for name in ("activations", "gathered blocks (FSDP)", "peak of one step"):
+        assert "(1/4)" not in rows[name], rows[name]
+    assert "quantization state inside base weights" in out  # NF4: not all of base weights is split
+    assert "fits: needs" in out and "(from the FSDP x4 column)" in out
+    plan = _plan_json(capsys, *args[1 + len(LLAMA8):-6], gpus=4)
+    assert plan["per_rank"]["fsdp"]["sharded_terms"] == list(split)
+    assert plan["per_rank"]["ddp"]["sharded_terms"] == []

@@ -25,7 +25,8 @@ from tunekit.train.objective import SFTObjective, model_inputs
 from tunekit.plan import GiB, predict
 from tunekit.plan.compute import step_flops
 from tunekit.plan.memory import (TrainSetup, activation_bytes, base_weight_bytes, head_dtype_bytes,
-                                 optimizer_state_bytes, sft_loss_bytes, step_memory, trainable_tensors)
+                                 optimizer_state_bytes, quant_state_bytes, sft_loss_bytes, step_memory,
+                                 trainable_tensors)
 from tunekit.plan.shape import PROJECTIONS, model_shape, preset_shape
 from tunekit.speed import packed_attention
 
@@ -170,7 +171,7 @@ def test_weights_and_trainable_tensors_match_the_loaded_model(tiny_model_dir, qu
     st = TrainSetup(quantize=quantize, method=method)
     shape = model_shape(str(tiny_model_dir), None)
     model = build(tiny_model_dir, st, MethodConfig(name=method))
-    frozen, seen = 0, set()
+    frozen, quant, seen = 0, 0, set()
     for module in model.modules():
         for p in module.parameters(recurse=False):
             if not p.requires_grad and p.untyped_storage().data_ptr() not in seen:  # a tied head once
@@ -180,9 +181,10 @@ def test_weights_and_trainable_tensors_match_the_loaded_model(tiny_model_dir, qu
         state = getattr(weight, "quant_state", None)
         if state is not None and id(state) not in seen:  # absmax (8-bit), its fp32 absmax, code tables, offset
             seen.add(id(state))
-            frozen += sum(t.untyped_storage().nbytes() for t in
-                          (state.absmax, state.code, state.state2.absmax, state.state2.code, state.offset))
-    assert frozen == base_weight_bytes(shape, quantize, 2)
+            quant += sum(t.untyped_storage().nbytes() for t in
+                         (state.absmax, state.code, state.state2.absmax, state.state2.code, state.offset))
+    assert frozen + quant == base_weight_bytes(shape, quantize, 2)
+    assert quant == quant_state_bytes(shape, quantize)  # what FSDP leaves whole on every rank
     trainable = sorted(p.numel() for p in model.parameters() if p.requires_grad)
     assert trainable == sorted(trainable_tensors(shape, st))
     assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
@@ -227,11 +229,16 @@ def test_fsdp_shards_the_state_and_ddp_does_not():
     ddp = step_memory(shape, st, ranks=2)
     fsdp = step_memory(shape, st, ranks=2, sharded=True)
     assert ddp.terms["base weights"] == one.terms["base weights"]
-    assert fsdp.terms["base weights"] == one.terms["base weights"] // 2
+    # the 4-bit codes and the bf16 rest are split; the quantization state (a module attribute) is not
+    state = quant_state_bytes(shape, "nf4")
+    assert 0 < state < one.terms["base weights"] / 10
+    assert fsdp.terms["base weights"] == (one.terms["base weights"] - state) // 2 + state
     assert fsdp.terms["optimizer state"] == one.terms["optimizer state"] // 2
     assert fsdp.terms["activations"] == one.terms["activations"]  # each rank runs its own micro-batch
-    # two gathered blocks, or one and the untied bf16 head (128256 x 8192, 2.1 GB) while the loss runs
-    block = (base_weight_bytes(shape.with_layers(1), "nf4", 2) - base_weight_bytes(shape.with_layers(0), "nf4", 2))
+    # two gathered blocks (without their quantization state, which each rank holds), or one and the
+    # untied bf16 head (128256 x 8192, 2.1 GB) while the loss runs
+    block = (base_weight_bytes(shape.with_layers(1), "nf4", 2) - base_weight_bytes(shape.with_layers(0), "nf4", 2)
+             - quant_state_bytes(shape.with_layers(1), "nf4"))
     assert fsdp.terms["gathered blocks (FSDP)"] == block + 2 * 128256 * 8192 < one.terms["base weights"] / 8
     # 70B in 4 bits does not fit a 24 GB card, and does, sharded, on four
     gpu = DeviceFacts("cuda", 0, (8, 0), "GPU", 24 * GiB)

@@ -98,8 +98,15 @@ def toggled(run: Plan) -> Plan:
 
 
 def _memory_dict(plan: Plan, memory) -> dict:
-    return {"terms": memory.terms, "peak_bytes": memory.total, "phase": memory.phase,
+    return {"terms": memory.terms, "sharded_terms": list(memory.sharded), "peak_bytes": memory.total, "phase": memory.phase,
             "overhead": plan.overhead(memory), "device_total_bytes": plan.device_total(memory)}
+
+
+def cell(memory, name: str, ranks: int) -> str:
+    """One term of one column: its size, marked where it is this rank's share of a split term."""
+    if name not in memory.terms:
+        return "-"
+    return fmt(memory.terms[name]) + (f" (1/{ranks})" if name in memory.sharded else "")
 
 
 def render(plan: Plan, memory_gib: Optional[float], cfg, source: str) -> str:
@@ -127,21 +134,26 @@ def render(plan: Plan, memory_gib: Optional[float], cfg, source: str) -> str:
     header = f"  {'':{width}}" + "".join(f"{title:>24}" for title, _ in cols)
     lines += [header]
     for n in names:
-        lines.append(f"  {n:{width}}" + "".join(f"{fmt(mem.terms[n]) if n in mem.terms else '-':>24}" for _, mem in cols))
+        lines.append(f"  {n:{width}}" + "".join(f"{cell(mem, n, plan.ranks):>24}" for _, mem in cols))
     lines.append(f"  {'peak of one step':{width}}" + "".join(f"{fmt(mem.total):>24}" for _, mem in cols))
     for n in plan.overhead():
         lines.append(f"  {'+ ' + n:{width}}" + "".join(f"{fmt(plan.overhead(mem)[n]):>24}" for _, mem in cols))
     lines.append(f"  {'device total (with margins)':{width}}" + "".join(f"{fmt(plan.device_total(mem)):>24}"
                                                                        for _, mem in cols))
+    if plan.fsdp is not None:
+        lines += [f"  (FSDP: 1/{plan.ranks} marks this rank's share of a term split over the ranks; the other rows",
+                  "  are whole on every rank" + (", as is the 4-bit quantization state inside base weights"
+                                                 if plan.setup.quantize == "nf4" else "") + ")"]
     lines.append(f"  (the peak falls in: {run.memory.phase})")
     for n, v in run.memory.host.items():
         lines.append(f"  ({n}: {fmt(v)} in pinned host memory, model.offload_activations)")
     limit, needed, what = budget(run, memory_gib)
     sharing = f", {plan.ranks} processes sharing it" if plan.facts.type == "cpu" and plan.ranks > 1 else ""
+    column = f" (from the {'FSDP' if run is not plan else 'DDP'} x{plan.ranks} column)" if plan.ranks > 1 else ""
     if limit is None:
-        verdict = f"needs {fmt(needed)} per device; {what}"
+        verdict = f"needs {fmt(needed)} per device{column}; {what}"
     else:
-        verdict = (f"{'fits' if needed <= limit else 'does NOT fit'}: needs {fmt(needed)} of {what}"
+        verdict = (f"{'fits' if needed <= limit else 'does NOT fit'}: needs {fmt(needed)}{column} of {what}"
                    + ("" if memory_gib is not None else f" ({fmt(limit)}{sharing})"))
         if plan.fsdp is not None and run is plan and needed > limit:
             fsdp_needed = plan.device_total(plan.fsdp) if memory_gib is not None else plan.device_total(plan.fsdp) - (

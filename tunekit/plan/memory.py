@@ -47,7 +47,13 @@ NF4_BLOCK, NF4_ABSMAX_BLOCK = 64, 256
 # bitsandbytes 8-bit optimizers: tensors smaller than this keep 32-bit state; blockwise absmax per 256.
 BNB_MIN_8BIT_SIZE, BNB_STATE_BLOCK = 4096, 256
 # Terms that live across steps (the rest of a step's peak is allocated and freed within it).
-STATIC_TERMS = ("base weights", "trainable parameters", "optimizer state", "teacher weights", "gathered blocks (FSDP)")
+# FSDP's gathered blocks are not among them: every step gathers them and frees them again (the root
+# unit too, once its backward ends), so they are part of what a step adds, as measured on two gloo
+# ranks (benchmarks/plan/plan-cpu-fsdp.md).
+STATIC_TERMS = ("base weights", "trainable parameters", "optimizer state", "teacher weights")
+# Terms FSDP splits over the ranks (the rest: activations, the loss, the gathered weights, is whole
+# on every rank; a 4-bit base's quantization state, inside "base weights", too).
+SHARDED_TERMS = ("base weights", "trainable parameters", "gradients", "optimizer state", "teacher weights")
 # The distillation chunk's working set in (chunk, vocab) fp32 buffers (5.1-5.2 measured).
 DISTILL_CHUNK_BUFFERS = 5.25
 
@@ -183,6 +189,8 @@ class Memory:
     terms: dict = field(default_factory=dict)
     phase: str = ""
     host: dict = field(default_factory=dict)  # bytes kept in host memory instead (offloaded activations)
+    # FSDP: the terms that are this rank's share, split over the ranks (the others are whole on every rank)
+    sharded: tuple = ()
 
     @property
     def total(self) -> int:
@@ -195,6 +203,19 @@ def nf4_bytes(numel: int) -> int:
     plus the per-layer constants (16-entry NF4 table, 256-entry absmax code table, offset)."""
     blocks = math.ceil(numel / NF4_BLOCK)
     return numel // 2 + numel % 2 + blocks + 4 * math.ceil(blocks / NF4_ABSMAX_BLOCK) + 4 * (16 + 256 + 1)
+
+
+def nf4_state_bytes(numel: int) -> int:
+    """The part of `nf4_bytes` that is quantization state (absmax, their absmax, code tables): a module
+    attribute, not a parameter, so FSDP leaves it whole on every rank (tunekit.train.fsdp)."""
+    return nf4_bytes(numel) - (numel // 2 + numel % 2)
+
+
+def quant_state_bytes(shape: ModelShape, quantize: str) -> int:
+    """Quantization state of the whole base (0 unless NF4): what FSDP replicates instead of sharding."""
+    if quantize != "nf4":
+        return 0
+    return shape.num_layers * sum(nf4_state_bytes(i * o) for n in PROJECTIONS for i, o in [shape.projection(n)])
 
 
 def base_weight_bytes(shape: ModelShape, quantize: str, compute_bytes: int) -> int:
@@ -403,6 +424,7 @@ def fsdp_gathered_bytes(shape: ModelShape, st: TrainSetup) -> int:
     in the root unit, gathered for the whole micro-batch with the final norm."""
     outer = base_weight_bytes(shape.with_layers(0), st.quantize, st.compute_bytes)
     block = base_weight_bytes(shape.with_layers(1), st.quantize, st.compute_bytes) - outer
+    block -= quant_state_bytes(shape.with_layers(1), st.quantize)  # never gathered: each rank holds it whole
     if shape.tie_word_embeddings:
         return 2 * block + outer
     per_param = st.compute_bytes
@@ -416,7 +438,15 @@ def step_memory(shape: ModelShape, st: TrainSetup, ranks: int = 1, sharded: bool
     ranks/sharded: under DDP every rank holds everything and all-reduces a flat copy of the
     gradients (tunekit's `_all_reduce_grads`); under FSDP (sharded) base weights, trainable
     parameters, gradients and optimizer state are split over the ranks, and each rank also
-    holds the whole weights FSDP gathers (`fsdp_gathered_bytes`).
+    holds the whole weights FSDP gathers (`fsdp_gathered_bytes`). A 4-bit base's quantization
+    state is not split (`quant_state_bytes`); an 8-bit optimizer decides 8- or 32-bit state per
+    shard, by the shard's size.
+
+    The split is even (total // ranks). FSDP2 cuts each parameter's dim 0 into chunks of
+    ceil(d0 / ranks) rows, so a rank holds ceil(d0 / ranks) rows, fewer or none: the fullest rank
+    holds at most (ranks - 1) / ranks of a row more than the even split per parameter whose d0 the
+    ranks do not divide (none of a Llama's on 2, 4 or 8 ranks: dims and r are multiples of 8;
+    checked on two gloo ranks by tests/plan/test_fsdp_measured.py).
     """
     tensors = trainable_tensors(shape, st)
     P = sum(tensors)
@@ -424,14 +454,18 @@ def step_memory(shape: ModelShape, st: TrainSetup, ranks: int = 1, sharded: bool
     # a method that trains the base's own weights has no frozen copy: the model is the trainable part (fp32)
     weights = 0 if method_of(st).trains_base else base_weight_bytes(shape, st.quantize, st.compute_bytes)
     mem = Memory()
-    mem.terms["base weights"] = (weights + st.dense_cache_bytes) // split
+    replicated = quant_state_bytes(shape, st.quantize) if weights and split > 1 else 0
+    mem.terms["base weights"] = (weights - replicated + st.dense_cache_bytes) // split + replicated
     mem.terms["trainable parameters"] = 4 * P // split
     mem.terms["gradients"] = 4 * P // split
-    mem.terms["optimizer state"] = optimizer_state_bytes(tensors, st.optimizer) // split
+    shards = [math.ceil(n / split) for n in tensors] if split > 1 else tensors
+    mem.terms["optimizer state"] = optimizer_state_bytes(shards, st.optimizer)
     if sharded and ranks > 1:
         mem.terms["gathered blocks (FSDP)"] = fsdp_gathered_bytes(shape, st)
     if st.teacher is not None:
         mem.terms["teacher weights"] = base_weight_bytes(st.teacher, st.teacher_quantize, st.compute_bytes) // split
+    if split > 1:
+        mem.sharded = tuple(k for k in SHARDED_TERMS if k in mem.terms)
     act = activation_bytes(shape, st)
     if st.offload_activations and st.gradient_checkpointing:  # the blocks' inputs wait in host memory
         mem.host["offloaded activations"] = act["blocks"]
