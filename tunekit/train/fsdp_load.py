@@ -345,7 +345,7 @@ class StreamedBase:
     def _unit(self, rows: list, files: Optional[WeightFiles], device: torch.device) -> dict:
         """One unit: rank 0 reads, checks and quantizes it; every rank learns the verdict, the 4-bit
         states and checksums; then each tensor is scattered."""
-        from accelerate.utils import broadcast_object_list
+        import torch.distributed as dist
 
         fulls, info = [], {"error": None, "states": [], "sums": []}
         if self.rank == 0:
@@ -355,7 +355,7 @@ class StreamedBase:
             except TunekitError as e:
                 info, fulls = {"error": str(e)}, []
         box = [info]
-        broadcast_object_list(box, from_process=0)
+        dist.broadcast_object_list(box, src=0)
         info = box[0]
         if info["error"]:
             raise TunekitError(info["error"])
@@ -400,7 +400,7 @@ def sharded_bits_per_param(model: nn.Module) -> Optional[float]:
     the weights' full shapes)."""
     bits = params = 0
     for m in model.modules():
-        state = getattr(m, "quant_state", None)
+        state = vars(m).get("quant_state")  # the Linear4bit's own (peft's wrapper forwards attributes)
         w = getattr(m, "weight", None)
         if state is None or w is None:
             continue
