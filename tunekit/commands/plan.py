@@ -81,7 +81,10 @@ def as_dict(plan: Plan, memory_gib: Optional[float], cfg) -> dict:
         "flops": plan.flops,
     }
     if plan.fsdp is not None:
+        from tunekit.plan.host import plan_host_per_node
+
         out["per_rank"]["fsdp"] = _memory_dict(plan, plan.fsdp)
+        out["fsdp_host_per_node_bytes"] = plan_host_per_node(plan, plan.ranks)
     alt = toggled(run)
     out["toggle_gradient_checkpointing"] = {"gradient_checkpointing": alt.setup.gradient_checkpointing,
                                             "peak_bytes": alt.peak, "device_total_bytes": alt.device_total(),
@@ -145,6 +148,10 @@ def render(plan: Plan, memory_gib: Optional[float], cfg, source: str) -> str:
                   "  are whole on every rank" + (", as is the 4-bit quantization state inside base weights"
                                                  if plan.setup.quantize == "nf4" else "") + ")"]
     lines.append(f"  (the peak falls in: {run.memory.phase})")
+    if plan.fsdp is not None:
+        from tunekit.plan.host import plan_host_per_node
+
+        lines.append(f"  (FSDP host per node while rank 0 streams the base: {fmt(plan_host_per_node(plan, plan.ranks))})")
     for n, v in run.memory.host.items():
         lines.append(f"  ({n}: {fmt(v)} in pinned host memory, model.offload_activations)")
     limit, needed, what = budget(run, memory_gib)

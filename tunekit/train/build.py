@@ -7,6 +7,7 @@ Nothing here asks which strategy runs: the strategy object answers (tunekit.trai
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -190,11 +191,20 @@ class RecipeSetup:
         checkpointing, k-bit preparation); thread settings and activation offload."""
         cfg, quantize = self.cfg, plain(self.cfg.model.quantize)
         self._info(self.strategy.describe())
-        model = load_base_model(self.model_path, quantize, self.dtype, self.strategy.load_device,
-                                self.strategy.storage_dtype(quantize, self.dtype))
+        stream = self.strategy.stream_base(self.model_path, quantize, self.dtype, cfg.method.name,
+                                           get_method(cfg.method.name), cfg.method)
+        self.stream = stream
+        if stream is not None:  # the structure alone: rank 0 reads the weights into the shards at _wrap_model
+            model = stream.skeleton
+        else:
+            model = load_base_model(self.model_path, quantize, self.dtype, self.strategy.load_device,
+                                    self.strategy.storage_dtype(quantize, self.dtype))
         bits = quantized_bits_per_param(model)
         where = f"on {self.facts.describe()}"
-        if bits is not None:
+        if stream is not None and quantize == "nf4":
+            self._info(f"base: {self.model_path} in 4-bit NF4 + double quant (quantized by rank 0 as it streams), "
+                       f"compute {self.dtype}, {where}")
+        elif bits is not None:
             self._info(f"base: {self.model_path} in 4-bit NF4 + double quant, {bits:.3f} bits/param, "
                        f"compute {self.dtype}, {where}")
         else:
@@ -230,8 +240,11 @@ class RecipeSetup:
         self.method = get_method(cfg.method.name)
         resume_dir = self.resume_from / "adapter" if self.resume_from is not None else None
         # a computed start (LoftQ, PiSSA, OLoRA) on rank 0 only, its tensors sent to the others
-        self.model = apply_method(self.method, self.model, cfg.method, self.model_path, resume_dir, self.strategy,
-                                  self._info)
+        # over a streamed base (still on the meta device) the method's new tensors are made in host memory
+        stream = getattr(self, "stream", None)
+        with stream.applying() if stream is not None else contextlib.nullcontext():
+            self.model = apply_method(self.method, self.model, cfg.method, self.model_path, resume_dir,
+                                      self.strategy, self._info)
         trains = {n for n, p in self.model.named_parameters() if p.requires_grad}
         saves = {n for n, _ in self.model.named_parameters() if self.method.owns(n)}
         if trains != saves:  # a parameter that trains but is not saved would be lost at the end
@@ -279,6 +292,10 @@ class RecipeSetup:
         if self.resume_from is not None:
             self.method.load(self.model, self.resume_from / "adapter")
         self.params = self.strategy.wrap(self.model)
+        if self.bits_per_param is None and plain(self.cfg.model.quantize) == "nf4":  # a streamed base: now loaded
+            from tunekit.train.fsdp_load import sharded_bits_per_param
+
+            self.bits_per_param = sharded_bits_per_param(self.model)
 
     # ---------------------------------------------------------------- training state
     def _build_optimizer(self) -> None:

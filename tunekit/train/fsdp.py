@@ -166,6 +166,7 @@ class Sharded:
         self.quantized = False
         self.full_bytes = self.rank_bytes = 0
         self.memory_after_shard_mb: Optional[float] = None
+        self.stream = None  # the streamed base (tunekit.train.fsdp_load), when rank 0 read it for every rank
         self._checks: dict = {}  # layer name -> hook of the first-forward checksum comparison
 
     # Where the base loads: host memory, from which fully_shard moves each rank's shards onto its
@@ -173,8 +174,10 @@ class Sharded:
     load_device = torch.device("cpu")
 
     # ---------------------------------------------------------------- wrapping
-    def shard(self, model: nn.Module) -> str:
-        """Wrap `model` (the method already applied) in place; returns the log line with its memory."""
+    def shard(self, model: nn.Module, stream=None) -> str:
+        """Wrap `model` (the method already applied) in place; returns the log line with its memory.
+        stream: a tunekit.train.fsdp_load.StreamedBase whose base is still on the meta device; it is
+        sharded so, then filled from rank 0's files."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, fully_shard
         from torch.distributed.tensor import DTensor
@@ -184,12 +187,14 @@ class Sharded:
             raise TunekitError(f"trainer.strategy=fsdp: found no decoder layers to shard in {type(model).__name__} "
                                "(transformers' _no_split_modules names none); use trainer.strategy=ddp")
         units = layers + outer_units(model)
-        self.full_bytes = held_bytes(model)
-        sums = {}
-        for name, m in model.named_modules():
-            if is_4bit(m):
-                sums[name] = packed_checksum(m.weight)
-        self.quantized = bool(sums)
+        sums, plan = {}, None
+        if stream is None:
+            self.full_bytes = held_bytes(model)
+            for name, m in model.named_modules():
+                if is_4bit(m):
+                    sums[name] = packed_checksum(m.weight)
+        else:
+            plan = stream.before_shard(model, self.device)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         self.root = _Root(model)
         try:
@@ -203,6 +208,11 @@ class Sharded:
             if isinstance(m, FSDPModule):  # sum, never average: the loss is already normalised globally
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)
+        if stream is not None:  # the checksums of rank 0's packed codes
+            by_module = stream.fill(self.root, plan, self.device)
+            sums = {name: by_module[m] for name, m in model.named_modules() if m in by_module}
+            self.full_bytes, self.stream = stream.full_bytes, stream
+        self.quantized = bool(sums)
         if self.device.type != "cpu":  # fully_shard moved the shards; the 4-bit states stay module attributes
             for m in model.modules():
                 if getattr(m, "quant_state", None) is not None:
@@ -381,10 +391,16 @@ class Sharded:
         """Per-rank figures for summary.json (collective): bytes held after sharding, peak memory."""
         from accelerate.utils import gather_object
 
-        rows = gather_object([(self.rank_bytes, self.memory_after_shard_mb, peak_mb)])
-        return {"model_bytes": self.full_bytes, "rank_bytes": [r[0] for r in rows],
-                "rank_memory_after_shard_mb": [None if r[1] is None else round(r[1], 1) for r in rows],
-                "rank_peak_memory_mb": [round(r[2], 1) for r in rows]}
+        s = self.stream
+        rows = gather_object([(self.rank_bytes, self.memory_after_shard_mb, peak_mb,
+                               None if s is None else s.bytes_read, None if s is None else s.opens)])
+        out = {"model_bytes": self.full_bytes, "rank_bytes": [r[0] for r in rows],
+               "rank_memory_after_shard_mb": [None if r[1] is None else round(r[1], 1) for r in rows],
+               "rank_peak_memory_mb": [round(r[2], 1) for r in rows], "base_streamed_from_rank_0": s is not None}
+        if s is not None:  # who read the weight files: rank 0 alone
+            out["rank_weight_bytes_read"] = [r[3] for r in rows]
+            out["rank_weight_file_opens"] = [r[4] for r in rows]
+        return out
 
 
 class _RankStates:

@@ -4,6 +4,7 @@ The training loop (tunekit.train.loop) asks the same questions of every run and 
 strategy answers them:
 
     load_device, storage_dtype   where the base loads, and the dtype its 4-bit codes are stored in
+    stream_base(...)             FSDP: the base as a meta skeleton that rank 0 streams in at wrap (or None)
     offload_activations(...)     whether checkpointed blocks' inputs go to host memory
     choose_lora_backend(...)        the LoRA compute path every rank takes
     wrap(model)                  after the method is applied: the tensors the optimizer steps
@@ -65,6 +66,11 @@ class Strategy(ABC):
     @abstractmethod
     def storage_dtype(self, quantize: str, dtype: torch.dtype) -> Optional[torch.dtype]:
         """The dtype 4-bit codes are stored in (None: bitsandbytes' own uint8)."""
+
+    def stream_base(self, path: str, quantize: str, dtype: torch.dtype, method_name: str, method, method_cfg):
+        """None: every rank loads the base itself (tunekit.model.load_base_model). Otherwise the
+        base's structure on the meta device, which `wrap` fills from rank 0's reads (FSDP)."""
+        return None
 
     @abstractmethod
     def offload_activations(self, setting, facts: dev.DeviceFacts, checkpointing: bool) -> bool:
@@ -307,6 +313,17 @@ class FSDP2(Strategy):
         super().__init__(acc, device)
         self.sharded = Sharded(self.device, self.world_size, self.rank)
         self.load_device = self.sharded.load_device  # host memory: sharding moves each rank's part
+        self.stream = None
+
+    def stream_base(self, path, quantize, dtype, method_name, method, method_cfg):
+        """Rank 0 alone reads the base, one unit at a time, at `wrap` (tunekit.train.fsdp_load); where
+        that cannot work, every rank loads it itself and one line says why."""
+        from tunekit.train.fsdp_load import open_streamed
+
+        self.stream, line = open_streamed(path, quantize, dtype, self.storage_dtype(quantize, dtype), method_name,
+                                          method, method_cfg, self)
+        log.info(line)
+        return self.stream
 
     def describe(self) -> str:
         return f"strategy: fsdp over {self.world_size} ranks (FSDP2: every rank holds 1/{self.world_size} of the model)"
@@ -324,7 +341,7 @@ class FSDP2(Strategy):
 
     def wrap(self, model: nn.Module) -> list[nn.Parameter]:
         """Shard `model` in place; the optimizer steps plain tensors aliasing this rank's shards."""
-        log.info(self.sharded.shard(model))
+        log.info(self.sharded.shard(model, self.stream))
         return self.sharded.local
 
     def run(self, fn: Callable, *args) -> Any:
