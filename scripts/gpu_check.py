@@ -185,6 +185,24 @@ def run(cmd: list[str], log: Path, timeout: float, cwd: Path) -> dict:
     return out
 
 
+def run_forked(forks, args: list[str], log: Path, timeout: float, cwd: Path) -> dict:
+    """run() for a `tunekit` command forked from the dry run's server: the same record (its peak
+    RSS from the server's wait4), in `cwd` as a fresh child would be."""
+    t0 = time.monotonic()
+    with open(log, "w") as fh:
+        fh.write("$ " + " ".join(forks.command(args)) + "\n")
+    here = os.getcwd()
+    os.chdir(cwd)  # the fork takes the caller's working directory
+    try:
+        child = forks.start(args, log, log)
+    finally:
+        os.chdir(here)
+    rc = child.wait(timeout)
+    maxrss = getattr(child, "maxrss_kib", None)
+    return {"rc": rc, "wall_s": round(time.monotonic() - t0, 1), "timed_out": rc == -9,
+            "peak_rss_mib": None if maxrss is None else round(maxrss / 1024, 1), "log": log.name}
+
+
 def tail(log: Path, n: int = 12) -> list[str]:
     return log.read_text(errors="replace").splitlines()[-n:]
 
@@ -200,11 +218,22 @@ class Check:
                              "mode": "tiny (CPU dry run)" if args.tiny else "gpu", "stages": {}}
         self.model_dirs: dict[str, Path] = {}
         self.runs: dict[str, Path] = {}
+        # The dry run's `tunekit` commands fork from one process that imported the stack once
+        # (tunekit.commands.forkserver, as the test suite does): each fresh start costs seconds of
+        # imports on a small CPU. On a GPU every command starts fresh (CUDA does not survive a fork).
+        self.forks = None
+        if args.tiny:
+            from tunekit.commands.forkserver import Launcher, start_method
+
+            self.forks = Launcher(dict(os.environ), start_method(0))
 
     def left(self, cap: float) -> float:
         return min(cap, self.deadline - time.monotonic())
 
     def child(self, name: str, cmd: list[str], cap: float) -> dict:
+        cli = cmd[:3] == self.cli()
+        if cli and self.forks is not None:
+            return run_forked(self.forks, cmd[3:], self.work / f"{name}.log", self.left(cap), self.work)
         return run(cmd, self.work / f"{name}.log", self.left(cap), self.work)
 
     def cli(self, *args: str) -> list[str]:
@@ -582,7 +611,11 @@ def main(argv=None) -> int:
         args.work = Path(tempfile.mkdtemp(prefix="tunekit-gpu-check-"))
     args.work.mkdir(parents=True, exist_ok=True)
     check = Check(args)
-    result = check.go(args.stages)
+    try:
+        result = check.go(args.stages)
+    finally:
+        if check.forks is not None:
+            check.forks.close()
     check.pack_logs()
     print(markdown(result))
     print(f"gpu_check: wrote {args.out}/gpu_check.json, gpu_check.md, logs.tar.gz")

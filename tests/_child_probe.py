@@ -1,6 +1,6 @@
 """A stand-in for `tunekit.commands.main` in tests/commands/test_children.py: says what it was given, then ends as told.
 
-    python -m _child_probe exit 3 | exit "a message" | raise | sleep SECONDS | read
+    python -m _child_probe exit 3 | exit "a message" | raise | sleep SECONDS | read | grow MIB
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ def main(argv: list[str]) -> None:
         sys.exit(int(argv[1]) if argv[1].lstrip("-").isdigit() else argv[1])
     elif what == "raise":
         raise RuntimeError("probe: boom")
+    elif what == "grow":  # hold MIB more resident memory for a moment (every page written)
+        block = bytearray(int(argv[1]) << 20)
+        block[::4096] = b"x" * len(block[::4096])
     elif what == "read":  # echo stdin
         print(json.dumps({"stdin": sys.stdin.read()}), flush=True)
 

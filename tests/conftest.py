@@ -48,10 +48,10 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # worker finishing a long module alone at the end.
 LONGEST_FIRST = ("kernels/test_doctor.py", "export/test_export.py", "kernels/test_tiles.py", "plan/test_plan_measured.py",
                  "plan/test_fsdp_measured.py",
-                 "speed/test_compile.py", "train/test_fsdp.py", "infer/test_taskeval.py",
+                 "speed/test_compile.py", "train/test_fsdp.py", "train/test_fsdp_load.py", "infer/test_taskeval.py",
                  "commands/test_bad_input.py", "model/test_default_model.py", "train/test_shared_start.py",
                  "scripts/test_bench_train.py", "scripts/test_bench_task.py",
-                 "train/test_resume.py", "train/test_distributed.py",
+                 "train/test_resume.py", "train/test_distributed.py", "train/test_rank_failure.py",
                  "export/test_gguf_adapter.py", "methods/test_methods.py", "commands/test_recipes.py",
                  "infer/test_gguf_eval.py")
 

@@ -100,6 +100,17 @@ def test_a_forked_child_reads_its_stdin_and_takes_a_signal(launchers, tmp_path):
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="only root may run a child as another user")
+def test_a_forked_child_reports_its_peak_resident_memory(launchers, tmp_path):
+    """The server's wait4 gives the child's own peak RSS (what a fresh child's rusage gives its parent):
+    at least the 200 MiB it wrote, and not the server's (a child that grows nothing stays far below)."""
+    server = launchers["forkserver"].server
+    big = server.start("_child_probe", ["grow", "200"], tmp_path / "g", tmp_path / "g")
+    small = server.start("_child_probe", ["exit", "0"], tmp_path / "s", tmp_path / "s")
+    assert big.maxrss_kib is None  # not known while it runs
+    assert big.wait(60) == 0 and small.wait(60) == 0
+    assert big.maxrss_kib >= 200 * 1024 and small.maxrss_kib < big.maxrss_kib - 150 * 1024
+
+
 def test_a_forked_child_runs_as_the_user_asked(launchers, tmp_path):
     import pwd
 

@@ -21,7 +21,8 @@ CLI test through a `Server` (tests/_cli_forker.py). The server answers one JSON 
 line on its stdin, and ends when its stdin closes:
 
     {"op": "start", "module", "argv", "cwd", "env", "out", "err", "stdin", "user"} -> {"pid"}
-    {"op": "poll", "pid"}             -> {"code": the exit status, null while it runs}
+    {"op": "poll", "pid"}             -> {"code": the exit status, null while it runs;
+                                          "maxrss_kib": the child's peak RSS, once it has ended}
     {"op": "signal", "pid", "signum"} -> {"sent": false once the child has ended}
     {"op": "call", "target": "module:function", "args"} -> {}   (caches the children then inherit)
     anything that fails               -> {"error": "..."}
@@ -164,10 +165,11 @@ def _answer(request: dict, ended: dict, channels: tuple[int, int]) -> dict:
     if op == "poll":
         pid = request["pid"]
         if ended[pid] is None:
-            done, status = os.waitpid(pid, os.WNOHANG)
+            done, status, usage = os.wait4(pid, os.WNOHANG)
             if done:
-                ended[pid] = os.waitstatus_to_exitcode(status)
-        return {"code": ended[pid]}
+                ended[pid] = (os.waitstatus_to_exitcode(status), usage.ru_maxrss)
+        code, maxrss = ended[pid] or (None, None)
+        return {"code": code, "maxrss_kib": maxrss}
     if op == "signal":
         # Only a child not yet reaped: its pid cannot have been reused (a zombie takes the signal harmlessly)
         running = ended[request["pid"]] is None
@@ -287,10 +289,12 @@ class ForkedChild(Child):
 
     def __init__(self, server: Server, pid: int):
         self._server, self.pid, self._code = server, pid, None
+        self.maxrss_kib = None  # its peak resident set (getrusage's ru_maxrss), once it has ended
 
     def poll(self) -> int | None:
         if self._code is None:
-            self._code = self._server.ask({"op": "poll", "pid": self.pid})["code"]
+            answer = self._server.ask({"op": "poll", "pid": self.pid})
+            self._code, self.maxrss_kib = answer["code"], answer.get("maxrss_kib")
         return self._code
 
     def send_signal(self, signum: int) -> None:
