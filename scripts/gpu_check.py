@@ -81,7 +81,7 @@ def settings(tiny: bool) -> dict:
             "models": {"small": "tiny", "1b": "tiny", "8b-4blocks": "tiny"},
             # small batches and no recomputation: every LoRA layer runs in Triton's (slow) interpreter;
             # one 2-token sample per evaluation (each token is 14 interpreted kernel calls)
-            "doctor": ["--steps", "4", "trainer.micro_batch_size=2", "trainer.grad_accum=2", "data.max_seq_len=64",
+            "doctor": ["--steps", "4", "trainer.micro_batch_size=2", "trainer.grad_accum=1", "data.max_seq_len=64",
                        "data.val_fraction=0.1", "data.max_val_examples=2", "model.gradient_checkpointing=false",
                        "trainer.lr=1e-3", "trainer.eval_samples=1", "trainer.eval_max_new_tokens=2"],
             # the suite's benchmark check reads this run (tests/kernels/test_doctor.py)
