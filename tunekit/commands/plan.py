@@ -151,7 +151,9 @@ def render(plan: Plan, memory_gib: Optional[float], cfg, source: str) -> str:
     if plan.fsdp is not None:
         from tunekit.plan.host import plan_host_per_node
 
-        lines.append(f"  (FSDP host per node while rank 0 streams the base: {fmt(plan_host_per_node(plan, plan.ranks))})")
+        host = fmt(plan_host_per_node(plan, plan.ranks))
+        lines.append(f"  (FSDP host memory per node for the model while rank 0 streams the base: {host},"
+                     " besides each process's own runtime)")
     for n, v in run.memory.host.items():
         lines.append(f"  ({n}: {fmt(v)} in pinned host memory, model.offload_activations)")
     limit, needed, what = budget(run, memory_gib)
