@@ -306,3 +306,42 @@ def test_start_file_rebuilds_the_base(started, tiny_model_dir, tmp_path):
 def test_apply_refuses_a_trained_adapter(tiny_model_dir, started):
     with pytest.raises(TunekitError, match=r"lora_B is not zero"):
         apply_loftq(started.model, tiny_model_dir, r=R, scaling=ALPHA / R, iters=1)
+
+
+def test_a_start_computed_elsewhere_is_checked_against_the_base_codes(tiny_model_dir, monkeypatch, caplog):
+    """compute_device (FSDP: the base in host memory, the SVDs on rank 0's GPU): each layer's start
+    is computed there; where that device's first quantization does not give the base's own codes
+    (bitsandbytes' CPU and CUDA quantizers are meant to agree; this stands in for one that does
+    not), that layer is computed again where it sits, with one warning, and the start is exactly
+    the one computed there. No GPU here: "cuda" only names the other device; the computation it
+    stands for is faked."""
+    import dataclasses
+    import logging
+
+    calls = []
+    real = loftq.loftq_layer
+
+    def elsewhere(w, r, scaling, iters, settings=QuantSettings(), device=None):
+        calls.append(str(device))
+        if str(device) == "cuda":  # the other device: its plain quantization disagrees in one code
+            result = real(w, r, scaling, iters, settings, device=None)
+            bad = result.plain.data.clone()
+            bad.view(torch.uint8).view(-1)[0] ^= 0x11
+            wrong = result.plain.__class__(bad, requires_grad=False, quant_state=result.plain.quant_state)
+            return dataclasses.replace(result, plain=wrong)
+        return real(w, r, scaling, iters, settings, device=device)
+
+    model = _lora_model(tiny_model_dir)
+    reference = _lora_model(tiny_model_dir)
+    monkeypatch.setattr(loftq, "loftq_layer", elsewhere)
+    with caplog.at_level(logging.WARNING, logger="tunekit"):
+        apply_loftq(model, tiny_model_dir, r=R, scaling=lora_scaling(model), iters=1, device=torch.device("cuda"))
+    n = len(lora_targets(model))
+    assert calls == ["cuda", "cpu"] * n  # each layer tried on the other device, then where it sits
+    assert len([r for r in caplog.records if "other NF4 codes" in r.getMessage()]) == n
+    monkeypatch.setattr(loftq, "loftq_layer", real)
+    apply_loftq(reference, tiny_model_dir, r=R, scaling=lora_scaling(reference), iters=1)
+    for name, t in lora_targets(model).items():
+        ref = lora_targets(reference)[name]
+        assert torch.equal(t.lora_A.weight, ref.lora_A.weight) and torch.equal(t.lora_B.weight, ref.lora_B.weight)
+        assert same_codes(t.base.weight, ref.base.weight)

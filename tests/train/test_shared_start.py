@@ -80,3 +80,35 @@ def test_rank_0_computes_the_start_and_every_rank_gets_it_bit_for_bit(init, two_
 
 
 # Through the trainer under FSDP on two ranks: tests/train/test_fsdp.py's qlora run starts from LoftQ.
+
+
+@pytest.mark.parametrize("load, device, expected", [
+    ("cpu", "cuda:1", "cuda:1"),  # FSDP on a GPU: the base in host memory, the start on this rank's GPU
+    ("cuda:1", "cuda:1", None),   # single GPU or DDP: the start computes where the base already sits
+    ("cpu", "cpu", None),         # a CPU run
+])
+def test_the_start_is_computed_on_the_rank_s_device_where_the_base_waits_in_host_memory(load, device, expected):
+    import types
+
+    from tunekit.train.start import apply_method
+
+    seen = []
+
+    class Method:
+        def computes_start(self, cfg):
+            return True
+
+        def apply(self, model, cfg, compute_start=True):
+            return model
+
+        def start(self, model, cfg, model_dir, resume_dir, log, compute_device=None):
+            seen.append(None if compute_device is None else str(compute_device))
+
+    for world in (1, 2):  # alone, and as rank 0 of two (the others receive rank 0's start)
+        strategy = types.SimpleNamespace(world_size=world, rank=0, device=torch.device(device),
+                                         load_device=torch.device(load), broadcast_tensors=lambda t: None,
+                                         broadcast=lambda obj: obj)
+        Method.start_tensors = lambda self, model: {}
+        Method.start_extras = lambda self, model: None
+        apply_method(Method(), object(), types.SimpleNamespace(name="lora"), "dir", None, strategy, lambda m: None)
+    assert seen == [expected, expected]

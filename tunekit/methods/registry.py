@@ -108,11 +108,14 @@ class Method:
         """Freeze the base, add the method's trainable parameters; return the model to train."""
         raise NotImplementedError
 
-    def start(self, model: nn.Module, cfg, model_dir: str, resume_dir: Optional[Path], log=None) -> None:
+    def start(self, model: nn.Module, cfg, model_dir: str, resume_dir: Optional[Path], log=None,
+              compute_device: Optional[torch.device] = None) -> None:
         """Training only, after `apply` and before the compute path is chosen: a start computed from
         the base's original weights in `model_dir` (LoRA's LoftQ). resume_dir: the checkpoint's
-        adapter folder when resuming (restore, do not recompute). Evaluating and exporting never
-        call this: `read` restores what they need from the adapter folder. Nothing by default."""
+        adapter folder when resuming (restore, do not recompute). compute_device: where to compute
+        it, when not where the base sits (FSDP keeps the base in host memory until it shards: rank
+        0's GPU computes the start). Evaluating and exporting never call this: `read` restores what
+        they need from the adapter folder. Nothing by default."""
 
     # ------------------------------------------------------------ a start computed once, on rank 0
     # With several ranks a computed start (LoRA's LoftQ, PiSSA, OLoRA: SVDs of every target) runs on

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional
 
+import torch
 import torch.nn as nn
 
 
@@ -20,14 +21,16 @@ def apply_method(method, model: nn.Module, cfg, model_dir: str, resume_dir: Opti
                  log: Callable[[str], None]) -> nn.Module:
     """`method` applied to `model` (cfg: the method node) and started, the same on every rank."""
     shared = strategy.world_size > 1 and resume_dir is None and method.computes_start(cfg)
+    # FSDP keeps the base in host memory until it shards; the start's SVDs run on this rank's device
+    compute = strategy.device if torch.device(strategy.load_device) != torch.device(strategy.device) else None
     if not shared:
         model = method.apply(model, cfg)
-        method.start(model, cfg, model_dir, resume_dir, log)  # LoftQ
+        method.start(model, cfg, model_dir, resume_dir, log, compute_device=compute)  # LoftQ
         return model
     mine = strategy.rank == 0
     model = method.apply(model, cfg, compute_start=mine)
     if mine:
-        method.start(model, cfg, model_dir, None, log)
+        method.start(model, cfg, model_dir, None, log, compute_device=compute)
     tensors = method.start_tensors(model)
     strategy.broadcast_tensors(tensors)
     extras = strategy.broadcast(method.start_extras(model) if mine else None)

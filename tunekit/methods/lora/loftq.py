@@ -26,6 +26,7 @@ its base and merge exactly (`loftq_init.safetensors`, the merge targets) is in t
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,8 @@ import torch
 import torch.nn as nn
 
 from tunekit import TunekitError
+
+_log = logging.getLogger("tunekit")
 
 PEFT_PREFIX = "base_model.model."  # peft's path to the wrapped transformers model
 
@@ -348,8 +351,15 @@ def settings_record(settings: QuantSettings) -> dict:
 
 
 def _loftq_one(model_dir: Path, name: str, target: LoraTarget, r: int, scaling: float,
-               iters: int) -> tuple[LoftqResult, QuantSettings]:
-    """Read one weight, compute its start; the full-precision tensors die on return."""
+               iters: int, device: Optional[torch.device] = None) -> tuple[LoftqResult, QuantSettings]:
+    """Read one weight, compute its start (on `device`, else where the layer sits); the
+    full-precision tensors die on return.
+
+    Computed elsewhere than where the base was quantized (FSDP: the base quantized in host memory,
+    the start on rank 0's GPU), the first quantization must give the loaded layer's codes, as it
+    does on the same device; bitsandbytes' CPU and CUDA NF4 quantizers are meant to agree code for
+    code, and where they do not, this layer is computed again where the layer sits (one warning
+    line), never started from codes the base does not hold."""
     lora_A, lora_B, base = target
     settings = QuantSettings.of_layer(base)
     if lora_A.weight.shape[0] != r:
@@ -360,7 +370,12 @@ def _loftq_one(model_dir: Path, name: str, target: LoraTarget, r: int, scaling: 
     if tuple(w.shape) != tuple(base.weight.quant_state.shape):
         raise TunekitError(f"LoftQ: {tensor_key(name)} in {model_dir} has shape {tuple(w.shape)}, the loaded layer "
                            f"{tuple(base.weight.quant_state.shape)}")
-    result = loftq_layer(w, r, scaling, iters, settings, device=base.weight.device)
+    here = base.weight.device
+    result = loftq_layer(w, r, scaling, iters, settings, device=device or here)
+    if device is not None and torch.device(device) != here and not same_codes(result.plain, base.weight):
+        _log.warning("LoftQ: %s: %s quantizes it to other NF4 codes than the base's (quantized on %s): "
+                     "this layer's start is computed on %s instead", tensor_key(name), device, here, here)
+        result = loftq_layer(w, r, scaling, iters, settings, device=here)
     if not same_codes(result.plain, base.weight):
         raise TunekitError(f"LoftQ: {tensor_key(name)} in {model_dir} does not quantize to the loaded layer's codes: "
                            "not the folder the model was loaded from, or the layer was changed since")
@@ -389,7 +404,8 @@ _TRIM = None
 
 @torch.no_grad()
 def apply_loftq(model: nn.Module, model_dir: str | Path, targets: Optional[dict[str, LoraTarget]] = None, *,
-                r: int, scaling: float, iters: int, log: Optional[Callable[[str], None]] = None) -> LoftqReport:
+                r: int, scaling: float, iters: int, log: Optional[Callable[[str], None]] = None,
+                device: Optional[torch.device] = None) -> LoftqReport:
     """Start the LoRA layers of a freshly built 4-bit LoRA model from LoftQ, one layer at a time.
 
     targets: {module name: (lora_A, lora_B, base Linear4bit)}, default `lora_targets(model)`.
@@ -402,7 +418,7 @@ def apply_loftq(model: nn.Module, model_dir: str | Path, targets: Optional[dict[
     layers, record, base_factors = [], None, {}
     for name, target in targets.items():
         start = time.perf_counter()
-        result, settings = _loftq_one(folder, name, target, r, scaling, iters)
+        result, settings = _loftq_one(folder, name, target, r, scaling, iters, device)
         record = record or settings_record(settings)
         kept = keeps_loftq(result)
         errs = (result.err_plain, result.err_loftq)

@@ -37,14 +37,17 @@ SUBTRACTED_ATTR = "_tunekit_loftq_subtracted"  # ... and, over original weights,
 
 
 # ------------------------------------------------------------------ the LoRA method's hooks
-def start_loftq(model: torch.nn.Module, model_dir: str | Path, iters: int, log: Optional[Callable[[str], None]] = None):
+def start_loftq(model: torch.nn.Module, model_dir: str | Path, iters: int, log: Optional[Callable[[str], None]] = None,
+                compute_device: Optional[torch.device] = None):
     """method.init=loftq on a freshly applied 4-bit LoRA model (before training, before its compute
-    path is chosen): apply_loftq over every LoRA layer, the start kept on the model for saving."""
+    path is chosen): apply_loftq over every LoRA layer (on compute_device where given, else where
+    each layer sits), the start kept on the model for saving."""
     from tunekit.methods.lora.loftq import apply_loftq, lora_scaling, lora_targets
 
     targets = lora_targets(model)
     r = next(iter(targets.values())).lora_A.weight.shape[0]
-    report = apply_loftq(model, model_dir, targets, r=r, scaling=lora_scaling(model), iters=iters)
+    report = apply_loftq(model, model_dir, targets, r=r, scaling=lora_scaling(model), iters=iters,
+                         device=compute_device)
     object.__setattr__(model, INIT_ATTR, report.init)  # not a submodule or buffer: never in a state dict
     if log is not None:
         log(f"method lora: {report.summary()} ({sum(lay.seconds for lay in report.layers):.1f} s)")

@@ -171,16 +171,18 @@ class LoRA(Method):
             variants.keep_start(peft_model, self.saved_key)
         return peft_model
 
-    def start(self, model: nn.Module, cfg, model_dir: str, resume_dir: Optional[Path], log=None) -> None:
+    def start(self, model: nn.Module, cfg, model_dir: str, resume_dir: Optional[Path], log=None,
+              compute_device=None) -> None:
         """method.init=loftq: the LoftQ start, computed layer by layer from model_dir's original weights
-        (tunekit.methods.lora.loftq_io.start_loftq); resuming, the base the checkpoint trained over."""
+        (tunekit.methods.lora.loftq_io.start_loftq), on compute_device where given; resuming, the base
+        the checkpoint trained over."""
         c = self.settings(cfg)
         if c.init != "loftq":
             return
         from tunekit.methods.lora import loftq_io
 
         if resume_dir is None:
-            loftq_io.start_loftq(model, model_dir, c.loftq_iters, log)
+            loftq_io.start_loftq(model, model_dir, c.loftq_iters, log, compute_device)
         else:
             loftq_io.after_load(model, resume_dir, log)
 
