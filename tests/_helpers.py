@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -349,3 +350,12 @@ def lost_or_changed(folder: Path, planted: dict[str, bytes | None]) -> list[str]
     """The planted paths that are gone or changed (empty when every one survived)."""
     now = snapshot(folder)
     return [n for n, data in planted.items() if n not in now or now[n] != data]
+
+
+def crashed_copy(full_run: Path, dest: Path) -> Path:
+    """The folder as a run killed right after its step-2 checkpoint would have left it."""
+    shutil.copytree(full_run, dest)
+    shutil.rmtree(dest / "checkpoints" / "step-000004")
+    shutil.rmtree(dest / "adapter")
+    (dest / "summary.json").unlink()
+    return dest

@@ -183,7 +183,7 @@ def test_trains_resumes_and_exports_from_the_cli(tiny_model_dir, tiny_data, tmp_
     from safetensors.torch import load_file
 
     from _helpers import run_cli, tiny_args
-    from test_resume import crashed_copy
+    from _helpers import crashed_copy
 
     common = ("recipe=qlora", "method.r=8", "method.alpha=16", "method.init=loftq", "method.loftq_iters=2",
               "trainer.max_steps=4")

@@ -201,7 +201,7 @@ def test_pissa_loraplus_resume_is_bit_identical(tiny_model_dir, tiny_data, tmp_p
     from safetensors.torch import load_file
 
     from _helpers import run_cli, tiny_args
-    from test_resume import crashed_copy
+    from _helpers import crashed_copy
 
     common = ("recipe=lora", "method.r=4", "method.dropout=0.1", "method.init=pissa", "method.loraplus_lr_ratio=16",
               "trainer.max_steps=4")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _helpers import (die_holding_lock, die_mid_save, lost_or_changed, plant_lookalikes, read_jsonl, run_cli, snapshot,
+from _helpers import (crashed_copy, die_holding_lock, die_mid_save, lost_or_changed, plant_lookalikes, read_jsonl, run_cli, snapshot,
                       tiny_args)
 from tunekit.owned import HOME_PREFIX, PREFIX, atomic_dir, atomic_write_text, discard, is_scratch
 from tunekit.train.checkpoint import damage
@@ -33,15 +33,6 @@ def full_run(tiny_model_dir, tiny_data, tmp_path_factory):
     r = run_cli(["train", *tiny_args(tiny_model_dir, tiny_data, out, *COMMON)], out.parent)
     assert r.returncode == 0, r.stderr[-3000:]
     return out
-
-
-def crashed_copy(full_run: Path, dest: Path) -> Path:
-    """The folder as a run killed right after its step-2 checkpoint would have left it."""
-    shutil.copytree(full_run, dest)
-    shutil.rmtree(dest / "checkpoints" / "step-000004")
-    shutil.rmtree(dest / "adapter")
-    (dest / "summary.json").unlink()
-    return dest
 
 
 def test_resume_restores_rng_and_reports_first_eval(full_run, tiny_model_dir, tiny_data, tmp_path):
