@@ -18,7 +18,7 @@ def test_qlora_lowers_loss_on_a_fixed_batch(default_model_dir):
     torch.manual_seed(0)
     tok = load_tokenizer(str(default_model_dir))
     train, _ = load_splits(None, None, "auto", tok, 128, 0.05, 8, seed=0)
-    batch = collate(train[:8], tok.pad_token_id)
+    batch = collate(train[:4], tok.pad_token_id)  # 4 rows: memorised as surely as 8, at half the cost
 
     # model.dtype=auto, as the recipe: bf16 on a CPU with native bf16, fp32 elsewhere (on a 2-core
     # AVX2 EPYC these 6 steps took 642 s in emulated bf16, 37 s in fp32)
@@ -29,7 +29,7 @@ def test_qlora_lowers_loss_on_a_fixed_batch(default_model_dir):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-3)
     # training's own loss path: the decoder, then the head on the response positions alone (the
-    # same first-step loss as the head over every position, to the bit; 6.5 s a step against 7.6 s)
+    # same first-step loss as the head over every position, to the bit; 6.5 s a step against 7.6 s, at 8 rows)
     decoder, head = decoder_and_head(model)
     losses = []
     for _ in range(6):
@@ -41,6 +41,6 @@ def test_qlora_lowers_loss_on_a_fixed_batch(default_model_dir):
         opt.zero_grad()
         losses.append(loss.item())
     # the instruct model starts around 3 nats/token on these answers; 6 steps on one batch memorise
-    assert losses[0] > 2.0
+    assert losses[0] > 2.0, losses
     assert losses[-1] < 0.6 * losses[0], losses
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
