@@ -12,7 +12,8 @@ be recomputed), with r=7 so that LoRA's A matrices do not split evenly over two 
 Checked per rank:
 
 * the step's growth (VmHWM - VmRSS after setup and a warm-up step, glibc's mmap threshold fixed so
-  freed tensors leave the process) within 15% of the plan's per-rank peak minus its per-rank state.
+  freed tensors leave the process) within 15% of the plan's per-rank peak minus its per-rank state
+  (over-planning: 15% plus the terms the plan sizes as upper bounds, below).
   15% is the bound tests/plan/test_plan_measured.py holds one process to, for the same reason: the
   saved tensors are counted exactly (test_plan.py), what is left is transient working sets the plan
   bounds from above, allocator rounding, and here the gathered weights, which the plan counts as
@@ -61,8 +62,16 @@ def test_planned_fsdp_rank_memory_matches_two_gloo_ranks(tmp_path, default_model
             where = (row["name"], r["rank"])
             assert r["measured_mib"] > 40, where  # growth far above allocator noise
             assert r["planned_terms"]["gathered blocks (FSDP)"] > 0, where  # part of the step's figure
-            # under-planning costs a user a crash: never more than 15%; over, 15% too
-            assert -15 <= r["error_pct"] <= 15, (*where, r["measured_mib"], r["predicted_mib"])
+            # Under-planning costs a user a crash: never more than 15%. Over-planning: 15%, plus the
+            # terms the plan sizes as upper bounds, which a step may not fill at all: a block's
+            # backward working set (the largest a block's backward can hold at once) and the gathered
+            # blocks (two blocks and the root at every phase; FSDP2 holds two only in backward). On
+            # these rows those are 4.5-23 MiB of a 75-145 MiB step, while the step's own scratch moved
+            # by ~5 MiB between otherwise identical runs on a shared CPU (76-81 MiB for the qlora row).
+            terms = r["planned_terms"]
+            upper = terms.get("working set (block backward)", 0) + terms["gathered blocks (FSDP)"]
+            over = 15 + 100 * upper / 2**20 / r["measured_mib"]
+            assert -15 <= r["error_pct"] <= over, (*where, r["measured_mib"], r["predicted_mib"], over)
             for term in STATE_TERMS:
                 bound = r["padding_bound"].get(term, 0)
                 uneven += bound > 0
