@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 import json
@@ -13,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _helpers import (crashed_copy, die_holding_lock, die_mid_save, lost_or_changed, plant_lookalikes, read_jsonl, run_cli, snapshot,
+from _helpers import (crashed_copy, die_holding_lock, save_like_a_run, die_mid_save, lost_or_changed, plant_lookalikes, read_jsonl, run_cli, snapshot,
                       tiny_args)
 from tunekit.owned import HOME_PREFIX, PREFIX, atomic_dir, atomic_write_text, discard, is_scratch
 from tunekit.train.checkpoint import damage
@@ -218,16 +219,7 @@ def test_a_kill_at_any_point_of_a_save_leaves_nothing_after_the_resume(full_run,
     mine, in_ck = plant_lookalikes(run), plant_lookalikes(ck, tag="ck")
     pristine = shutil.copytree(ck / "step-000002", tmp_path / "step-2")
     config = (run / "config.yaml").read_text()
-    copy = lambda d: shutil.copytree(pristine, d, dirs_exist_ok=True)  # noqa: E731
-
-    def a_run_saving():  # what a run does in its folder, in that order
-        lock = RunLock.acquire(run)
-        lock.open_scratch()
-        atomic_dir(ck / "step-000002", copy)  # replaced: the old one moves aside first
-        atomic_dir(ck / "step-000003", copy)
-        discard(ck / "step-000003")  # pruned
-        atomic_write_text(run / "config.yaml", config)
-        lock.release()
+    a_run_saving = functools.partial(save_like_a_run, run, pristine, config)
 
     seen = {"unmarked home": 0, "moved aside": 0}
     for n in itertools.count(1):

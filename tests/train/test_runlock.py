@@ -3,6 +3,7 @@ and a second run refused through the real CLI."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -110,7 +111,7 @@ def test_a_home_made_just_before_the_kill_is_the_next_runs_to_remove_and_nothing
     user's look-alike, unmarked) is the user's: named as such, and left as it was."""
     from itertools import count
 
-    from _helpers import die_mid_save, lost_or_changed, plant_lookalikes
+    from _helpers import die_mid_save, lost_or_changed, open_scratch_in, plant_lookalikes
     from tunekit.owned import HOME_PREFIX, is_scratch
     from tunekit.train.resume import check_not_foreign
 
@@ -122,7 +123,7 @@ def test_a_home_made_just_before_the_kill_is_the_next_runs_to_remove_and_nothing
         return [p for p in out.iterdir() if p.name.startswith(HOME_PREFIX) and p != lookalike and not is_scratch(p)]
 
     for n in count(1):  # kill one call later each time, until the home exists without its marker
-        assert die_mid_save(out, at=n, save=lambda: RunLock.acquire(out).open_scratch()) is not None
+        assert die_mid_save(out, at=n, save=functools.partial(open_scratch_in, out)) is not None
         if unmarked_homes():
             break
         lock = RunLock.acquire(out)  # as the next run would: this try's leftovers removed, start clean
