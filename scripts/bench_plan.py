@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import (LIVE_MMAP_THRESHOLD, M_MMAP_THRESHOLD, SUITE_MODEL_NAME, FixedSchedule, build_suite_model,
+from benchlib import (LIVE_MMAP_THRESHOLD, quiet_libraries, M_MMAP_THRESHOLD, SUITE_MODEL_NAME, FixedSchedule, build_suite_model,
                       machine, rss_kib, warm_parent, worst_batch)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -153,16 +153,7 @@ def run_forked(overrides: list[str], work: Path, steps: int, mmap_threshold: int
 
 def main(argv=None):
     args = parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import logging
-
-    logging.basicConfig(level=logging.WARNING)
-    for name in ("tunekit", "transformers", "peft", "accelerate", "bitsandbytes"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    import warnings
-
-    warnings.filterwarnings("ignore")
+    quiet_libraries()
     import torch
 
     from tunekit.model import default_model_dir

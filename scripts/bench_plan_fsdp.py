@@ -35,7 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchlib import (LIVE_MMAP_THRESHOLD, M_MMAP_THRESHOLD, SUITE_MODEL_NAME, FixedSchedule, build_suite_model,
+from benchlib import (LIVE_MMAP_THRESHOLD, quiet_libraries, M_MMAP_THRESHOLD, SUITE_MODEL_NAME, FixedSchedule, build_suite_model,
                       machine, rss_kib, versions, warm_parent, worst_batch)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -195,15 +195,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import logging
-    import warnings
-
-    logging.basicConfig(level=logging.WARNING)
-    for name in ("tunekit", "transformers", "peft", "accelerate", "bitsandbytes"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
+    quiet_libraries()
     from tunekit.model import default_model_dir
 
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-plan-fsdp-"))

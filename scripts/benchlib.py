@@ -343,3 +343,18 @@ def warm_parent(model_dir: str) -> None:
     load_tokenizer(model_dir)
     x = torch.randn(64, 64)
     (x @ x).sum()
+
+
+def quiet_libraries() -> None:
+    """A measuring script's own output only: no hub lookups, no tokenizer threads, warnings and the
+    libraries' info logs off."""
+    import logging
+    import os
+    import warnings
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.basicConfig(level=logging.WARNING)
+    for name in ("tunekit", "transformers", "peft", "accelerate", "bitsandbytes"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
