@@ -55,7 +55,15 @@ CASES = [
     # ---- trainer.*
     train("max_steps-0", "trainer.max_steps=0", "trainer.max_steps: must be >= 1, got 0"),
     train("max_steps-neg", "trainer.max_steps=-5", "trainer.max_steps: must be >= 1"),
-    train("max_steps-text", "trainer.max_steps=abc", "trainer.max_steps: Value 'abc'"),
+    train("max_steps-text", "trainer.max_steps=abc", "trainer.max_steps: must be a positive integer or auto, got 'abc'"),
+    train("max_steps-float", "trainer.max_steps=2.5", "trainer.max_steps: must be an integer, got 2.5"),
+    train("epochs-0", "trainer.epochs=0 trainer.max_steps=auto", "trainer.epochs: must be > 0, got 0"),
+    train("epochs-neg", "trainer.epochs=-1 trainer.max_steps=auto", "trainer.epochs: must be > 0, got -1"),
+    train("epochs-text", "trainer.epochs=abc trainer.max_steps=auto",
+          "trainer.epochs: must be a positive number of passes over the training rows (e.g. 3 or 0.5), or null, got 'abc'"),
+    train("epochs-inf", "trainer.epochs=inf trainer.max_steps=auto", "trainer.epochs: must be > 0 and finite, got inf"),
+    train("epochs-and-max_steps", "trainer.epochs=1",  # the base sets trainer.max_steps=2
+          "trainer.epochs=1 and trainer.max_steps=2 both set the run's length: keep one (trainer.max_steps=auto"),
     train("max_steps-typo", "trainer.max_stpes=10", "trainer.max_stpes: unknown config key"),
     train("trainer-unknown", "trainer.nope=1", "trainer.nope: unknown config key"),
     train("micro_batch-0", "trainer.micro_batch_size=0", "trainer.micro_batch_size: must be a positive integer or auto"),

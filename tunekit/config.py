@@ -95,9 +95,18 @@ class MethodConfig:
     name: str = "lora"
 
 
+# trainer.max_steps=auto without trainer.epochs
+DEFAULT_MAX_STEPS = 60
+
+
 @dataclass
 class TrainerConfig:
-    max_steps: int = 60
+    # Optimizer steps: a positive int, or auto (null too): trainer.epochs' count where it is set,
+    # else DEFAULT_MAX_STEPS. Setting both epochs and a number of steps is refused.
+    max_steps: Any = "auto"
+    # Passes over the training rows, e.g. 3 or 0.5; null: off (max_steps decides). The step count
+    # follows from the rows and the global batch (tunekit.data.batching.steps_for_epochs).
+    epochs: Any = None
     # a positive int, or auto: the largest power of two up to 64 that the plan fits in free memory
     micro_batch_size: Any = 8
     grad_accum: int = 2

@@ -8,6 +8,8 @@ with no sampler state to save. Each rank takes every world_size-th example of th
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
 from functools import lru_cache
 from typing import Optional
 
@@ -96,6 +98,47 @@ def group_longest_first(indices: list[int], lengths: list[int], cap: int, min_pa
     if not min_padding:
         return [ordered[i : i + cap] for i in range(0, len(ordered), cap)]
     return [[ordered[i] for i in g] for g in group_by_length([lengths[i] for i in ordered], cap)]
+
+
+def rows_for_epochs(epochs: float, rows: int) -> int:
+    """Positions of the data order that `epochs` passes over `rows` training rows cover: a fractional
+    pass takes its rows rounded up (0.5 x 7 rows: 4). Exact for decimal epochs (0.1 x 30 is 3, not
+    3.0000000000000004): the value is read back from its shortest decimal form."""
+    return math.ceil(Fraction(repr(float(epochs))) * rows)
+
+
+def steps_for_epochs(epochs: float, rows: int, global_batch: int, resumed: tuple[int, int] = (0, 0)) -> int:
+    """Optimizer steps that train `epochs` passes over `rows` rows, `global_batch` rows a step.
+
+    A step is never cut short (every step's loss is normalised over a whole global batch), so the
+    count rounds up: the last step runs whole, and the rows it takes past the last pass come from the
+    next pass's order (BatchSchedule's stream continues into it). `resumed=(step, position)`: a run
+    resumed at `step`, whose next row is at `position` of the data order (BatchSchedule.start; on the
+    checkpoint's own number of ranks, step x global_batch): the steps before it count as they ran, and
+    the rest at this global batch. The same config resumed on the same ranks gives the same count.
+    """
+    at, position = resumed
+    return at + max(0, math.ceil((rows_for_epochs(epochs, rows) - position) / global_batch))
+
+
+def describe_epochs(epochs: float, rows: int, micro_batch_size: int, grad_accum: int, world_size: int,
+                    steps: int, resumed: tuple[int, int] = (0, 0)) -> str:
+    """The start-up line of a run sized by trainer.epochs: the count and how it follows."""
+    batch = micro_batch_size * grad_accum * world_size
+    target = rows_for_epochs(epochs, rows)
+    at, position = resumed
+    extra = position + (steps - at) * batch - target
+    ranks = f"{world_size} rank" + ("s" if world_size != 1 else "")
+    line = (f"trainer.epochs={epochs:g}: {rows} training rows / global batch {batch} (micro_batch_size "
+            f"{micro_batch_size} x grad_accum {grad_accum} x {ranks}) = {rows / batch:.4g} steps an epoch")
+    if target != Fraction(repr(float(epochs))) * rows:
+        line += f"; {epochs:g} epochs = {target} rows (rounded up)"
+    if resumed != (0, 0) and position != at * batch:
+        line += f"; resumed at step {at}, row {position} of the data order"
+    line += f" -> {steps} steps"
+    if extra > 0:
+        line += (f" (the last step is whole: its last {extra} rows are the first of the next pass's order)")
+    return line
 
 
 def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:

@@ -20,8 +20,9 @@ from omegaconf import OmegaConf
 from transformers import AutoConfig
 
 from tunekit import TunekitError
-from tunekit.config import TrainConfig, plain
+from tunekit.config import AUTO, DEFAULT_MAX_STEPS, TrainConfig, plain
 from tunekit.data import BatchSchedule, collate, collate_packed, load_splits
+from tunekit.data.batching import describe_epochs, steps_for_epochs
 from tunekit.methods import get_method, in_train_schema, trainable_parameters
 from tunekit.model import (load_base_model, load_tokenizer, prepare_for_training, quantized_bits_per_param,
                            resolve_model_path)
@@ -36,7 +37,7 @@ from tunekit.train.loss_scale import LossScaler
 from tunekit.train.objective import DistillObjective, SFTObjective, check_same_vocabulary, model_inputs
 from tunekit.train.optim import build_optimizer, warmup_cosine
 from tunekit.train.resume import (DATA_FINGERPRINT, check_not_foreign, check_output_dir, check_resumable, check_same_run,
-                                  fingerprint)
+                                  check_steps_left, fingerprint)
 from tunekit.train.runlock import RunLock
 from tunekit.train.start import apply_method
 from tunekit.train.tracking import NullTracker, Tracker
@@ -174,6 +175,33 @@ class RecipeSetup:
             self._info(note)
         self.resume_from, self.resume_state = ckpt, state
 
+    def _resolve_steps(self) -> None:
+        """trainer.max_steps from trainer.epochs, once the training rows and the global batch are known
+        (the same count on every rank); max_steps=auto without epochs (a config built without the
+        command line's checks): DEFAULT_MAX_STEPS. The LR schedule, the eval/save cadence, the progress
+        bar and summary.json read the resolved count."""
+        t = self.cfg.trainer
+        if t.epochs is None:
+            if t.max_steps in (None, AUTO):
+                t.max_steps = DEFAULT_MAX_STEPS
+            return
+        world, rows = self.strategy.world_size, len(self.train_data)
+        resumed = (0, 0)
+        if self.resume_state is not None:
+            resumed = self._resumed_position()
+        t.max_steps = steps_for_epochs(t.epochs, rows, t.micro_batch_size * t.grad_accum * world, resumed)
+        self._info(describe_epochs(t.epochs, rows, t.micro_batch_size, t.grad_accum, world, t.max_steps, resumed))
+        if self.resume_from is not None:
+            check_steps_left(resumed[0], t.max_steps, t.epochs, self.resume_from)
+
+    def _resumed_position(self) -> tuple[int, int]:
+        """(step, position of its first row in the data order) of the checkpoint resumed from."""
+        t, state = self.cfg.trainer, self.resume_state
+        step = state["step"]
+        ranks = state.get("fingerprint", {}).get("world_size") or self.strategy.world_size
+        # checkpoints before data_position was saved: every step had the checkpoint's global batch
+        return step, state.get("data_position", step * t.micro_batch_size * t.grad_accum * ranks)
+
     def _choose_precision(self) -> None:
         """The precision policy (tunekit.device.precision) from model.dtype and the device; `dtype` is
         its compute dtype."""
@@ -307,12 +335,7 @@ class RecipeSetup:
         self.scheduler = warmup_cosine(self.optimizer, t.warmup_steps, t.max_steps)
         # A resume on another number of ranks (data parallel) goes on from the example after the last
         # one the checkpoint's ranks trained: the steps before it had their own global batch.
-        resumed = None
-        if self.resume_state is not None:
-            step = self.resume_state["step"]
-            ranks = self.resume_state.get("fingerprint", {}).get("world_size") or self.strategy.world_size
-            # checkpoints before data_position was saved: every step had the checkpoint's global batch
-            resumed = (step, self.resume_state.get("data_position", step * t.micro_batch_size * t.grad_accum * ranks))
+        resumed = self._resumed_position() if self.resume_state is not None else None
         self.schedule = BatchSchedule([len(e["input_ids"]) for e in self.train_data], t.micro_batch_size,
                                       t.grad_accum, self.strategy.world_size, self.strategy.rank, cfg.seed,
                                       min_padding=not cfg.data.packing, resumed=resumed)
@@ -362,7 +385,8 @@ class RecipeSetup:
             self.tracker = NullTracker()
             return
         self.tracker = Tracker(self.output_dir, cfg.trainer.max_steps, self.start_step, cfg.tracker.name,
-                               cfg.tracker.project, cfg.tracker.run_name, json.loads(json.dumps(asdict(cfg), default=str)))
+                               cfg.tracker.project, cfg.tracker.run_name, json.loads(json.dumps(asdict(cfg), default=str)),
+                               epochs=cfg.trainer.epochs, first_epoch=self.schedule.epoch_of(self.start_step))
 
     def _setup_task_eval(self) -> None:
         """Rank 0: sample answers / task metric at every evaluation, and keep_best (tunekit.train.task_eval).

@@ -18,8 +18,8 @@ from typing import Optional
 
 from tunekit import TunekitError
 from tunekit.checks import number, one_of, path_fits, text
-from tunekit.config import (AUTO, BEST_METRICS, OBJECTIVES, SEED_MAX, TRACKERS, Divergence, FusedMode, Optimizer,
-                            Quantize, Strategy, TrainConfig, plain)
+from tunekit.config import (AUTO, BEST_METRICS, DEFAULT_MAX_STEPS, OBJECTIVES, SEED_MAX, TRACKERS, Divergence,
+                            FusedMode, Optimizer, Quantize, Strategy, TrainConfig, plain)
 from tunekit.data.checks import check_data_files, check_data_values
 from tunekit.methods import check_method_config, fill_method_defaults, get_method
 from tunekit.model.checks import check_model_values
@@ -82,16 +82,40 @@ def check_settings(cfg: TrainConfig) -> None:
     cfg.trainer.micro_batch_size = _auto_int(cfg.trainer.micro_batch_size, "trainer.micro_batch_size")
     cfg.model.gradient_checkpointing = _auto_bool(cfg.model.gradient_checkpointing, "model.gradient_checkpointing")
     cfg.model.offload_activations = _auto_bool(cfg.model.offload_activations, "model.offload_activations")
+    check_run_length(cfg.trainer)
     check_values(cfg)
     fill_method_defaults(cfg.method)  # a null key: the chosen method's default
     check_method_config(cfg.method, None, plain(cfg.model.quantize))
+
+
+def check_run_length(t) -> None:
+    """trainer.max_steps (a positive int, or auto / null) and trainer.epochs (a positive number, or
+    null): one of them sizes the run. Without epochs, max_steps=auto becomes DEFAULT_MAX_STEPS here;
+    with epochs it stays auto until the run knows its rows and global batch (tunekit.train.build)."""
+    if t.max_steps is None or (isinstance(t.max_steps, str) and t.max_steps.strip().lower() == AUTO):
+        t.max_steps = AUTO
+    elif isinstance(t.max_steps, str):
+        raise TunekitError(f"trainer.max_steps: must be a positive integer or auto, got {t.max_steps!r}")
+    else:
+        number("trainer.max_steps", t.max_steps, ge=1, integer=True)
+    if t.epochs is None:
+        if t.max_steps == AUTO:
+            t.max_steps = DEFAULT_MAX_STEPS
+        return
+    if isinstance(t.epochs, bool) or not isinstance(t.epochs, (int, float)):
+        raise TunekitError(f"trainer.epochs: must be a positive number of passes over the training rows "
+                           f"(e.g. 3 or 0.5), or null, got {t.epochs!r}")
+    number("trainer.epochs", t.epochs, gt=0)
+    if t.max_steps != AUTO:
+        raise TunekitError(f"trainer.epochs={t.epochs:g} and trainer.max_steps={t.max_steps} both set the run's "
+                           "length: keep one (trainer.max_steps=auto, its default, lets trainer.epochs decide)")
 
 
 def check_values(cfg: TrainConfig) -> None:
     """Types, ranges and choices of every key except the method's (the model's and the data's by
     their rooms' checks, in this order so that the first bad key of a command line is named)."""
     t, dist = cfg.trainer, cfg.distill
-    for key in ("max_steps", "micro_batch_size", "grad_accum", "eval_every", "save_every", "keep_checkpoints"):
+    for key in ("micro_batch_size", "grad_accum", "eval_every", "save_every", "keep_checkpoints"):
         if getattr(t, key) != AUTO:
             number(f"trainer.{key}", getattr(t, key), ge=1, integer=True)
     number("trainer.warmup_steps", t.warmup_steps, ge=0, integer=True)  # >= max_steps: warmup only, allowed

@@ -62,6 +62,7 @@ class TrainRecipe(RecipeSetup):
         self._load_data()
         self._plan_memory()
         self._find_checkpoint()
+        self._resolve_steps()
         self._choose_precision()
         self._load_model()
         self._build_objective()
@@ -315,6 +316,7 @@ class TrainRecipe(RecipeSetup):
         """summary.json: first and last evaluation, what ran and how (collective: every rank builds it)."""
         return {**{f"first_{k}": v for k, v in (self.first_eval or {}).items()},
                 **{f"last_{k}": v for k, v in (last_val or {}).items()}, "steps": self.cfg.trainer.max_steps,
+                "epochs": self.cfg.trainer.epochs, "epochs_trained": self.schedule.epoch_of(self.cfg.trainer.max_steps),
                 "resumed_from_step": self.start_step or None,
                 "wall_s": wall_s, "trainable_params": self.trainable_params,
                 "bits_per_param": self.bits_per_param, "world_size": self.strategy.world_size,

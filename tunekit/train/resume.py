@@ -28,7 +28,7 @@ from tunekit.train.runlock import LOCK_NAME, recorded_scratch
 # Keys (or key prefixes, ending in ".") a resumed run may change.
 MAY_CHANGE = (
     "output_dir", "recipe",                       # where the run lives; the recipe's name is a label
-    "trainer.max_steps",                          # train longer or shorter (the cosine schedule follows)
+    "trainer.max_steps", "trainer.epochs",        # train longer or shorter (the cosine schedule follows)
     "trainer.eval_every", "trainer.save_every", "trainer.keep_checkpoints", "trainer.resume",
     "trainer.memory_check",                       # a safety check, not part of the run
     "trainer.allow_nonempty_output_dir",          # where the run may live, not what it trains
@@ -191,7 +191,7 @@ def _check_checkpoint_names(out: Path) -> None:
                                f"checkpoint's name, which a save would replace; move it out of {root}")
 
 
-def check_resumable(output_dir: Path, max_steps: int, current: Optional[dict] = None) -> None:
+def check_resumable(output_dir: Path, max_steps, current: Optional[dict] = None) -> None:
     """trainer.resume=true: refuse, before anything loads or is written, a run with nothing to resume.
 
     A damaged checkpoint (files that fail their checksum, a trainer_state.json without a whole-number
@@ -202,6 +202,8 @@ def check_resumable(output_dir: Path, max_steps: int, current: Optional[dict] = 
     past trainer.max_steps. `current`, this config's fingerprint: a change to what the run trains is
     refused too, in the same message as the steps (a user who raised max_steps should not find the
     changed seed only then). metrics.jsonl is rewritten on resume: it must read back whole first.
+    max_steps "auto" (trainer.epochs sizes the run, from its rows): the steps are checked once the
+    count is known (check_steps_left, from tunekit.train.build).
     """
     from tunekit.train.tracking import check_metrics
 
@@ -219,7 +221,7 @@ def check_resumable(output_dir: Path, max_steps: int, current: Optional[dict] = 
         return
     state = read_state(ckpt)
     conflicts = []
-    if state["step"] >= max_steps:
+    if isinstance(max_steps, int) and state["step"] >= max_steps:
         run = f"the run in {out} is finished; its" if finished else "the"
         conflicts.append(f"trainer.max_steps: {run} checkpoint {ckpt} is at step {state['step']}, "
                          f"{'already at' if state['step'] == max_steps else 'past'} trainer.max_steps={max_steps}: "
@@ -243,3 +245,12 @@ def check_resumable(output_dir: Path, max_steps: int, current: Optional[dict] = 
         raise TunekitError(f"trainer.resume: the run in {out} cannot be resumed as configured, for "
                            f"{len(conflicts)} reasons: " + "; ".join(f"({i}) {c}" for i, c in enumerate(conflicts, 1)))
     check_metrics(out / "metrics.jsonl")
+
+
+def check_steps_left(step: int, max_steps: int, epochs, ckpt: Path) -> None:
+    """A run sized by trainer.epochs, resumed from a checkpoint at `step`: refused where its
+    `max_steps` (the count the epochs resolve to) leaves no step to run."""
+    if epochs is not None and step >= max_steps:
+        raise TunekitError(f"trainer.epochs: checkpoint {ckpt} is at step {step}, "
+                           f"{'already at' if step == max_steps else 'past'} the {max_steps} steps trainer.epochs="
+                           f"{epochs:g} resolves to: nothing to resume. To train longer, raise trainer.epochs")

@@ -130,7 +130,9 @@ class Tracker:
     REDRAW_AFTER_S = 30.0
 
     def __init__(self, output_dir: Path, total_steps: int, start_step: int, tracker: str, project: str,
-                 run_name: Optional[str], config: dict):
+                 run_name: Optional[str], config: dict, epochs: Optional[float] = None, first_epoch: float = 0.0):
+        """`epochs`: trainer.epochs where it sized the run; the bar shows "epoch 1.4/3" (without it,
+        "epoch 1.4"), from each step's row and `first_epoch` (where a resumed run starts) at first."""
         from tqdm import tqdm
 
         self.output_dir = Path(output_dir)
@@ -139,8 +141,9 @@ class Tracker:
         self.metrics_path = self.output_dir / "metrics.jsonl"
         self._truncate_after(start_step)
         self.metrics = open(self.metrics_path, "a")
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
-                        file=sys.stderr, mininterval=1.0)
+        self.epochs = epochs
+        self.bar = tqdm(total=total_steps, initial=start_step, desc=self.epoch_label(first_epoch), unit="step",
+                        dynamic_ncols=True, file=sys.stderr, mininterval=1.0)
         self.wandb = self._start_wandb(project, run_name, config) if tracker == "wandb" else None
 
     def _truncate_after(self, step: int) -> None:
@@ -168,8 +171,13 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
+    def epoch_label(self, epoch: float) -> str:
+        return f"epoch {epoch:.1f}" + (f"/{self.epochs:g}" if self.epochs is not None else "")
+
     def step(self, row: dict) -> None:
         self.log(row)
+        if "epoch" in row:
+            self.bar.set_description(self.epoch_label(row["epoch"]), refresh=False)
         self.bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
         self.bar.update(1)
 
