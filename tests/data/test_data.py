@@ -327,3 +327,48 @@ def test_malformed_sharegpt_and_prompt_completion_rows_name_file_and_row(tmp_pat
     with pytest.raises(DataError) as err:
         load_splits(str(path), None, "auto", tok, 512, 0.3, None, 0)
     assert f"{path}: row 3" in str(err.value) and expect in str(err.value)
+
+
+@pytest.mark.parametrize("epochs, rows, batch, steps", [
+    (3, 600, 16, 113),    # 37.5 steps an epoch: 112.5 rounded up; the last step is whole
+    (2, 64, 16, 8),       # exact: no rounding
+    (0.5, 7, 2, 2),       # half of 7 rows is 4 rows (rounded up), 2 steps of 2
+    (0.1, 30, 1, 3),      # 0.1 x 30 in floats is 3.0000000000000004: still 3 steps, not 4
+    (1, 5, 16, 1),        # a batch larger than the data: one step
+    (0.01, 10, 4, 1),     # a sliver of an epoch still trains a step
+])
+def test_steps_for_epochs_round_up_to_whole_steps(epochs, rows, batch, steps):
+    from tunekit.data.batching import steps_for_epochs
+
+    assert steps_for_epochs(epochs, rows, batch) == steps
+
+
+def test_steps_for_epochs_counts_ranks_and_a_resume():
+    from tunekit.data.batching import describe_epochs, steps_for_epochs
+
+    # micro 8 x accum 2 x 2 ranks: a global batch of 32, 600 rows x 3 = 1800 -> 56.25 -> 57 steps
+    assert steps_for_epochs(3, 600, 8 * 2 * 2) == 57
+    line = describe_epochs(3, 600, 8, 2, 2, 57)
+    assert line == ("trainer.epochs=3: 600 training rows / global batch 32 (micro_batch_size 8 x grad_accum 2 x "
+                    "2 ranks) = 18.75 steps an epoch -> 57 steps (the last step is whole: its last 24 rows are the "
+                    "first of the next pass's order)")
+    # resumed on the same ranks: the same count from any checkpoint
+    assert all(steps_for_epochs(3, 600, 32, (k, 32 * k)) == 57 for k in (1, 20, 56))
+    # resumed on one rank after 20 steps on two (640 rows done): 1160 rows left at 16 a step -> 73 more
+    assert steps_for_epochs(3, 600, 16, (20, 640)) == 20 + 73
+    # a checkpoint past the epochs' rows: no step left (the resume is then refused)
+    assert steps_for_epochs(1, 600, 32, (30, 960)) == 30
+
+
+def test_a_resumed_schedule_takes_the_same_rows_across_an_epoch_boundary():
+    """The rows of step k are a function of k: a schedule built at a resume gives the rows an
+    uninterrupted one does, also for the step that straddles two epochs (10 rows, 4 a step: step 2
+    takes rows 8-9 of epoch 0's order and 0-1 of epoch 1's)."""
+    lengths = [3 + i for i in range(10)]
+    whole = BatchSchedule(lengths, 2, 2, 1, 0, seed=5)
+    resumed = BatchSchedule(lengths, 2, 2, 1, 0, seed=5, resumed=(2, 8))
+    for k in (2, 3, 7):
+        assert resumed.micro_batches(k) == whole.micro_batches(k)
+    assert whole.epoch_of(2) == 0.8 and whole.epoch_of(3) == 1.2
+    straddle = sorted(i for mb in whole.micro_batches(2) for i in mb)
+    assert straddle == sorted(whole._perm(0)[8:] + whole._perm(1)[:2])
