@@ -352,6 +352,8 @@ def test_steps_for_epochs_counts_ranks_and_a_resume():
     assert line == ("trainer.epochs=3: 600 training rows / global batch 32 (micro_batch_size 8 x grad_accum 2 x "
                     "2 ranks) = 18.75 steps an epoch -> 57 steps (the last step is whole: its last 24 rows are the "
                     "first of the next pass's order)")
+    assert describe_epochs(1.5, 39, 4, 2, 1, 8).endswith(
+        "1.5 epochs = 59 rows (rounded up) -> 8 steps (the last step is whole: 5 rows past 1.5 epochs)")
     # resumed on the same ranks: the same count from any checkpoint
     assert all(steps_for_epochs(3, 600, 32, (k, 32 * k)) == 57 for k in (1, 20, 56))
     # resumed on one rank after 20 steps on two (640 rows done): 1160 rows left at 16 a step -> 73 more

@@ -136,8 +136,10 @@ def describe_epochs(epochs: float, rows: int, micro_batch_size: int, grad_accum:
     if resumed != (0, 0) and position != at * batch:
         line += f"; resumed at step {at}, row {position} of the data order"
     line += f" -> {steps} steps"
-    if extra > 0:
-        line += (f" (the last step is whole: its last {extra} rows are the first of the next pass's order)")
+    if extra > 0 and float(epochs).is_integer():
+        line += f" (the last step is whole: its last {extra} rows are the first of the next pass's order)"
+    elif extra > 0:
+        line += f" (the last step is whole: {extra} rows past {epochs:g} epochs)"
     return line
 
 
