@@ -5,6 +5,8 @@ run on two ranks matches one process."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import types
 from pathlib import Path
@@ -134,6 +136,32 @@ def test_a_non_finite_weight_stops_every_rank_with_one_line(two_ranks):
     assert "NaN or infinite" in lines[0] and "model.layers.1.mlp.up_proj.weight" in lines[0]
 
 
+def test_rank_0_holds_at_most_the_plans_largest_unit_at_a_time(tmp_path):
+    """Each unit rank 0 reads whole is a decoder layer or one other tensor: an untied model's
+    embeddings and head are never held together (they were: 2 x 201 MB on a 1B model, against
+    tunekit plan's host figure of one), so its largest unit is tunekit.plan.host.largest_unit_bytes."""
+    from transformers import LlamaConfig
+
+    from tunekit.plan.host import largest_unit_bytes
+    from tunekit.plan.shape import shape_from_config
+    from tunekit.train.fsdp_load import StreamedBase
+
+    # embeddings (1000 x 64) larger than a layer (4 x 64 x 64 + 3 x 64 x 128 + 2 x 64)
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
+    cfg.save_pretrained(tmp_path)
+    base = StreamedBase(str(tmp_path), "none", torch.float32, None, 0, 2, contextlib.ExitStack(), lambda: 0)
+    plan, kept = base.plan(base.skeleton)
+    held: dict[int, int] = {}
+    for unit, m, leaf, _ in plan:
+        t = getattr(m, leaf)
+        held[unit] = held.get(unit, 0) + t.numel() * t.element_size()
+    assert sorted(u for u in held if u >= 0) == [0, 1]
+    assert max(held.values()) == largest_unit_bytes(shape_from_config(cfg.to_dict()), 4) == 1000 * 64 * 4
+    assert sum(held.values()) == 4 * sum(p.numel() for p in base.skeleton.parameters())  # nothing missed
+    assert all(not t.is_meta for *_, t in kept)  # the rotary frequencies: computed, not read
+
+
 # The tolerances of tests/train/test_fsdp.py (its comment derives them: fp32 compute, G = 2 sums in
 # another order, Adam over 4 steps at lr 1e-3).
 ATOL, RTOL = 1e-5, 1e-4
@@ -162,6 +190,8 @@ def test_streamed_qlora_on_two_ranks_matches_one_process_and_resumes(tiny_model_
         torch.testing.assert_close(a[k], b[k], rtol=RTOL, atol=ATOL, msg=k)
     fsdp = json.loads((two / "summary.json").read_text())["fsdp"]
     assert fsdp["base_streamed_from_rank_0"] and fsdp["rank_weight_file_opens"][1] == 0
+    # gathered-and-freed weights leave the process (tunekit.device.allocator; glibc: tests/device/test_allocator.py)
+    assert fsdp["host_returns_freed_blocks"] is hasattr(ctypes.CDLL(None), "gnu_get_libc_version")
     assert fsdp["rank_weight_bytes_read"][0] == (tiny_model_dir / "model.safetensors").stat().st_size - 8 - int.from_bytes(
         (tiny_model_dir / "model.safetensors").read_bytes()[:8], "little") and fsdp["rank_weight_bytes_read"][1] == 0
     assert [row["step"] for row in read_jsonl(two / "metrics.jsonl") if "loss" in row] == [1, 2, 3, 4]

@@ -11,8 +11,8 @@ Here:
   rank 0's values, or a resumed adapter loaded into them, are sent to every rank.
 * The model is sharded while its base is still on the meta device; each rank then allocates its
   own shards only.
-* Rank 0 alone reads the weight files, one unit at a time (a decoder layer; then the rest:
-  embeddings, head, final norm) with plain file reads (no memory map, whose pages would count in
+* Rank 0 alone reads the weight files, one unit at a time (a decoder layer; then each other tensor
+  alone: embeddings, head, final norm) with plain file reads (no memory map, whose pages would count in
   its resident memory until closed), checks that every tensor is finite, quantizes the unit's
   4-bit weights exactly as transformers' loader does (the same bitsandbytes call on the same
   values), and sends each rank its slice of every tensor (a scatter along the first dimension, as
@@ -287,10 +287,26 @@ class StreamedBase:
     # before fully_shard: what is real (the method's tensors, buffers) and what loads from the files
     def before_shard(self, model: nn.Module, device: torch.device) -> list:
         """Rank 0's real tensors broadcast to every rank (trained init or resumed adapter, buffers);
-        returns the plan: [(unit index, module, leaf, checkpoint names)] for the meta parameters,
-        and keeps the real tensors' full values for after `to_empty`."""
+        returns the plan (`plan`) for the meta parameters, and keeps the real tensors' full values
+        for after `to_empty`."""
         import torch.distributed as dist
 
+        plan, self.kept = self.plan(model)
+        with torch.no_grad():
+            for _, _, t in self.kept:  # the same on every rank: rank 0's
+                buf = t.to(device)
+                dist.broadcast(buf, src=0)
+                t.copy_(buf.to(t.device))
+        self.full_bytes = sum(p.numel() * p.element_size() for _, m, leaf, _ in plan
+                              for p in [getattr(m, leaf)]) + sum(t.numel() * t.element_size() for *_, t in self.kept)
+        return plan
+
+    def plan(self, model: nn.Module) -> tuple[list, list]:
+        """([(unit, module, leaf, checkpoint names)] of the meta tensors, in the order rank 0 reads
+        them; [(module, leaf, copy)] of the real ones). A unit is a decoder layer (its index), or one
+        tensor outside the layers (-1, -2, ...): the embeddings and an untied head are the largest
+        tensors, and rank 0 holds one unit's full tensors at a time
+        (tunekit.plan.host.largest_unit_bytes counts the same)."""
         from tunekit.model.layers import decoder_layers
 
         layer_of = {}
@@ -302,24 +318,20 @@ class StreamedBase:
             p = m._parameters.get(leaf)
             if p is not None:
                 names.setdefault(id(p), []).extend(ns)
-        plan, self.kept, seen = [], [], set()
+        plan, kept, seen, outside = [], [], set(), 0
         for mname, m in model.named_modules():
             for leaf, t in [*m._parameters.items(), *m._buffers.items()]:
                 if t is None or id(t) in seen:
                     continue
                 seen.add(id(t))
                 if t.is_meta:
-                    plan.append((layer_of.get(m, -1), m, leaf, names.get(id(t), [f"{mname}.{leaf}"])))
+                    if m not in layer_of:
+                        outside += 1
+                    unit = layer_of.get(m, -outside)
+                    plan.append((unit, m, leaf, names.get(id(t), [f"{mname}.{leaf}"])))
                 else:
-                    self.kept.append((m, leaf, t.detach().clone()))
-        with torch.no_grad():
-            for _, _, t in self.kept:  # the same on every rank: rank 0's
-                buf = t.to(device)
-                dist.broadcast(buf, src=0)
-                t.copy_(buf.to(t.device))
-        self.full_bytes = sum(p.numel() * p.element_size() for _, m, leaf, _ in plan
-                              for p in [getattr(m, leaf)]) + sum(t.numel() * t.element_size() for *_, t in self.kept)
-        return plan
+                    kept.append((m, leaf, t.detach().clone()))
+        return plan, kept
 
     def fill(self, root: nn.Module, plan: list, device: torch.device) -> dict:
         """Allocate this rank's shards and fill them: the kept tensors from their full values, the
@@ -332,7 +344,7 @@ class StreamedBase:
         files = WeightFiles(Path(self.path), self.key) if self.rank == 0 else None
         sums: dict = {}
         units = sorted({u for u, *_ in plan})
-        for u in [*[x for x in units if x >= 0], *[x for x in units if x < 0]]:  # layers, then the rest
+        for u in [*[x for x in units if x >= 0], *sorted((x for x in units if x < 0), reverse=True)]:  # layers first
             sums.update(self._unit([r for r in plan if r[0] == u], files, device))
         if files is not None:
             self.bytes_read, self.tensors_read = files.bytes_read, len(plan)
@@ -364,7 +376,10 @@ class StreamedBase:
         with torch.no_grad():
             for i, (_, m, leaf, names) in enumerate(rows):
                 full = fulls[i] if fulls else None
+                if fulls:
+                    fulls[i] = None  # freed as soon as it is sent
                 _scatter(_tensor(m, leaf), full, self.rank, self.world, device)
+                del full
                 if m in self.cast and leaf == "weight":
                     m.quant_state = next(states)
                     sums[m] = info["sums"][len(sums)]
@@ -379,7 +394,7 @@ class StreamedBase:
         if name is None:  # the header check passed: only a renaming would explain it
             raise TunekitError(f"{self.key}: the weights in {self.path} lack {names[0]}")
         raw = files.read(name)
-        if raw.is_floating_point() and not bool(raw.isfinite().all()):
+        if raw.is_floating_point() and not _all_finite(raw):
             raise TunekitError(f"{self.key}: the weights in {self.path} hold NaN or infinite values, first "
                                f"{names[0]}: damaged files, or a model that diverged in its own training; nothing "
                                "trained on or computed from it would mean anything")
@@ -409,6 +424,13 @@ def sharded_bits_per_param(model: nn.Module) -> Optional[float]:
         if state.nested:
             bits += state.state2.absmax.numel() * state.state2.absmax.element_size() * 8 + 32
     return bits / params if params else None
+
+
+def _all_finite(t: torch.Tensor, chunk: int = 1 << 22) -> bool:
+    """Whether every element is finite, checked a slice at a time (no bool copy of the whole tensor:
+    an embedding of a 49k vocabulary would need 100 MB for it)."""
+    flat = t.reshape(-1)
+    return all(bool(flat[i:i + chunk].isfinite().all()) for i in range(0, flat.numel(), chunk))
 
 
 def _tensor(m: nn.Module, leaf: str) -> torch.Tensor:
@@ -453,7 +475,8 @@ def _scatter(t: torch.Tensor, full: Optional[torch.Tensor], rank: int, world: in
         return
     shape = tuple(t.shape)
     step = -(-shape[0] // world)  # torch.chunk's piece length; the last pieces may be short or absent
-    buf = torch.empty((step, *shape[1:]), dtype=local.dtype, device=device)
+    into = tuple(local.shape) == (step, *shape[1:]) and local.is_contiguous() and local.device == torch.device(device)
+    buf = local if into else torch.empty((step, *shape[1:]), dtype=local.dtype, device=device)
     pieces = None
     if rank == 0:
         full = full.reshape(shape)
@@ -464,7 +487,8 @@ def _scatter(t: torch.Tensor, full: Optional[torch.Tensor], rank: int, world: in
                 part = torch.cat([part, part.new_zeros((step - part.shape[0], *shape[1:]))])
             pieces.append(part.to(device).contiguous())
     dist.scatter(buf, pieces, src=0)
-    local.copy_(buf[:local.shape[0]])
+    if not into:
+        local.copy_(buf[:local.shape[0]])
 
 
 # ---------------------------------------------------------------- the entry
