@@ -311,10 +311,16 @@ class FSDP2(Strategy):
     def __init__(self, acc, device: torch.device):
         from tunekit.train.fsdp import Sharded
 
+        import torch.distributed as dist
+
         super().__init__(acc, device)
-        # each step gathers and frees every layer's weights: freed ones must leave the process
-        # (tunekit.device.allocator; they stayed resident, 2 GB on rank 1 of a 1B model)
-        self.returns_large_frees = allocator.return_large_frees()
+        # Each step gathers and frees every layer's weights: freed blocks must leave the process
+        # (tunekit.device.allocator; they stayed resident, 2 GB on rank 1 of a 1B model). Set here,
+        # the first step of a run's setup: blocks placed before it stay where glibc put them (set
+        # at wrap instead, each rank of the 1B run held 50-100 MB more). Only in a process that is
+        # one rank of several (a test's own process keeps glibc's default: the setting is for life).
+        several = dist.is_initialized() and dist.get_world_size() > 1
+        self.returns_large_frees = several and allocator.return_large_frees()
         self.sharded = Sharded(self.device, self.world_size, self.rank)
         self.load_device = self.sharded.load_device  # host memory: sharding moves each rank's part
         self.stream = None
