@@ -68,10 +68,19 @@ def _hwm(pid: int) -> float:
 
 
 def _children(pid: int) -> list[int]:
+    """The launcher's rank processes (not a helper it may start for a moment)."""
     try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
         return []
+    ranks = []
+    for kid in kids:
+        try:
+            if b"tunekit.commands.main" in Path(f"/proc/{kid}/cmdline").read_bytes():
+                ranks.append(kid)
+        except OSError:
+            pass
+    return ranks
 
 
 def run(cmd: list[str], env: dict, ranks: bool, cwd: str) -> tuple[list[float], float, str]:
