@@ -123,7 +123,8 @@ def main() -> None:
     accelerate = str(Path(py).with_name("accelerate"))
     code = str(Path(args.code).resolve())
     out = Path(args.out).resolve()
-    rows = json.loads(out.read_text()) if out.is_file() else []
+    kept = json.loads(out.read_text()) if out.is_file() else []
+    rows = kept["rows"] if isinstance(kept, dict) else kept  # a benchmarks/ file: {"meta": ..., "rows": [...]}
     for recipe in args.recipes:
         common = [f"model.path={model}", f"data.path={data}", f"recipe={recipe}", "model.dtype=bf16", *STEPS]
         one_dir, two_dir = work / f"{args.label}-{recipe}-one", work / f"{args.label}-{recipe}-two"
@@ -151,7 +152,7 @@ def main() -> None:
         print(json.dumps(row))
         rows.append(row)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(rows, indent=2) + "\n")
+        out.write_text(json.dumps({**kept, "rows": rows} if isinstance(kept, dict) else rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ from _helpers import REPO
 # A child process per case (mallopt is process-wide): it frees one 8 MiB block, which raises glibc's
 # adaptive threshold to 8 MiB; then allocates 16 blocks of 4 MiB (what a gathered layer's
 # projections are: 4 to 22 MiB for 1B models), each followed by a 96 KiB block that pins the heap's
-# top (below glibc's 128 KiB threshold, and too large for the holes a fresh interpreter leaves); frees the large ones and reads how much of them is still resident.
+# top (below glibc's 128 KiB threshold, and too large for the holes a fresh interpreter leaves);
+# frees the large ones and reads how much of them is still resident.
 CHILD = r"""
 import ctypes, json, sys
 from tunekit.device.allocator import return_large_frees
