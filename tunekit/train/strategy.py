@@ -314,12 +314,13 @@ class FSDP2(Strategy):
         import torch.distributed as dist
 
         super().__init__(acc, device)
-        # Each step gathers and frees every layer's weights: freed blocks must leave the process
-        # (tunekit.device.allocator; they stayed resident, 2 GB on rank 1 of a 1B model). Set here,
-        # the first step of a run's setup: blocks placed before it stay where glibc put them (set
-        # at wrap instead, each rank of the 1B run held 50-100 MB more). Only in a process that is
-        # one rank of several (a test's own process keeps glibc's default: the setting is for life).
-        several = dist.is_initialized() and dist.get_world_size() > 1
+        # On a CPU each step gathers and frees every layer's weights in host memory: freed blocks
+        # must leave the process (tunekit.device.allocator; they stayed resident, 2 GB on rank 1 of
+        # a 1B model). Set here, the first step of a run's setup: blocks placed before it stay where
+        # glibc put them (set at wrap instead, each rank of the 1B run held 50-100 MB more). Only in
+        # a process that is one rank of several (a test's own process keeps glibc's default: the
+        # setting is for life), and not on GPUs, whose gathers do not touch host memory.
+        several = dist.is_initialized() and dist.get_world_size() > 1 and self.device.type == "cpu"
         self.returns_large_frees = several and allocator.return_large_frees()
         self.sharded = Sharded(self.device, self.world_size, self.rank)
         self.load_device = self.sharded.load_device  # host memory: sharding moves each rank's part
