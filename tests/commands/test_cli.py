@@ -21,7 +21,7 @@ def run_main(args, capsys) -> tuple[int, str]:
     "args, culprit",
     [
         (["recipe=nope"], f"Could not find 'recipe/nope'; available: {RECIPES}"),
-        (["trainer.max_steps=abc"], "trainer.max_steps: Value 'abc'"),
+        (["trainer.max_steps=abc"], "trainer.max_steps: must be a positive integer or auto, got 'abc'"),
         (["trainer.nope=1"], "trainer.nope: unknown config key"),
         (["trainer.optimizer=sgd"], "trainer.optimizer: Invalid value 'sgd'"),
         (["model.quantize=int3"], "model.quantize: Invalid value 'int3'"),
