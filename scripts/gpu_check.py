@@ -47,6 +47,8 @@ from pathlib import Path
 
 from gpu_check_report import markdown  # scripts/ is on the path: this script's own folder
 
+CLI = "tunekit.commands.main"  # the module a `tunekit` command runs
+
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("env", "models", "doctor", "bench", "plan", "export", "variants")
 
@@ -187,18 +189,13 @@ def run(cmd: list[str], log: Path, timeout: float, cwd: Path) -> dict:
     return out
 
 
-def run_forked(forks, args: list[str], log: Path, timeout: float, cwd: Path) -> dict:
-    """run() for a `tunekit` command forked from the dry run's server: the same record (its peak
-    RSS from the server's wait4), in `cwd` as a fresh child would be."""
+def run_forked(forks, module: str, args: list[str], log: Path, timeout: float, cwd: Path) -> dict:
+    """run() for `python -m module args` forked from the dry run's server: the same record (its
+    peak RSS from the server's wait4), in `cwd` as a fresh child would be."""
     t0 = time.monotonic()
     with open(log, "w") as fh:
-        fh.write("$ " + " ".join(forks.command(args)) + "\n")
-    here = os.getcwd()
-    os.chdir(cwd)  # the fork takes the caller's working directory
-    try:
-        child = forks.start(args, log, log)
-    finally:
-        os.chdir(here)
+        fh.write("$ " + " ".join([sys.executable, "-m", module, *args]) + "\n")
+    child = forks.server.start(module, args, log, log, cwd=cwd)
     rc = child.wait(timeout)
     maxrss = getattr(child, "maxrss_kib", None)
     return {"rc": rc, "wall_s": round(time.monotonic() - t0, 1), "timed_out": rc == -9,
@@ -227,19 +224,23 @@ class Check:
         if args.tiny:
             from tunekit.commands.forkserver import Launcher, start_method
 
-            self.forks = Launcher(dict(os.environ), start_method(0))
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "scripts"),
+                                                                              os.environ.get("PYTHONPATH")]))}
+            self.forks = Launcher(env, start_method(0))
 
     def left(self, cap: float) -> float:
         return min(cap, self.deadline - time.monotonic())
 
     def child(self, name: str, cmd: list[str], cap: float) -> dict:
-        cli = cmd[:3] == self.cli()
-        if cli and self.forks is not None:
-            return run_forked(self.forks, cmd[3:], self.work / f"{name}.log", self.left(cap), self.work)
-        return run(cmd, self.work / f"{name}.log", self.left(cap), self.work)
+        log = self.work / f"{name}.log"
+        if self.forks is not None and cmd[:3] == self.cli():
+            return run_forked(self.forks, CLI, cmd[3:], log, self.left(cap), self.work)
+        if self.forks is not None and cmd[:2] == [sys.executable, "-c"]:  # a snippet stage
+            return run_forked(self.forks, "gpu_check_code", cmd[2:], log, self.left(cap), self.work)
+        return run(cmd, log, self.left(cap), self.work)
 
     def cli(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "tunekit.commands.main", *args]
+        return [sys.executable, "-m", CLI, *args]
 
     # env ------------------------------------------------------------------------------------
     def env(self) -> dict:
