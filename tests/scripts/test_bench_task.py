@@ -1,6 +1,6 @@
 """scripts/bench_task.py: the table's mean and standard error over seeds on known numbers, the
-generative task's split, and the whole script on the tiny model (both tasks, two seeds, both
-precisions, 2 steps), its tunekit commands forked from the suite's server."""
+generative task's split, and the whole script on the tiny model (both tasks, both
+precisions, one seed, 2 steps), its tunekit commands forked from the suite's server."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def _forked(cmd: list[str], log: Path) -> tuple[int, float]:
     return proc.returncode, time.perf_counter() - t0
 
 
-def test_both_tasks_two_seeds_both_precisions_on_the_tiny_model(tiny_model_dir, tmp_path, monkeypatch):
+def test_both_tasks_both_precisions_on_the_tiny_model(tiny_model_dir, tmp_path, monkeypatch):
     bench = _script("bench_task")
     benchlib = sys.modules["benchlib"]
     real = benchlib.run_logged
@@ -94,26 +94,27 @@ def test_both_tasks_two_seeds_both_precisions_on_the_tiny_model(tiny_model_dir, 
     monkeypatch.setattr(bench, "run_logged", route)
     monkeypatch.setattr(benchlib, "run_logged", route)
     out = tmp_path / "out"
-    assert bench.main(["--recipes", "lora", "--seeds", "0,1", "--steps", "2", "--micro-batch-size", "4",
+    # one seed: the mean and standard error over seeds are checked on known numbers above; this run
+    # checks both tasks in both precisions end to end (4 runs, not 8)
+    assert bench.main(["--recipes", "lora", "--seeds", "0", "--steps", "2", "--micro-batch-size", "4",
                        "--warmup-steps", "1", "--train-per-class", "4", "--val-per-class", "2", "--gen-train-rows", "8",
                        "--gen-val-rows", "4", "--baseline", "none", "--model", str(tiny_model_dir),
                        "--work", str(tmp_path / "work"), "--out", str(out), "--suffix=-t"]) == 0
     for name, task, head in (("tweet-sentiment", "classify", "accuracy"), ("city-country", "generate", "exact_match")):
         result = json.loads((out / f"task-{name}-t.json").read_text())
         assert result["task_key"] == task and result["headline"] == head
-        assert len(result["runs"]) == 4  # 1 recipe x 2 precisions x 2 seeds
+        assert len(result["runs"]) == 2  # 1 recipe x 2 precisions x 1 seed
         table = result["table"]
-        assert [(a["method"], a["precision"], a["seeds"]) for a in table] == [("lora", "policy", [0, 1]),
-                                                                            ("lora", "fp32", [0, 1])]
+        assert [(a["method"], a["precision"], a["seeds"]) for a in table] == [("lora", "policy", [0]),
+                                                                            ("lora", "fp32", [0])]
         for a in table:
-            values = a[head]["values"]
-            assert len(values) == 2 and a[head]["se"] == pytest.approx(abs(values[0] - values[1]) / 2, abs=1e-12)
+            assert len(a[head]["values"]) == 1 and a[head]["se"] is None  # one seed: no spread to measure
             assert (a["accuracy"] is None) == (task == "generate")
         md = (out / f"task-{name}-t.md").read_text()
-        assert md.count("| lora |") == 2 and " ± " in md and "mean ± SE" in md
+        assert md.count("| lora |") == 2 and " ± n/a" in md and "mean ± SE" in md
     # each precision trained as it says: fp32 forced, the policy left to the recipe (auto)
     for precision, dtype in (("policy", "auto"), ("fp32", "fp32")):
-        for seed in (0, 1):
+        for seed in (0,):
             run = next((tmp_path / "work" / "generate" / precision / f"seed-{seed}" / "lora").glob("lr*"))
             cfg = OmegaConf.load(run / "config.yaml")
             assert cfg.model.dtype == dtype and cfg.seed == seed
