@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from _helpers import REPO
 
@@ -67,3 +68,15 @@ def test_freed_large_blocks_leave_the_process_once_the_threshold_is_fixed():
     fixed = _retained("fixed")
     assert fixed["took"] is True
     assert fixed["retained_mib"] < 32, fixed
+
+
+@pytest.mark.parametrize("device, world, wanted", [
+    ("cpu", 2, True),     # a CPU rank of several: its gathered layers live in host memory
+    ("cpu", 1, False),    # one process (a test's own, or FSDP of one): glibc's default, for life
+    ("cuda", 2, False),   # GPU ranks gather on the device
+    ("cuda", 8, False),
+])
+def test_only_cpu_ranks_of_several_hand_back_freed_blocks(device, world, wanted):
+    from tunekit.device.allocator import needs_returned_frees
+
+    assert needs_returned_frees(torch.device(f"{device}:1" if device == "cuda" else device).type, world) is wanted

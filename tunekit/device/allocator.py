@@ -32,6 +32,14 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 MMAP_THRESHOLD = 128 << 10  # glibc's default M_MMAP_THRESHOLD, before it adapts
 
 
+def needs_returned_frees(device_type: str, world_size: int) -> bool:
+    """Whether a sharded rank on `device_type` should hand freed blocks back (return_large_frees):
+    on a CPU, where every step gathers and frees each layer's weights in host memory, and only in a
+    process that is one rank of several (the setting lasts as long as the process). On a GPU the
+    gathers never touch host memory."""
+    return device_type == "cpu" and world_size > 1
+
+
 def return_large_frees(threshold: int = MMAP_THRESHOLD) -> bool:
     """mallopt(M_MMAP_THRESHOLD, threshold) for this process; True where glibc took it."""
     try:

@@ -320,8 +320,9 @@ class FSDP2(Strategy):
         # glibc put them (set at wrap instead, each rank of the 1B run held 50-100 MB more). Only in
         # a process that is one rank of several (a test's own process keeps glibc's default: the
         # setting is for life), and not on GPUs, whose gathers do not touch host memory.
-        several = dist.is_initialized() and dist.get_world_size() > 1 and self.device.type == "cpu"
-        self.returns_large_frees = several and allocator.return_large_frees()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.returns_large_frees = (allocator.needs_returned_frees(self.device.type, world)
+                                    and allocator.return_large_frees())
         self.sharded = Sharded(self.device, self.world_size, self.rank)
         self.load_device = self.sharded.load_device  # host memory: sharding moves each rank's part
         self.stream = None
