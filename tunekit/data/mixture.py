@@ -67,12 +67,19 @@ class Source:
         return f"{self.key} ({self.path})"
 
     def settings(self) -> dict:
-        """What the user set, beside the path (the run's summary and fingerprint)."""
-        return {k: getattr(self, k) for k in SOURCE_KEYS[1:] if getattr(self, k) is not None}
+        """What the user set, beside the path (the run's summary and fingerprint); the name where it is
+        not the path's own stem."""
+        out = {k: getattr(self, k) for k in SOURCE_KEYS[2:] if getattr(self, k) is not None}
+        return {"name": self.name, **out} if self.name != stem(self.path) else out
 
     def amount(self) -> str:
         """"weight 3", "fraction 0.5", "rows 500", or "every row"."""
         return next((f"{k} {getattr(self, k):g}" for k in AMOUNT_KEYS if getattr(self, k) is not None), "every row")
+
+
+def stem(path: str) -> str:
+    """A source's default name: its file's or folder's stem ("data/a.jsonl" -> "a", "org/set" -> "set")."""
+    return Path(path.rstrip("/")).stem or path
 
 
 def is_mixture(value: Any) -> bool:
@@ -122,7 +129,7 @@ def _source(item: Any, index: int) -> Source:
     fmt = m.get("format")
     if fmt is not None and str(fmt) not in FORMATS:
         raise TunekitError(f"{label}: format {fmt!r} is not one of {', '.join(FORMATS)}")
-    name = m.get("name") or Path(m["path"].rstrip("/")).stem or m["path"]
+    name = m.get("name") or stem(m["path"])
     return Source(index, m["path"], name, None if fmt is None else str(fmt), m.get("split"),
                   m.get("weight"), m.get("fraction"), m.get("rows"))
 

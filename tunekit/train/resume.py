@@ -116,6 +116,9 @@ def run_changes(saved: dict, current: dict, ckpt: Path) -> Optional[str]:
     ranks is world_size_change's."""
     changed = [k for k in sorted(set(saved) | set(current))
                if saved.get(k) != current.get(k) and k != "world_size"]
+    # a list of sources' digest covers its settings too: a changed setting is named once, as the setting
+    changed = [k for k in changed if not (k.endswith(":sha256") and k.removesuffix(":sha256") in changed
+                                          and isinstance(current.get(k.removesuffix(":sha256")), list))]
     if not changed:
         return None
 
