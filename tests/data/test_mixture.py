@@ -159,6 +159,22 @@ def test_a_weight_that_draws_no_row_and_a_source_with_none_left_are_refused(two_
         load_splits([str(a), str(long)], None, "auto", tok, 64, 0.2, None, seed=0)
 
 
+def test_a_source_reads_the_split_it_names_of_a_saved_dataset(two_files, tmp_path, tok):
+    import datasets
+
+    a, _ = two_files
+    folder = tmp_path / "saved"
+    rows = [{"text": f"Saved row {i}."} for i in range(10)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:2]),
+                          "test": datasets.Dataset.from_list(rows)}).save_to_disk(str(folder))
+    splits = load_splits([str(a), {"path": str(folder), "split": "test"}], None, "auto", tok, 64, 0.2, None, seed=0)
+    assert [(r.available, r.held_out) for r in splits.sources] == [(16, 4), (8, 2)]  # 10 rows of 'test', 2 held out
+    with pytest.raises(DataError, match=r"^data.path\[1\]: .*saved has splits \['train', 'test'\], no split 'dev'"):
+        load_splits([str(a), {"path": str(folder), "split": "dev"}], None, "auto", tok, 64, 0.2, None, seed=0)
+    with pytest.raises(DataError, match=r"^data.path\[0\]: split 'test' picks a split of a save_to_disk folder"):
+        load_splits([{"path": str(a), "split": "test"}], None, "auto", tok, 64, 0.2, None, seed=0)
+
+
 def test_the_fingerprint_covers_every_source_and_its_settings(two_files):
     a, b = two_files
     value = [{"path": str(a), "weight": 2}, str(b)]
