@@ -32,7 +32,8 @@ def _jsonl(path, rows):
 @pytest.fixture
 def two_files(tmp_path):
     """a: 20 alpaca rows; b: 10 text rows (another format, to tell the sources' rows apart)."""
-    a = _jsonl(tmp_path / "a.jsonl", [{"instruction": f"What is {i} plus {i}?", "output": f"{2 * i}."} for i in range(20)])
+    a = _jsonl(tmp_path / "a.jsonl", [{"instruction": f"What is {i} plus {i}?", "output": f"{2 * i}."}
+                                      for i in range(20)])
     b = _jsonl(tmp_path / "b.jsonl", [{"text": f"Story number {i} ends here."} for i in range(10)])
     return a, b
 
@@ -60,7 +61,8 @@ def test_sources_are_strings_or_mappings_named_by_stem_or_name():
     ([{"path": "b.jsonl", "fraction": 0}], r"^data.path\[0\] \(b.jsonl\): fraction: must be in \(0, 1\], got 0"),
     ([{"path": "b.jsonl", "rows": 2.5}], r"^data.path\[0\] \(b.jsonl\): rows: must be an integer"),
     ([{"weight": 2}], r"^data.path\[0\]: a source mapping needs 'path'"),
-    (["x/a.jsonl", "y/a.jsonl"], r"^data.path\[1\] \(y/a.jsonl\): its name 'a' is also data.path\[0\] \(x/a.jsonl\)'s"),
+    (["x/a.jsonl", "y/a.jsonl"],
+     r"^data.path\[1\] \(y/a.jsonl\): its name 'a' is also data.path\[0\] \(x/a.jsonl\)'s"),
     ([], r"^data.path: an empty list of sources"),
     ([3], r"^data.path\[0\]: a source is a data path or a mapping"),
 ])

@@ -261,8 +261,8 @@ class SourceReport:
     def line(self) -> str:
         passes = f", {self.drawn / self.available:.3g} passes over it" if self.drawn > self.available else ""
         return (f"data: source {self.source.name} ({self.source.path}, {self.source.amount()}): "
-                f"{self.available} rows available, {self.drawn} drawn{passes} = {100 * self.drawn / max(self.total, 1):.1f}% "
-                f"of {self.total} training rows; {self.held_out} held out")
+                f"{self.available} rows available, {self.drawn} drawn{passes} = "
+                f"{100 * self.drawn / max(self.total, 1):.1f}% of {self.total} training rows; {self.held_out} held out")
 
 
 # ----------------------------------------------------------------------------- reading and drawing
@@ -274,14 +274,16 @@ def _source_examples(s: Source, fmt: str, tokenizer, max_len: int, val_fraction:
 
     own = s.format or fmt
     why = "as its first row" if own == "auto" else (f"format={own}" if s.format else f"data.format={own}")
+
+    def tokenized(rows):
+        return tokenize_rows(rows, detect_format(rows, s.path) if own == "auto" else own, s.path, tokenizer, max_len, why)
+
     rows = read_rows(s.path, s.key, s.split)
-    examples = tokenize_rows(rows, detect_format(rows, s.path) if own == "auto" else own, s.path, tokenizer, max_len, why)
+    examples = tokenized(rows)
     if val_fraction is None:
         return examples, None
     if rows.held_out is not None:
-        held = rows.held_out
-        val = tokenize_rows(held, detect_format(held, s.path) if own == "auto" else own, s.path, tokenizer, max_len, why)
-        return examples, val
+        return examples, tokenized(rows.held_out)
     return hold_out(examples, val_fraction, seed, s.path)
 
 
@@ -298,7 +300,7 @@ def load_mixture(value: Any, val_path: Optional[str], fmt: str, tokenizer, max_l
     trains, vals = [], []
     for s in sources:
         with naming(s):
-            train, val = _source_examples(s, fmt, tokenizer, max_len, val_fraction if val_path is None else None, seed)
+            train, val = _source_examples(s, fmt, tokenizer, max_len, None if val_path else val_fraction, seed)
         trains.append(train)
         vals.append(val if val is None or cap is None else val.subset(range(min(cap, len(val)))))
     counts = draw_counts([len(t) for t in trains], sources)
@@ -317,7 +319,8 @@ def load_mixture(value: Any, val_path: Optional[str], fmt: str, tokenizer, max_l
     else:
         rows = read_rows(val_path, key="data.val_path")
         why = "as its first row" if fmt == "auto" else f"data.format={fmt}"
-        val = tokenize_rows(rows, detect_format(rows, val_path) if fmt == "auto" else fmt, val_path, tokenizer, max_len, why)
+        own = detect_format(rows, val_path) if fmt == "auto" else fmt
+        val = tokenize_rows(rows, own, val_path, tokenizer, max_len, why)
         if max_val_examples is not None:
             val = val.subset(range(min(max_val_examples, len(val))))
         groups = None

@@ -41,7 +41,8 @@ def check_data_unchanged(run: Run) -> None:
         if not Path(s.path).exists() and not looks_like_hub_id(s.path):
             raise TunekitError(f"{s.key}: {s.path}, which the run {run.run_dir} trained on, is gone; restore it, or "
                                "score a file of your choice with --data FILE")
-    files = {"data.path": d.path if is_mixture(d.path) else Path(d.path) if d.path else DEFAULT_DATA_DIR / "train.jsonl",
+    train = d.path if is_mixture(d.path) else Path(d.path) if d.path else DEFAULT_DATA_DIR / "train.jsonl"
+    files = {"data.path": train,
              "data.val_path": Path(d.val_path) if d.val_path else (DEFAULT_DATA_DIR / "val.jsonl" if not d.path else None)}
     for key, path in files.items():
         want = saved.get(f"{key}:sha256") if isinstance(saved, dict) else None
@@ -51,9 +52,9 @@ def check_data_unchanged(run: Run) -> None:
             raise TunekitError(f"{key}: {path}, which the run {run.run_dir} trained on, is gone; restore it, or "
                                "score a file of your choice with --data FILE")
         if data_fingerprint(path, key) != want:
-            raise TunekitError(f"{key}: {describe(path)} changed since the run {run.run_dir} trained on it (its sha256 differs "
-                               "from the one recorded at the start of training): its held-out split would no longer "
-                               "be the run's; restore the file, or score a file of your choice with --data FILE")
+            raise TunekitError(f"{key}: {describe(path)} changed since the run {run.run_dir} trained on it (its sha256 "
+                               "differs from the one recorded at the start of training): its held-out split would no "
+                               "longer be the run's; restore the file, or score a file of your choice with --data FILE")
 
 
 def heldout_batches(run: Run, tokenizer, n_batches: int) -> list[dict[str, torch.Tensor]]:
