@@ -182,6 +182,7 @@ def test_the_fingerprint_covers_every_source_and_its_settings(two_files):
     value = [{"path": str(a), "weight": 2}, str(b)]
     before = fingerprint(value)
     assert fingerprint(value) == before and fingerprint(str(a)) == data_fingerprint(a)  # one path: as before
+    assert data_fingerprint(value) == before
     assert fingerprint([{"path": str(a), "weight": 3}, str(b)]) != before
     assert fingerprint([{"path": str(a), "weight": 2}, {"path": str(b), "name": "other"}]) != before
     b.write_text(b.read_text().replace("ends", "stops"))

@@ -118,7 +118,12 @@ def read_hub(name: str, key: str, split: Optional[str] = None) -> Rows:
 def data_fingerprint(path: str | Path, key: str = "data.path") -> str:
     """A hex digest that changes when the rows behind a data path change (what resume compares):
     a file's SHA-256 (as checkpoints have always recorded it); over a save_to_disk folder's file
-    names and contents; over a hub dataset's id and its splits' `datasets` fingerprints."""
+    names and contents; over a hub dataset's id and its splits' `datasets` fingerprints; over every
+    source of a list and its settings (tunekit.data.mixture.fingerprint)."""
+    from tunekit.data import mixture
+
+    if mixture.is_mixture(path):
+        return mixture.fingerprint(path, key)
     p = Path(path)
     if p.is_file():
         return sha256_file(p)
