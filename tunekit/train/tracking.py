@@ -186,6 +186,9 @@ class Tracker:
         extra = "".join(f", {k} {row[k]:.4f}" for k in ("val_kl", "val_ce") if k in row)
         task = "".join(f", {name.split(' ')[0]} {100 * row[k]:.1f}%" for k, name in TASK_METRICS.items() if k in row)
         task += f" on {row['val_task_rows']} rows" if task else ""
+        own = [f"{k[len('eval/'):-len('/loss')]} {v:.4f}" for k, v in row.items()
+               if k.startswith("eval/") and k.endswith("/loss")]
+        task += f"; per source: {', '.join(own)}" if own else ""  # a list of sources (tunekit.data.mixture)
         self.bar.write(f"step {row['step']}: val_loss {row['val_loss']:.4f} (ppl {row['val_ppl']:.2f}{extra}){task}")
         self.undrawn = True
         if time.monotonic() - self.drawn_at >= self.REDRAW_AFTER_S:
