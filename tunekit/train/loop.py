@@ -30,7 +30,8 @@ from accelerate.utils import set_seed
 
 from tunekit import TunekitError
 from tunekit.config import TrainConfig, plain
-from tunekit.data import IGNORE, count_tokens, eval_micro_batches
+from tunekit.data import count_tokens, eval_micro_batches
+from tunekit.data.preference import example_length
 from tunekit.model import decoder_and_head
 from tunekit.device import facts as dev
 from tunekit.device import precision
@@ -156,7 +157,9 @@ class TrainRecipe(RecipeSetup):
         norm = self.strategy.clip_grad_norm(self.params, self.cfg.trainer.max_grad_norm)
         # The two values the step must see before it may apply the update, in one device-to-host
         # read; the only other read is the finite check after the update (a test counts them).
-        loss_sum, grad_norm = torch.stack([loss_sum.float(), norm.float().to(loss_sum.device)]).tolist()
+        stats = getattr(self, "step_stats", None)
+        values = [loss_sum.float(), norm.float().to(loss_sum.device)] + ([] if stats is None else list(stats))
+        loss_sum, grad_norm, *stats = torch.stack(values).tolist()
         loss = loss_sum / max(n_trained, 1)
         lr = self.scheduler.get_last_lr()[0]
         self.tokens_seen += n_input
@@ -183,6 +186,9 @@ class TrainRecipe(RecipeSetup):
         row = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": n_input / dt,
                "input_tokens": n_input, "trained_tokens": n_trained, "tokens_seen": self.tokens_seen,
                "step_time_s": dt, "epoch": self.schedule.epoch_of(step + 1), "memory_mb": dev.peak_memory_mb(self.device)}
+        if stats:  # preference: rewards/chosen, rewards/rejected, reward accuracy and margin
+            row.update(self.objective.finish(dict(zip(self.objective.stat_names, stats)), n_trained))
+            row[self.objective.unit] = row.pop("trained_tokens")
         if self.scaler.enabled:
             row.update(loss_scale=self.scaler.scale, **({"skipped": True} if overflowed else {}))
         return row
@@ -192,7 +198,7 @@ class TrainRecipe(RecipeSetup):
         (the global batch's summed loss, a 0-dim tensor not yet read; trained tokens; input tokens)."""
         micro = [self.collate([self.train_data[i] for i in idx], self.tokenizer.pad_token_id)
                  for idx in self.schedule.micro_batches(step)]
-        local_trained = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in micro)
+        local_trained = sum(self.objective.count(b) for b in micro)  # trained tokens, or pairs
         n_trained, n_input = self.strategy.sum_counts([local_trained, sum(count_tokens(b) for b in micro)])
         loss_sum = torch.zeros((), device=self.device)
         for batch in micro:
@@ -200,7 +206,13 @@ class TrainRecipe(RecipeSetup):
             self.scaler.scaled(micro_sum / max(n_trained, 1)).backward()
             loss_sum += micro_sum.detach()
         self.strategy.reduce_grads(self.params)
-        return self.strategy.sum(loss_sum), n_trained, n_input
+        take = getattr(self.objective, "take_stats", None)
+        if take is None:
+            return self.strategy.sum(loss_sum), n_trained, n_input
+        # preference: the rewards' sums ride along in the same all-reduce (train_step reads them with the loss)
+        summed = self.strategy.sum(torch.cat([loss_sum.float()[None], take(self.device)]))
+        self.step_stats = summed[1:]
+        return summed[0], n_trained, n_input
 
     def _micro_batch(self, batch: dict, objective_fn):
         """objective_fn(hidden, head, batch) of one micro-batch: the student's last hidden states
@@ -241,7 +253,7 @@ class TrainRecipe(RecipeSetup):
         names = list(self.objective.eval_names)
         sums = {name: torch.zeros((), device=self.device, dtype=torch.float64) for name in names}
         tokens = torch.zeros((), device=self.device, dtype=torch.float64)
-        lengths = [len(e["input_ids"]) for e in self.val_data]
+        lengths = [example_length(e) for e in self.val_data]
         batches = eval_micro_batches(lengths, self.cfg.trainer.micro_batch_size, self.strategy.world_size,
                                      self.strategy.rank, min_padding=not self.cfg.data.packing)
         # Where forwards are collective (FSDP: each gathers weights from every rank), each rank runs as
@@ -257,8 +269,12 @@ class TrainRecipe(RecipeSetup):
             self._micro_batch(self.collate([self.val_data[0]], self.tokenizer.pad_token_id), self.objective.eval_sums)
         self.model.train()
         reduced = self.strategy.sum(torch.stack([sums[k] for k in names] + [tokens])).tolist()
-        metrics = {f"val_{k}": v / max(reduced[-1], 1) for k, v in zip(names, reduced[:-1])}
-        metrics["val_ppl"] = math.exp(min(metrics.get("val_ce", metrics["val_loss"]), 50))
+        finish = getattr(self.objective, "finish", None)
+        if finish is not None:  # preference: per pair, rewards per desirable / undesirable row (KTO)
+            metrics = {f"val_{k}": v for k, v in finish(dict(zip(names, reduced[:-1])), reduced[-1]).items()}
+        else:
+            metrics = {f"val_{k}": v / max(reduced[-1], 1) for k, v in zip(names, reduced[:-1])}
+            metrics["val_ppl"] = math.exp(min(metrics.get("val_ce", metrics["val_loss"]), 50))
         samples = []
         if self.probe is not None:
             # generation pads its prompts and keeps a KV cache: the model's own attention
