@@ -1,9 +1,10 @@
 """The preference losses (tunekit.losses.preference) against TRL's own loss code on the same
 per-sequence log-probabilities.
 
-TRL computes DPO and KTO inline in its trainers' `_compute_loss`; those are called here on a stand-in
-trainer whose model returns the per-token log-probs given (the reference log-probs go in as TRL's
-precomputed ones). ORPO's `odds_ratio_loss` and CPO's `cpo_loss` (SimPO, cDPO) are called directly.
+TRL computes DPO and KTO inline in its trainers' `_compute_loss`: DPO's is called on a stand-in trainer
+whose model returns the per-token log-probs given, the reference log-probs going in as TRL's precomputed
+ones (tests/_helpers.trl_dpo_loss); KTO's needs a real model for its two forwards and is copied term by
+term. ORPO's `odds_ratio_loss` and CPO's `cpo_loss` (SimPO, cDPO) are called directly.
 
 Tolerance: both sides compute in fp32 from the same fp32 inputs, a handful of elementwise ops (one
 subtraction of sums of up to 8 per-token values of magnitude <= 10, a logsigmoid or square), so they
@@ -14,12 +15,12 @@ stays far below any formula difference (a missing factor or sign changes values 
 
 from __future__ import annotations
 
-from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from _helpers import trl_dpo_loss
 from tunekit.losses import preference as P
 
 ATOL = 1e-4
@@ -49,34 +50,10 @@ class _Acc:
     gather_for_metrics = gather
 
 
-def _trainer(**kw):
-    return SimpleNamespace(model=SimpleNamespace(training=True), accelerator=_Acc(), aux_loss_enabled=False,
-                           ld_alpha=None, precompute_ref_logps=True, f_divergence_type="reverse_kl",
-                           loss_weights=[1.0], use_weighting=False, _metrics=defaultdict(lambda: defaultdict(list)),
-                           _total_train_tokens=0, _tp_size=1, args=SimpleNamespace(), **kw)
-
-
-def _fake_model(per_token):
-    def model(**kwargs):
-        z = torch.zeros_like(per_token)
-        return SimpleNamespace(log_probs=per_token, entropy=z, mean_logits=z, is_top1=z.bool())
-    return model
-
-
-def _trl_dpo(loss_type, beta, logps, ref, mask):
-    from trl import DPOTrainer
-
-    sums, ref_sums = logps.sum(1), ref.sum(1)
-    inputs = {"input_ids": torch.ones_like(mask), "attention_mask": torch.ones_like(mask), "completion_mask": mask,
-              "ref_chosen_logps": ref_sums[:PAIRS], "ref_rejected_logps": ref_sums[PAIRS:]}
-    t = _trainer(loss_types=[loss_type], beta=beta, label_smoothing=0.0)
-    return DPOTrainer._compute_loss(t, _fake_model(logps), inputs, False), t._metrics["train"]
-
-
 @pytest.mark.parametrize("loss,beta", [("dpo", 0.1), ("dpo", 0.5), ("ipo", 0.1), ("ipo", 0.3)])
 def test_dpo_and_ipo_equal_trl(loss, beta):
     logps, ref, mask = _per_token()
-    trl_loss, metrics = _trl_dpo("sigmoid" if loss == "dpo" else "ipo", beta, logps, ref, mask)
+    trl_loss, metrics = trl_dpo_loss(logps, ref.sum(1), mask, beta, "sigmoid" if loss == "dpo" else "ipo")
     s, rs, n = logps.sum(1), ref.sum(1), mask.sum(1)
     c, r, rc, rr = s[:PAIRS], s[PAIRS:], rs[:PAIRS], rs[PAIRS:]
     ours = (P.dpo_loss(c, r, rc, rr, beta) if loss == "dpo" else
@@ -159,3 +136,29 @@ def test_kto_equals_trl_formula(with_kl):
     ours = P.kto_loss(logps, ref, desirable, beta, kl)
     assert float(ours.per_pair.mean()) == pytest.approx(float(trl_mean), abs=ATOL)
     torch.testing.assert_close(ours.chosen_rewards, beta * ratio[desirable], atol=ATOL, rtol=0)
+
+
+def test_sequence_logps_and_their_gradients_equal_plain_log_softmax(monkeypatch):
+    """Chunked per-sequence log-probs (5 rows a chunk here, so chunks straddle sequences) against
+    log_softmax of all logits, in float64 where the chunked path also stays in float64 up to its fp32
+    log-sum-exp: the values agree to fp32 rounding of logits of magnitude ~5 (ulp 4.8e-7) summed over
+    <= 5 tokens, so atol 1e-5; gradients (to hidden states, head weight and bias) likewise."""
+    from tunekit.losses import logps as L
+
+    monkeypatch.setattr(L, "chunk_rows", lambda vocab: 5)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50).double()
+    hidden = torch.randn(3, 6, 8, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 50, (3, 6))
+    labels[0, :3] = labels[2, :5] = P_IGNORE = -100
+    sums, counts = L.sequence_logps(hidden, head, labels)
+    shift = labels[:, 1:]
+    per_token = torch.log_softmax(head(hidden)[:, :-1], -1).gather(2, shift.clamp(min=0)[..., None]).squeeze(-1)
+    want = (per_token * (shift != P_IGNORE)).sum(1)
+    assert counts.tolist() == [3, 5, 1]
+    torch.testing.assert_close(sums.double(), want, atol=1e-5, rtol=0)
+    w = torch.tensor([0.3, -1.2, 2.0], dtype=torch.float64)
+    got = torch.autograd.grad((sums.double() * w).sum(), [hidden, head.weight, head.bias])
+    ref = torch.autograd.grad((want * w).sum(), [hidden, head.weight, head.bias])
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
