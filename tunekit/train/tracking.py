@@ -179,8 +179,9 @@ class Tracker:
         self.log(row)
         if "epoch" in row:
             self.bar.set_description(self.epoch_label(row["epoch"]), refresh=False)
-        extra = {} if "rewards/margins" not in row else {"acc": f"{row['rewards/accuracies']:.2f}",
-                                                         "margin": f"{row['rewards/margins']:.3f}"}
+        # preference objectives: reward accuracy (pairs only) and margin
+        extra = {name: f"{row[k]:.3f}" for name, k in (("acc", "rewards/accuracies"), ("margin", "rewards/margins"))
+                 if k in row}
         self.bar.set_postfix(loss=f"{row['loss']:.3f}", **extra, tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
         self.bar.update(1)
 
@@ -190,7 +191,7 @@ class Tracker:
         extra += "".join(f", {k.removeprefix('val_')} {row[k]:.4f}" for k in PREFERENCE_EVAL if k in row)
         task = "".join(f", {name.split(' ')[0]} {100 * row[k]:.1f}%" for k, name in TASK_METRICS.items() if k in row)
         task += f" on {row['val_task_rows']} rows" if task else ""
-        ppl = f"ppl {row['val_ppl']:.2f}" if "val_ppl" in row else "per pair"
+        ppl = f"ppl {row['val_ppl']:.2f}" if "val_ppl" in row else "mean per pair, KTO: per row"
         self.bar.write(f"step {row['step']}: val_loss {row['val_loss']:.4f} ({ppl}{extra}){task}")
         self.undrawn = True
         if time.monotonic() - self.drawn_at >= self.REDRAW_AFTER_S:

@@ -1,0 +1,97 @@
+"""PreferenceObjective (tunekit.train.preference) on plain tensors: a micro-batch of N pairs is 2N rows
+scored in one pass, chosen first; the reference pass is asked for only by the losses that need one; the
+step's reward sums become TRL's per-pair means (KTO: per desirable / undesirable row); and the config
+checks refuse what cannot run, in one line each.
+
+Both sides of each comparison run the same fp32 ops on the same tensors (the objective calls
+sequence_logps and the loss functions the test calls), so they agree to summation order: atol 1e-6 on
+values of magnitude <= 10."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tunekit import TunekitError
+from tunekit.config import PreferenceConfig
+from tunekit.losses.logps import sequence_logps
+from tunekit.losses.preference import kto_loss, pair_losses
+from tunekit.train.preference import PreferenceObjective, check_preference_config
+
+
+def _batch(rows: int, **extra):
+    g = torch.Generator().manual_seed(rows)
+    labels = torch.randint(0, 40, (rows, 7), generator=g)
+    labels[:, :3] = -100  # a 3-token prompt
+    return {"input_ids": labels.clamp(min=0), "labels": labels, **extra}
+
+
+def _head():
+    torch.manual_seed(0)
+    return torch.nn.Linear(8, 40, bias=False)
+
+
+@pytest.mark.parametrize("loss", ["dpo", "ipo", "orpo", "simpo"])
+def test_pairs_are_scored_in_one_pass_against_the_reference(loss):
+    head, batch = _head(), _batch(6)
+    hidden, ref_hidden = torch.randn(6, 7, 8), torch.randn(6, 7, 8)
+    asked = []
+    obj = PreferenceObjective(PreferenceConfig(loss=loss, beta=0.2), reference=lambda b: asked.append(b) or ref_hidden)
+    total, n = obj.loss(hidden, head, batch)
+    assert int(n) == 3 and obj.count(batch) == 3
+    assert len(asked) == (0 if loss in ("orpo", "simpo") else 1)
+    logps, tokens = sequence_logps(hidden, head, batch["labels"])
+    ref, _ = sequence_logps(ref_hidden, head, batch["labels"])
+    refs = (None, None) if loss in ("orpo", "simpo") else (ref[:3], ref[3:])
+    want = pair_losses(loss, logps[:3], logps[3:], *refs, tokens[:3], tokens[3:], 0.2, 0.0, 0.5)
+    torch.testing.assert_close(total, want.per_pair.sum(), atol=1e-6, rtol=0)
+    stats = dict(zip(obj.stat_names, obj.take_stats("cpu").tolist()))
+    margin = want.chosen_rewards - want.rejected_rewards
+    means = obj.finish(stats, 3)
+    assert means["rewards/chosen"] == pytest.approx(float(want.chosen_rewards.mean()), abs=1e-6)
+    assert means["rewards/margins"] == pytest.approx(float(margin.mean()), abs=1e-6)
+    assert means["rewards/accuracies"] == pytest.approx(float((margin > 0).float().mean()), abs=1e-6)
+    assert obj.take_stats("cpu").abs().sum() == 0  # taken: the next step starts from zero
+
+
+def test_kto_rewards_are_means_over_desirable_and_undesirable_rows():
+    head = _head()
+    desirable = torch.tensor([True, False, False, True, False])
+    batch = _batch(5, desirable=desirable)
+    hidden, ref_hidden = torch.randn(5, 7, 8), torch.randn(5, 7, 8)
+    obj = PreferenceObjective(PreferenceConfig(loss="kto"), reference=lambda b: ref_hidden)
+    total, n = obj.loss(hidden, head, batch)
+    assert int(n) == 5
+    logps, _ = sequence_logps(hidden, head, batch["labels"])
+    ref, _ = sequence_logps(ref_hidden, head, batch["labels"])
+    want = kto_loss(logps, ref, desirable, 0.1)
+    torch.testing.assert_close(total, want.per_pair.sum(), atol=1e-6, rtol=0)
+    means = obj.finish(dict(zip(obj.stat_names, obj.take_stats("cpu").tolist())), 5)
+    assert means["rewards/chosen"] == pytest.approx(float(want.chosen_rewards.mean()), abs=1e-6)  # over 2 rows
+    assert means["rewards/rejected"] == pytest.approx(float(want.rejected_rewards.mean()), abs=1e-6)  # over 3
+
+
+def _cfg(method="lora", init="default", loss="dpo", **pref):
+    return SimpleNamespace(objective="preference", preference=PreferenceConfig(loss=loss, **pref),
+                           data=SimpleNamespace(packing=False, format="auto", path="pairs.jsonl"),
+                           method=SimpleNamespace(name=method, init=init))
+
+
+@pytest.mark.parametrize("cfg,culprit", [
+    (_cfg(init="pissa"), "method.init: pissa starts the adapter away from zero"),
+    (_cfg(method="prompt_tuning"), "method.name: preference.loss=dpo scores against the base"),
+    (_cfg(loss="kto", label_smoothing=0.1), "preference.label_smoothing: 0.1 applies to preference.loss=dpo and simpo"),
+    (_cfg(gamma=-1.0, loss="simpo"), "preference.gamma: must be >= 0, got -1"),
+    (_cfg(undesirable_weight=0.0, loss="kto"), "preference.undesirable_weight: must be > 0, got 0"),
+])
+def test_config_refusals_name_the_key(cfg, culprit):
+    with pytest.raises(TunekitError) as e:
+        check_preference_config(cfg)
+    assert str(e.value).startswith(culprit)
+
+
+def test_reference_free_losses_run_with_any_method():
+    check_preference_config(_cfg(method="full", loss="orpo"))
+    check_preference_config(_cfg(method="prompt_tuning", init="pissa", loss="simpo"))
