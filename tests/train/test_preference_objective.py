@@ -95,3 +95,16 @@ def test_config_refusals_name_the_key(cfg, culprit):
 def test_reference_free_losses_run_with_any_method():
     check_preference_config(_cfg(method="full", loss="orpo"))
     check_preference_config(_cfg(method="prompt_tuning", init="pissa", loss="simpo"))
+
+
+def test_the_preference_keys_are_in_the_fingerprint_of_preference_runs_only():
+    """A checkpoint saved before the preference node existed (an SFT run) must still resume: its
+    fingerprint never had preference.* keys."""
+    from tunekit.config import TrainConfig
+    from tunekit.train.resume import fingerprint
+
+    hashes = {"data.path:sha256": "x", "data.val_path:sha256": None}
+    sft = TrainConfig()
+    assert not [k for k in fingerprint(sft, 1, hashes) if k.startswith("preference.")]
+    dpo = TrainConfig(objective="preference")
+    assert fingerprint(dpo, 1, hashes)["preference.beta"] == 0.1
