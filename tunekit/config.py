@@ -194,6 +194,9 @@ class PreferenceConfig:
     gamma: float = 0.5  # simpo only: the target reward margin
     desirable_weight: float = 1.0  # kto only
     undesirable_weight: float = 1.0  # kto only
+    # dpo/ipo/kto: compute every row's reference log-probs once before training (one forward over the
+    # data) instead of a reference forward in every micro-batch (TRL's precompute_ref_log_probs)
+    precompute_ref: bool = False
 
 
 @dataclass

@@ -108,3 +108,22 @@ def test_the_preference_keys_are_in_the_fingerprint_of_preference_runs_only():
     assert not [k for k in fingerprint(sft, 1, hashes) if k.startswith("preference.")]
     dpo = TrainConfig(objective="preference")
     assert fingerprint(dpo, 1, hashes)["preference.beta"] == 0.1
+
+
+def test_precomputed_reference_logps_ride_in_the_batch_and_replace_the_reference_pass(tiny_model_dir):
+    """preference.precompute_ref: rows carry (chosen, rejected) reference log-probs; the collated
+    micro-batch holds them in its rows' order and the objective uses them instead of a reference forward."""
+    from transformers import AutoTokenizer
+
+    from tunekit.data.formats import Rows
+    from tunekit.data.preference import PAIRS, collate_preference, tokenize_preference
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = Rows([{"prompt": f"q{i}", "chosen": f"yes {i}", "rejected": f"no {i}"} for i in range(2)], ["row 1", "row 2"])
+    examples, _ = tokenize_preference(rows, PAIRS, "p.jsonl", tok, 64)
+    for i, e in enumerate(examples):
+        e["ref_logps"] = [-1.0 - i, -10.0 - i]
+    batch = collate_preference(examples, tok.pad_token_id)
+    assert batch["ref_logps"].tolist() == [-1.0, -2.0, -10.0, -11.0]  # chosen rows, then rejected
+    obj = PreferenceObjective(PreferenceConfig(loss="dpo"), reference=lambda b: pytest.fail("reference forward"))
+    assert obj._reference_logps(None, batch).tolist() == [-1.0, -2.0, -10.0, -11.0]

@@ -252,13 +252,19 @@ def example_length(e: dict) -> int:
 
 def collate_preference(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """A micro-batch of N pairs as 2N rows, the chosen sides first then the rejected in the same order
-    (one forward for both); of N unpaired rows as N rows with their `desirable` flags."""
+    (one forward for both); of N unpaired rows as N rows with their `desirable` flags.
+    Rows whose reference log-probs were computed once (preference.precompute_ref) carry them as
+    `ref_logps`, (2N,) or (N,) in the rows' order."""
     if "rejected_input_ids" in examples[0]:
         sides = [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples]
         sides += [{"input_ids": e["rejected_input_ids"], "labels": e["rejected_labels"]} for e in examples]
-        return collate(sides, pad_id)
-    batch = collate(examples, pad_id)
-    batch["desirable"] = torch.tensor([bool(e["desirable"]) for e in examples])
+        batch = collate(sides, pad_id)
+    else:
+        batch = collate(examples, pad_id)
+        batch["desirable"] = torch.tensor([bool(e["desirable"]) for e in examples])
+    if all("ref_logps" in e for e in examples):
+        batch["ref_logps"] = torch.tensor([e["ref_logps"][side] for side in range(len(examples[0]["ref_logps"]))
+                                           for e in examples], dtype=torch.float32)
     return batch
 
 

@@ -359,6 +359,34 @@ class RecipeSetup:
 
             self.bits_per_param = sharded_bits_per_param(self.model)
 
+    def _precompute_reference(self) -> None:
+        """preference.precompute_ref: every training and held-out row's reference log-probs, once, stored
+        with the row (its micro-batches then carry them and skip the reference forward). Every rank
+        computes every row in the same order, so collective forwards (FSDP) stay in step."""
+        if not (getattr(self.objective, "needs_reference", False) and self.cfg.preference.precompute_ref):
+            return
+        from tunekit.losses.logps import sequence_logps
+        from tunekit.model import decoder_and_head
+
+        size = self.cfg.trainer.micro_batch_size
+        self.model.eval()
+        for data in (self.train_data, self.val_data):
+            for i in range(0, len(data), size):
+                rows = data[i : i + size]
+                batch = {k: v.to(self.device) for k, v in self.collate(rows, self.tokenizer.pad_token_id).items()}
+
+                def forward():
+                    _, head = decoder_and_head(self.model)
+                    return sequence_logps(self.reference_hidden(batch), head, batch["labels"])[0]
+
+                with torch.no_grad(), self.precision.autocast(self.device, self.method.autocast):
+                    logps = self.strategy.run(forward).float().cpu().view(-1, len(rows))  # (sides, rows)
+                for j, e in enumerate(rows):
+                    e["ref_logps"] = logps[:, j].tolist()
+        self.model.train()
+        self._info(f"preference: reference log-probs of {len(self.train_data)} + {len(self.val_data)} rows computed "
+                   "once (preference.precompute_ref)")
+
     def reference_hidden(self, batch: dict) -> torch.Tensor:
         """The reference model's last hidden states for `batch` (on the device): the same model with the
         method's trained part switched off, under no_grad (preference objectives)."""

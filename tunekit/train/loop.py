@@ -72,6 +72,7 @@ class TrainRecipe(RecipeSetup):
         self._wrap_model()
         self._build_optimizer()
         self._start_or_resume()
+        self._precompute_reference()
         self._write_run_files()
         self._open_tracker()
         self._setup_task_eval()

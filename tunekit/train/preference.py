@@ -97,6 +97,8 @@ class PreferenceObjective:
     def _reference_logps(self, head: nn.Module, batch: dict) -> Optional[torch.Tensor]:
         if not self.needs_reference:
             return None
+        if "ref_logps" in batch:  # computed once before training (preference.precompute_ref)
+            return batch["ref_logps"].float()
         with torch.no_grad():
             logps, _ = sequence_logps(self.reference(batch), head, batch["labels"])
         return logps
