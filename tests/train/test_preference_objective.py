@@ -73,10 +73,10 @@ def test_kto_rewards_are_means_over_desirable_and_undesirable_rows():
     assert means["rewards/rejected"] == pytest.approx(float(want.rejected_rewards.mean()), abs=1e-6)  # over 3
 
 
-def _cfg(method="lora", init="default", loss="dpo", **pref):
+def _cfg(method="lora", init="default", loss="dpo", micro=4, **pref):
     return SimpleNamespace(objective="preference", preference=PreferenceConfig(loss=loss, **pref),
                            data=SimpleNamespace(packing=False, format="auto", path="pairs.jsonl"),
-                           method=SimpleNamespace(name=method, init=init))
+                           method=SimpleNamespace(name=method, init=init), trainer=SimpleNamespace(micro_batch_size=micro))
 
 
 @pytest.mark.parametrize("cfg,culprit", [
@@ -85,6 +85,7 @@ def _cfg(method="lora", init="default", loss="dpo", **pref):
     (_cfg(loss="kto", label_smoothing=0.1), "preference.label_smoothing: 0.1 applies to preference.loss=dpo and simpo"),
     (_cfg(gamma=-1.0, loss="simpo"), "preference.gamma: must be >= 0, got -1"),
     (_cfg(undesirable_weight=0.0, loss="kto"), "preference.undesirable_weight: must be > 0, got 0"),
+    (_cfg(micro="auto"), "trainer.micro_batch_size: auto is planned in rows"),
 ])
 def test_config_refusals_name_the_key(cfg, culprit):
     with pytest.raises(TunekitError) as e:

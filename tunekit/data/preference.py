@@ -279,8 +279,8 @@ def load_preference_splits(path: str, val_path: Optional[str], tokenizer, max_le
     if val_rows is not None:
         val_name = path if val_path is None else val_path
         if detect_kind(val_rows, val_name) != kind:
-            raise DataError(f"{val_name}: holds {_what(row_kind(val_rows[0]))}s, the training rows are "
-                            f"{_what(kind)}s; one kind of row for both")
+            raise DataError(f"{val_name}: row 1 is {_what(row_kind(val_rows[0]))}, but the training rows are "
+                            f"{'preference pairs' if kind == PAIRS else 'unpaired rows'}; one kind of row for both")
         val, val_cut = tokenize_preference(val_rows, kind, val_name, tokenizer, max_len)
     else:
         order = list(range(len(train)))
