@@ -2,9 +2,10 @@
 
     python scripts/bench_fsdp_load.py --model /tmp/bench-1b [--build] [--code DIR --label after] [--recipes lora qlora]
 
---build writes a random-init Llama-shape model folder first (hidden 2048, 16 layers, intermediate
-5632, untied head, the default model's 49152-token vocabulary and tokenizer, bf16 safetensors:
-1.02B parameters, 2.0 GiB; never commit it). Then, per recipe, `tunekit train` runs a few steps
+--build writes a random-init Llama-shape model folder first (--shape 1b: hidden 2048, 16 layers,
+intermediate 5632, untied head, the default model's 49152-token vocabulary and tokenizer, bf16
+safetensors: 1.02B parameters, 2.0 GiB; --shape 3b: Llama-3.2-3B's widths, 3.1B, 6.2 GB; never
+commit it). Then, per recipe, `tunekit train` runs a few steps
 with short sequences (a) in one process and (b) on two gloo ranks with trainer.strategy=fsdp
 (`accelerate launch --multi_gpu`, ACCELERATE_USE_CPU=true), each rank with one OpenMP thread. The
 peak of each process is its VmHWM, polled every 20 ms from /proc (tunekit resets VmHWM once, after
@@ -38,15 +39,24 @@ STEPS = ["trainer.max_steps=2", "trainer.micro_batch_size=1", "trainer.grad_accu
          "trainer.warmup_steps=0", "method.dropout=0", "model.gradient_checkpointing=false"]
 
 
-def build(out: Path) -> None:
+# --shape: the widths of the model --build writes (untied head, the default tokenizer's vocabulary)
+SHAPES = {
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
+               num_key_value_heads=16),
+    # Llama-3.2-3B's widths and depth (3.1B parameters with this vocabulary, 6.2 GB in bf16)
+    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+               num_key_value_heads=8),
+}
+
+
+def build(out: Path, shape: str = "1b") -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from tunekit.model import default_model_dir
 
     tok = AutoTokenizer.from_pretrained(default_model_dir())
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-                      num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048,
+    cfg = LlamaConfig(vocab_size=len(tok), **SHAPES[shape], max_position_embeddings=2048,
                       tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
@@ -108,6 +118,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--build", action="store_true")
+    ap.add_argument("--shape", choices=list(SHAPES), default="1b", help="the widths --build writes")
     ap.add_argument("--data", required=True, help="a JSONL file of alpaca rows")
     ap.add_argument("--code", default=str(Path(__file__).resolve().parents[1]), help="the checkout whose tunekit runs")
     ap.add_argument("--label", default="after")
@@ -117,7 +128,7 @@ def main() -> None:
     args = ap.parse_args()
     model, data, work = Path(args.model).resolve(), Path(args.data).resolve(), Path(args.work).resolve()
     if args.build:
-        build(model)
+        build(model, args.shape)
     env = {**os.environ, "PYTHONPATH": args.code, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
     py = sys.executable
     accelerate = str(Path(py).with_name("accelerate"))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import shutil
@@ -42,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from benchlib import build_cfg, lengths, matmul_peak, step_examples, sync, useful_flops
@@ -83,6 +85,10 @@ def parse_args(argv=None):
     p.add_argument("--peak-reps", type=int, default=10,
                    help="timed products per shape and dtype when measuring the CPU's matmul peak")
     p.add_argument("--out", type=Path, help="output path without suffix (default benchmarks/training/train-<device>-<config>)")
+    p.add_argument("--fork-runs", action="store_true",
+                   help="run each system and each matmul-peak measurement in a fork of this process, which imports "
+                        "the stack once, instead of a fresh interpreter per run (CPU only: the GPU check's dry run; "
+                        "peak memory then counts this process's imports too, the same for every system)")
     p.add_argument("--child", help=argparse.SUPPRESS)  # one run, as JSON
     args = p.parse_args(argv)
     for key, value in CONFIGS[args.config].items():
@@ -284,6 +290,43 @@ def run_child(spec: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------- parent
+def in_fork(fn, *args):
+    """fn(*args) in a forked child, its JSON result read back through a pipe. The caller has imported the
+    stack and computed nothing (no thread pool or CUDA context exists to be copied); a child that fails
+    prints its traceback and the caller gets RuntimeError."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        code = 1
+        try:
+            with os.fdopen(write_end, "w") as pipe:
+                pipe.write(json.dumps(fn(*args)))
+            code = 0
+        except BaseException:  # noqa: BLE001 - said on stderr, then the caller sees the exit status
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        text = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise RuntimeError(f"{fn.__name__} failed in its forked child (exit status {code})")
+    return json.loads(text)
+
+
+def prepare_forks(systems: list[str]) -> None:
+    """--fork-runs: import what every run needs once, here, so that each fork starts with it."""
+    import tunekit.train.loop  # noqa: F401
+
+    if any(s.startswith("trl") for s in systems):
+        import trl  # noqa: F401
+
+
 def forced_dtype(sets: list[str]) -> str | None:
     """The compute dtype a `--set model.dtype=bf16|fp32` forces on the runs (None: auto decides)."""
     names = {"bf16": "bfloat16", "fp32": "float32"}
@@ -394,6 +437,24 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def in_fork_or_fresh(spec: dict, fork: bool) -> dict | None:
+    """One run: a fork of this process (--fork-runs) or a fresh interpreter; None where it failed (its
+    stderr shown)."""
+    if fork:
+        try:
+            return in_fork(run_child, spec)
+        except RuntimeError:
+            return None
+    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], cwd=REPO, capture_output=True,
+                          text=True)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        sys.stderr.write(proc.stderr[-4000:])
+        print(f"bench_train: the run's interpreter exited with status {proc.returncode}", file=sys.stderr)
+        return None
+    return json.loads(line.removeprefix("BENCH_RESULT "))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
@@ -405,6 +466,9 @@ def main(argv=None) -> int:
     if gpu and not torch.cuda.is_available():
         print(f"bench_train: --config {args.config} needs a CUDA GPU and torch sees none "
               "(use --config cpu here)", file=sys.stderr)
+        return 2
+    if args.fork_runs and torch.cuda.is_available():
+        print("bench_train: --fork-runs is for a CPU machine (CUDA does not survive a fork)", file=sys.stderr)
         return 2
     if "trl-liger" in args.systems:
         try:
@@ -419,7 +483,12 @@ def main(argv=None) -> int:
     # minutes per measurement and is no ceiling any run computes at.
     # and the dtype a --set model.dtype=... forces, so that its figure too comes from before the runs
     dtypes = tuple(dict.fromkeys([*peak_dtypes(gpu), *filter(None, [forced_dtype(args.set)])]))
-    measured = {"before": {d: matmul_peak(d, args.peak_reps) for d in dtypes}}
+    if args.fork_runs:
+        prepare_forks(args.systems)
+
+    def measure_peak(d: str) -> dict:
+        return in_fork(matmul_peak, d, args.peak_reps) if args.fork_runs else matmul_peak(d, args.peak_reps)
+    measured = {"before": {d: measure_peak(d) for d in dtypes}}
     print("matmul peak (GFLOP/s): " + ", ".join(f"{d} {v['gflops']:.0f}" for d, v in measured["before"].items()),
           flush=True)
     datasheet = args.peak_tflops or (next((v for k, v in PEAK_TFLOPS.items() if k in device_name()), None)
@@ -435,7 +504,7 @@ def main(argv=None) -> int:
         # a dtype nothing above foresaw (a recipe's own default): measured now, between the runs, and filed so
         during = measured.setdefault("between runs", {})
         if d not in during:
-            during[d] = matmul_peak(d, args.peak_reps)
+            during[d] = measure_peak(d)
         return during[d]["gflops"] / 1e3, f"measured {d} matmul peak, between the runs"
     modes = ["off", "on"] if args.packing == "both" else [args.packing]
     result = {"config": args.config, "device": device_name(), "versions": versions(), "metric_notes": {
@@ -455,15 +524,10 @@ def main(argv=None) -> int:
                         "packing": mode == "on", "model": model, "data": args.data, "set": args.set,
                         "baseline": args.baseline}
                 t0 = time.perf_counter()
-                proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], cwd=REPO,
-                                      capture_output=True, text=True)
-                line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_RESULT ")), None)
-                if proc.returncode != 0 or line is None:
-                    sys.stderr.write(proc.stderr[-4000:])
-                    print(f"bench_train: {system} (packing {mode}, rep {rep}) failed, exit {proc.returncode}",
-                          file=sys.stderr)
+                run = in_fork_or_fresh(spec, args.fork_runs)
+                if run is None:
+                    print(f"bench_train: {system} (packing {mode}, rep {rep}) failed", file=sys.stderr)
                     return 1
-                run = json.loads(line.removeprefix("BENCH_RESULT "))
                 run["flops"] = [useful_flops(model or default_model(), run["trainable_params"], ls, c[1])
                                 for ls, c in zip(run["lengths"], run["tokens"])]
                 runs[system].append(run)
@@ -483,7 +547,7 @@ def main(argv=None) -> int:
                 for s, b in block["systems"].items() if s != "tunekit"}
         result["results"][mode] = block
     every = {**measured["before"], **measured.get("between runs", {})}
-    measured["after"] = {d: matmul_peak(d, args.peak_reps) for d in every}
+    measured["after"] = {d: measure_peak(d) for d in every}
     result["matmul_peak_gflops"] = measured
     dev = re.sub(r"[^a-z0-9]+", "-", result["device"].lower().removeprefix("nvidia ")).strip("-") if gpu else "cpu"
     out = args.out or REPO / "benchmarks" / "training" / f"train-{dev}-{args.config}"

@@ -369,8 +369,13 @@ class Check:
     def bench(self) -> dict:
         out = self.work / "bench"
         data = ["--data", str(self.args.data)] if self.args.data else []
-        r = self.child("bench", [sys.executable, str(REPO / "scripts" / "bench_train.py"), *self.s["bench"], *data,
-                                 "--model", str(self.model_dirs["1b"]), "--systems", "tunekit,trl", "--out", str(out)], 170)
+        args = [*self.s["bench"], *data, "--model", str(self.model_dirs["1b"]), "--systems", "tunekit,trl", "--out",
+                str(out)]
+        if self.forks is not None:  # the dry run: bench_train forked from the server, its runs forked from it
+            r = run_forked(self.forks, "bench_train", [*args, "--fork-runs"], self.work / "bench.log", self.left(170),
+                           self.work)
+        else:
+            r = self.child("bench", [sys.executable, str(REPO / "scripts" / "bench_train.py"), *args], 170)
         res = Path(f"{out}.json")
         if res.is_file():
             data = json.loads(res.read_text())

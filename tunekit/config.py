@@ -74,8 +74,10 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # .jsonl/.json/.csv/.parquet file; null = the embedded default dataset.
-    path: Optional[str] = None
+    # .jsonl/.json/.csv/.parquet file, save_to_disk folder or hub id; null = the embedded default
+    # dataset. Or a list of sources, each such a string or {path, name, format, split, and one of
+    # weight | fraction | rows} (tunekit.data.mixture): Any, since the schema cannot say "str or list".
+    path: Any = None
     # Held-out file; null = the default data's val split, or val_fraction of path.
     val_path: Optional[str] = None
     val_fraction: float = 0.05

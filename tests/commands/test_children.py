@@ -27,13 +27,17 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "PROBE_MINE": "yes", "PY
 @pytest.fixture(scope="module")
 def launchers():
     made = {m: Launcher(ENV, m, module="_child_probe", preload=["_child_probe"]) for m in ("fresh", "forkserver")}
+    # the server forked from this process (the doctor's, where it was forked itself), not started fresh
+    made["forkserver from here"] = Launcher(ENV, "forkserver", module="_child_probe", preload=["_child_probe"],
+                                            from_here=True)
     yield made
     for launcher in made.values():
         launcher.close()
 
 
 def run(launcher: Launcher, args: list[str], tmp_path) -> tuple[int, dict | None, str]:
-    out, err = tmp_path / f"{launcher.method}.out", tmp_path / f"{launcher.method}.err"
+    name = launcher.method + ("-here" if launcher.server is not None and launcher.server.forked_here else "")
+    out, err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
     code = launcher.run(args, out, err, timeout=60)
     stdout = out.read_text()
     return code, json.loads(stdout.splitlines()[0]) if stdout else None, err.read_text()
@@ -48,6 +52,7 @@ def test_a_gpu_makes_the_children_start_fresh():
     (["exit", "0"], 0, "probe: to stderr"),
     (["exit", "3"], 3, "probe: to stderr"),
     (["exit", "a message"], 1, "a message"),  # SystemExit("...") prints it and exits 1
+    (["return", "4"], 4, "probe: to stderr"),  # main's int, as `sys.exit(main(argv))` gives
     (["raise"], 1, "RuntimeError: probe: boom"),  # a traceback and 1, as `python -m` gives
 ])
 def test_a_forked_child_ends_as_a_fresh_one(launchers, args, code, last_err_line, tmp_path, monkeypatch):
@@ -62,7 +67,7 @@ def test_a_forked_child_ends_as_a_fresh_one(launchers, args, code, last_err_line
         assert err.strip().splitlines()[-1] == last_err_line, (method, err)
 
 
-@pytest.mark.parametrize("method", ["fresh", "forkserver"])
+@pytest.mark.parametrize("method", ["fresh", "forkserver", "forkserver from here"])
 def test_kill_and_timeout(launchers, method, tmp_path):
     launcher = launchers[method]
     log = tmp_path / "both.log"  # stdout and stderr into one file, as the doctor's killed run does

@@ -28,11 +28,12 @@ def test_gpu_config_without_cuda_fails_in_one_line():
     assert len(lines) == 1 and "CUDA" in lines[0] and "gpu-1b" in lines[0], proc.stderr
 
 
-def test_a_forced_dtype_is_named_before_the_runs():
+def test_a_forced_dtype_is_named_before_the_runs(monkeypatch):
     """`--set model.dtype=...` decides which matmul peak MFU divides by: it is measured with the others,
     before the runs (auto, or no such override: the CPU's own rule, nothing forced)."""
     import importlib.util
 
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # its sibling benchlib, as running the script gives
     spec = importlib.util.spec_from_file_location("bench_train_script", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)  # stdlib imports only at the top: no torch here

@@ -104,8 +104,10 @@ def parse_overrides(overrides: list[str], multirun: bool) -> list:
         if override.is_sweep_override() and not multirun:
             what = "an unquoted comma, which Hydra reads as several values to sweep" if "," in value \
                 else "a sweep (several values)"
+            several = (f"; for several datasets, give a list: '{key}=[{value}]'"
+                       if override.key_or_group == "data.path" and "," in value else "")
             raise TunekitError(f"{override.key_or_group}: the value {value!r} holds {what}; quote it "
-                               f"('{key}=\"{value}\"') or pass -m to run a sweep")
+                               f"('{key}=\"{value}\"') or pass -m to run a sweep{several}")
         parsed.append(override)
     return parsed
 

@@ -70,11 +70,11 @@ def _versions() -> dict:
 
 class Doctor:
     def __init__(self, model: str | None, data: str | None, steps: int, out: Path, env: dict,
-                 overrides: list[str] | None = None, start: str = "fresh"):
+                 overrides: list[str] | None = None, start: str = "fresh", from_here: bool = False):
         self.model, self.data, self.steps, self.out = model, data, steps, out
         self.overrides = list(overrides or [])
         self.env = env
-        self.children = Launcher(env, start)
+        self.children = Launcher(env, start, from_here=from_here)
         self.report: dict = {"checks": {}}
         self.log_dir = out / "logs"
 
@@ -388,14 +388,18 @@ def main(argv: list[str]) -> None:
     (out / "logs").mkdir(parents=True)
     (out / MARKER).write_text(json.dumps({"pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
     env = {**os.environ, "WANDB_MODE": "disabled"}
+    interpret_at_start = os.environ.get("TRITON_INTERPRET")
     from tunekit.device import facts as dev
 
     if dev.cuda_device_count() == 0:
         os.environ["TRITON_INTERPRET"] = env["TRITON_INTERPRET"] = "1"  # the only way the fused path runs on a CPU: functional, not fast
         print("[doctor] no GPU: the fused kernel runs under Triton's interpreter (a functional check; "
               "speed figures mean nothing)", flush=True)
+    # The fork server forks from this process, which has computed nothing yet, where triton (read at its
+    # import) was not imported under another interpreter setting than the children get
+    from_here = "triton" not in sys.modules or interpret_at_start == env.get("TRITON_INTERPRET")
     doctor = Doctor(args.model, args.data, args.steps, out, env, args.overrides,
-                    start=start_method(dev.cuda_device_count()))
+                    start=start_method(dev.cuda_device_count()), from_here=from_here)
     try:
         doctor.environment()
         doctor.kernels()

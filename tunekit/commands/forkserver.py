@@ -10,7 +10,8 @@ command, not its caller. How the child starts (`start_method`):
   stack once (PRELOAD) and computes nothing (no tensor, so no OpenMP pool or CUDA context exists to
   be copied); each command is a fork of it that runs `<module>.main(argv)` with its own working
   directory, environment, stdin, stdout and stderr, and exits with the status the interpreter
-  would give it (SystemExit as Python maps it; an uncaught exception prints its traceback, 1).
+  would give it (SystemExit as Python maps it, an int that main returns as `sys.exit(main(argv))`
+  would; an uncaught exception prints its traceback, 1).
 
 On a machine with a GPU the children start fresh: importing that stack may initialise the CUDA
 driver (bitsandbytes probes for it), and CUDA does not survive a fork. Where no GPU is visible,
@@ -240,8 +241,8 @@ def _child(request: dict, channels: tuple[int, int]) -> None:
             traceback.print_exc()
             return
         try:
-            main(list(request["argv"]))
-            code = 0
+            returned = main(list(request["argv"]))
+            code = returned if isinstance(returned, int) else 0  # as `sys.exit(main(argv))` would
         except SystemExit as e:
             code = exit_status(e)
         except BaseException:  # noqa: BLE001 - print it and exit 1, as `python -m` would
@@ -311,17 +312,73 @@ class ForkedChild(Child):
         return code
 
 
+class _ServerFork:
+    """The handle of a server forked from the caller: what Server uses of a subprocess.Popen."""
+
+    def __init__(self, pid: int, stdin, stdout):
+        self.pid, self.stdin, self.stdout, self._code = pid, stdin, stdout, None
+
+    def poll(self) -> int | None:
+        if self._code is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self._code = os.waitstatus_to_exitcode(status)
+        return self._code
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(["fork server"], timeout)
+            time.sleep(0.01)
+        return self._code
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, 9)
+
+
+def _fork_server(env: dict, preload: list[str]) -> _ServerFork:
+    """A server forked from the calling process: it starts with everything the caller imported."""
+    requests_r, requests_w = os.pipe()
+    answers_r, answers_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.dup2(requests_r, 0)
+            os.dup2(answers_w, 1)
+            for fd in (requests_r, requests_w, answers_r, answers_w):
+                os.close(fd)
+            os.environ.clear()
+            os.environ.update(env)
+            serve([json.dumps(preload)])
+        finally:
+            os._exit(1)  # serve() ends the process itself; this only on an error before it could
+    os.close(requests_r)
+    os.close(answers_w)
+    return _ServerFork(pid, os.fdopen(requests_w, "w"), os.fdopen(answers_r, "r"))
+
+
 class Server:
     """A fork server: a process started now with `env` as its environment (what is read at import,
     thread counts and TRITON_INTERPRET, is read there once for every child) that imports `preload`
     (PRELOAD by default) while the caller goes on, then forks one child per start().
-    Ends with close(), or when the caller's process ends."""
+    Ends with close(), or when the caller's process ends.
 
-    def __init__(self, env: dict, preload: list[str] | None = None):
+    from_here=True forks the server from the caller instead of starting a fresh interpreter: it
+    starts with the caller's imports (free where the caller is itself a fork of a server, as the GPU
+    check's doctor stage is). Only on a machine without a GPU, from a caller that has computed
+    nothing yet (no thread pool to copy) and that imported triton, if at all, with the
+    TRITON_INTERPRET setting of `env`."""
+
+    def __init__(self, env: dict, preload: list[str] | None = None, from_here: bool = False):
         self.env, self.preload = dict(env), list(PRELOAD if preload is None else preload)
-        self._lock, self._asked = threading.Lock(), False
-        self._proc = subprocess.Popen([sys.executable, "-c", _SERVE, json.dumps(self.preload)], env=self.env,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._lock, self._asked, self.forked_here = threading.Lock(), False, from_here
+        if from_here:
+            self._proc = _fork_server(self.env, self.preload)
+        else:
+            self._proc = subprocess.Popen([sys.executable, "-c", _SERVE, json.dumps(self.preload)], env=self.env,
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def alive(self) -> bool:
         return self._proc.poll() is None
@@ -380,13 +437,15 @@ class Server:
 class Launcher:
     """Starts `python -m <module> args` (a module with `main(argv)`; tunekit's CLI unless told) with
     `env` as the child's whole environment and the caller's working directory, by `method` (see
-    above); `preload` is what a fork server imports once. close() ends its server."""
+    above); `preload` is what a fork server imports once, `from_here` as Server's. close() ends its
+    server."""
 
-    def __init__(self, env: dict, method: str, module: str = CLI, preload: list[str] | None = None):
+    def __init__(self, env: dict, method: str, module: str = CLI, preload: list[str] | None = None,
+                 from_here: bool = False):
         if method not in ("fresh", "forkserver"):
             raise ValueError(f"start method {method!r}: choose fresh or forkserver")
         self.env, self.method, self.module = dict(env), method, module
-        self.server = Server(self.env, preload) if method == "forkserver" else None
+        self.server = Server(self.env, preload, from_here) if method == "forkserver" else None
 
     def command(self, args: list[str]) -> list[str]:
         """The equivalent shell command (for logs)."""

@@ -78,6 +78,13 @@ class Examples(list):
         out.lost = [self.lost[i] for i in indices] if self.lost is not None else None
         return out
 
+    @classmethod
+    def joined(cls, parts: list["Examples"]) -> "Examples":
+        """The examples of every part, in order, each with its own `lost` (the sources of a mixture)."""
+        out = cls(e for part in parts for e in part)
+        out.lost = [n for part in parts for n in (part.lost if part.lost is not None else [None] * len(part))]
+        return out
+
     def truncation(self) -> Truncation:
         lost = self.lost or [None] * len(self)
         return Truncation(len(self), sum(n is not None for n in lost),
@@ -87,15 +94,22 @@ class Examples(list):
 class Splits(tuple):
     """(train, val) examples, unpacked as before (`train, val = load_splits(...)`), plus `dropped`:
     one Dropped per file that lost rows to data.max_seq_len (each already logged once). What the cut
-    took from the rows that still train: `train.truncation()`, `val.truncation()`."""
+    took from the rows that still train: `train.truncation()`, `val.truncation()`.
 
-    def __new__(cls, train: list[dict], val: list[dict], dropped: list[Dropped]):
+    A list of sources (tunekit.data.mixture) adds `sources` (one SourceReport each: rows available,
+    drawn, held out) and `val_groups` ([(source name, its indices into val)], None where data.val_path
+    holds out); both None for one path."""
+
+    def __new__(cls, train: list[dict], val: list[dict], dropped: list[Dropped], sources: Optional[list] = None,
+                val_groups: Optional[list[tuple[str, list[int]]]] = None):
         self = super().__new__(cls, (train, val))
         self.dropped = dropped
+        self.sources = sources
+        self.val_groups = val_groups
         return self
 
     def __getnewargs__(self):  # copy and pickle rebuild it through __new__
-        return self[0], self[1], self.dropped
+        return self[0], self[1], self.dropped, self.sources, self.val_groups
 
     @property
     def train(self) -> list[dict]:
@@ -129,8 +143,21 @@ def tokenize_rows(rows: list[dict], fmt: str, path, tokenizer, max_len: int, why
     return out
 
 
+def hold_out(examples: Examples, val_fraction: float, seed: int, path) -> tuple[Examples, Examples]:
+    """(train, val): val_fraction of the examples (at least one) held out by a shuffle seeded by `seed`,
+    each part in file order. The file's dropped rows stay with the training part (reported once)."""
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    n_val = max(1, int(len(examples) * val_fraction))
+    if len(examples) - n_val < 1:
+        raise DataError(f"{path}: {len(examples)} rows is too few to hold out a validation split")
+    train, val = examples.subset(sorted(order[n_val:])), examples.subset(sorted(order[:n_val]))
+    val.dropped = None
+    return train, val
+
+
 def load_splits(
-    path: Optional[str],
+    path,
     val_path: Optional[str],
     fmt: str,
     tokenizer,
@@ -141,8 +168,13 @@ def load_splits(
 ) -> Splits:
     """(train, val) tokenized examples, with Splits.dropped. No path -> the embedded default data and
     its val split. data.path may be a file, a save_to_disk folder or a hub id (tunekit.data.sources);
-    a dataset with a held-out split gives the val set when val_path is None."""
+    a dataset with a held-out split gives the val set when val_path is None. A list of sources:
+    tunekit.data.mixture.load_mixture."""
     ensure_chat_template(tokenizer)
+    from tunekit.data.mixture import is_mixture, load_mixture
+
+    if is_mixture(path):
+        return load_mixture(path, val_path, fmt, tokenizer, max_len, val_fraction, max_val_examples, seed)
     train_path = path if path else str(DEFAULT_DATA_DIR / "train.jsonl")
     if val_path is None and path is None:
         val_path = str(DEFAULT_DATA_DIR / "val.jsonl")
@@ -159,13 +191,7 @@ def load_splits(
         val = tokenize_rows(val_rows, fmt_val, val_name, tokenizer, max_len, why)
     else:
         examples = tokenize_rows(train_rows, fmt_train, train_path, tokenizer, max_len, why)
-        order = list(range(len(examples)))
-        random.Random(seed).shuffle(order)
-        n_val = max(1, int(len(examples) * val_fraction))
-        if len(examples) - n_val < 1:
-            raise DataError(f"{train_path}: {len(examples)} rows is too few to hold out a validation split")
-        train, val = examples.subset(sorted(order[n_val:])), examples.subset(sorted(order[:n_val]))
-        val.dropped = None  # the file's dropped rows are reported once, with the training rows
+        train, val = hold_out(examples, val_fraction, seed, train_path)
     if max_val_examples is not None:
         val = val.subset(range(min(max_val_examples, len(val))))
     return Splits(train, val, [e.dropped for e in (train, val) if getattr(e, "dropped", None) is not None])

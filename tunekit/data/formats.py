@@ -145,19 +145,23 @@ def _read_parquet(path: Path) -> Rows:
     return Rows(rows, [f"row {i}" for i in range(1, len(rows) + 1)])
 
 
-def read_rows(path: str | Path, key: str = "data.path") -> Rows:
+def read_rows(path: str | Path, key: str = "data.path", split: Optional[str] = None) -> Rows:
     """All rows of a .jsonl/.json/.csv/.parquet file, each a dict with the row's own keys; or of a
     save_to_disk folder or a hub dataset id (tunekit.data.sources: data.path takes the train split
-    and keeps the held-out one in Rows.held_out, data.val_path takes the held-out split)."""
+    and keeps the held-out one in Rows.held_out, data.val_path takes the held-out split; `split`,
+    a source's own choice, takes that split alone)."""
     from tunekit.data import sources
 
     path = Path(path)
     if path.is_dir():
-        return sources.read_saved(path, key)
+        return sources.read_saved(path, key, split)
     if not path.exists():
         if sources.looks_like_hub_id(str(path)):
-            return sources.read_hub(str(path), key)
+            return sources.read_hub(str(path), key, split)
         raise DataError(f"{key}: file not found: {path}")
+    if split is not None:
+        raise DataError(f"{key}: split {split!r} picks a split of a save_to_disk folder or hub dataset; {path} is a "
+                        "file (its rows are one split): leave 'split' out")
     if not path.is_file():  # a FIFO or device would block or never end
         raise DataError(f"{key}: {path} is not a regular file")
     if path.suffix.lower() not in SUFFIXES:
@@ -347,16 +351,18 @@ def _memo_key(path: str | Path, fmt: str, max_chars: Optional[int]) -> Optional[
         return None
 
 
-def check_file(path: str | Path, fmt: str, key: str, max_chars: Optional[int] = None) -> tuple[int, str]:
+def check_file(path: str | Path, fmt: str, key: str, max_chars: Optional[int] = None,
+               split: Optional[str] = None) -> tuple[int, str]:
     """Read and check every row of a data file, save_to_disk folder or hub dataset (no tokenizer
     needed; a dataset's held-out split too): (rows, format).
 
     Remembered per (file, size, mtime, format): validation runs once per command and once per
     job, and a file read twice should not cost twice."""
     memo = _memo_key(path, fmt, max_chars)
+    memo = memo + (split,) if memo is not None else None
     if memo is not None and memo in _CHECKED:
         return _CHECKED[memo]
-    rows = read_rows(path, key)
+    rows = read_rows(path, key, split)
     why = f"data.format={fmt}" if fmt != "auto" else "as its first row"
     for part in (rows, rows.held_out):
         if part is not None:

@@ -20,6 +20,7 @@ import os
 import re
 import socket
 from pathlib import Path
+from typing import Optional
 from urllib.parse import urlparse
 
 from tunekit.data.formats import SUFFIXES, DataError, Rows
@@ -46,7 +47,7 @@ def _one_line(err: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def read_saved(folder: Path, key: str) -> Rows:
+def read_saved(folder: Path, key: str, split: Optional[str] = None) -> Rows:
     if not is_saved_dataset(folder):
         raise DataError(f"{key}: {folder} is a folder, and not one datasets' save_to_disk wrote (no "
                         f"{' or '.join(SAVED_MARKERS)} in it); give a {'/'.join(SUFFIXES)} file or such a folder")
@@ -56,7 +57,7 @@ def read_saved(folder: Path, key: str) -> Rows:
         ds = datasets.load_from_disk(str(folder))
     except Exception as e:  # a damaged arrow file, a state.json of another version, ...
         raise DataError(f"{key}: {folder}: cannot read the dataset save_to_disk wrote there ({_one_line(e)})") from None
-    return rows_of(ds, str(folder), key)
+    return rows_of(ds, str(folder), key, split)
 
 
 def _offline() -> bool:
@@ -110,14 +111,19 @@ def _load_hub(name: str, key: str):
     return _LOADED[name]
 
 
-def read_hub(name: str, key: str) -> Rows:
-    return rows_of(_load_hub(name, key), name, key)
+def read_hub(name: str, key: str, split: Optional[str] = None) -> Rows:
+    return rows_of(_load_hub(name, key), name, key, split)
 
 
 def data_fingerprint(path: str | Path, key: str = "data.path") -> str:
     """A hex digest that changes when the rows behind a data path change (what resume compares):
     a file's SHA-256 (as checkpoints have always recorded it); over a save_to_disk folder's file
-    names and contents; over a hub dataset's id and its splits' `datasets` fingerprints."""
+    names and contents; over a hub dataset's id and its splits' `datasets` fingerprints; over every
+    source of a list and its settings (tunekit.data.mixture.fingerprint)."""
+    from tunekit.data import mixture
+
+    if mixture.is_mixture(path):
+        return mixture.fingerprint(path, key)
     p = Path(path)
     if p.is_file():
         return sha256_file(p)
@@ -141,9 +147,19 @@ def _split_rows(ds, split: str | None) -> Rows:
     return Rows(rows, [f"row {i} of split {split!r}" for i in range(1, len(rows) + 1)])
 
 
-def rows_of(ds, where: str, key: str) -> Rows:
+def rows_of(ds, where: str, key: str, split: Optional[str] = None) -> Rows:
     """The rows data.path (train split, held-out split kept aside) or data.val_path (held-out
-    split) takes from a Dataset or DatasetDict."""
+    split) takes from a Dataset or DatasetDict; `split` (a source's own choice in a list of
+    sources, tunekit.data.mixture): that split alone, no held-out split kept aside."""
+    if split is not None:
+        names = list(ds.keys()) if hasattr(ds, "keys") else []
+        if split not in names:
+            has = f"splits {names}" if names else "no splits (one Dataset)"
+            raise DataError(f"{key}: {where} has {has}, no split {split!r}")
+        rows = _split_rows(ds[split], split)
+        if not rows:
+            raise DataError(f"{key}: {where}: split {split!r} has no rows")
+        return rows
     if not hasattr(ds, "keys"):  # one Dataset, no splits
         rows = _split_rows(ds, None)
         if not rows:

@@ -25,7 +25,8 @@ def check_data_unchanged(run: Run) -> None:
     the run trained on, and the score would silently measure something else. Runs from before
     the record are not checked."""
     from tunekit.data.formats import DEFAULT_DATA_DIR
-    from tunekit.data.sources import data_fingerprint, looks_like_hub_id
+    from tunekit.data.mixture import describe, fingerprint as data_fingerprint, is_mixture, parse_sources
+    from tunekit.data.sources import looks_like_hub_id
     from tunekit.train.resume import DATA_FINGERPRINT
 
     record = run.run_dir / DATA_FINGERPRINT
@@ -36,19 +37,24 @@ def check_data_unchanged(run: Run) -> None:
     except (OSError, ValueError) as e:
         raise TunekitError(f"{record}: not readable JSON ({type(e).__name__}); it records the data the run trained on") from None
     d = run.cfg.data
-    files = {"data.path": Path(d.path) if d.path else DEFAULT_DATA_DIR / "train.jsonl",
+    for s in parse_sources(d.path) if is_mixture(d.path) else []:
+        if not Path(s.path).exists() and not looks_like_hub_id(s.path):
+            raise TunekitError(f"{s.key}: {s.path}, which the run {run.run_dir} trained on, is gone; restore it, or "
+                               "score a file of your choice with --data FILE")
+    train = d.path if is_mixture(d.path) else Path(d.path) if d.path else DEFAULT_DATA_DIR / "train.jsonl"
+    files = {"data.path": train,
              "data.val_path": Path(d.val_path) if d.val_path else (DEFAULT_DATA_DIR / "val.jsonl" if not d.path else None)}
     for key, path in files.items():
         want = saved.get(f"{key}:sha256") if isinstance(saved, dict) else None
         if path is None or not isinstance(want, str):
             continue
-        if not path.exists() and not looks_like_hub_id(str(path)):
+        if not is_mixture(path) and not path.exists() and not looks_like_hub_id(str(path)):
             raise TunekitError(f"{key}: {path}, which the run {run.run_dir} trained on, is gone; restore it, or "
                                "score a file of your choice with --data FILE")
         if data_fingerprint(path, key) != want:
-            raise TunekitError(f"{key}: {path} changed since the run {run.run_dir} trained on it (its sha256 differs "
-                               "from the one recorded at the start of training): its held-out split would no longer "
-                               "be the run's; restore the file, or score a file of your choice with --data FILE")
+            raise TunekitError(f"{key}: {describe(path)} changed since the run {run.run_dir} trained on it (its sha256 "
+                               "differs from the one recorded at the start of training): its held-out split would no "
+                               "longer be the run's; restore the file, or score a file of your choice with --data FILE")
 
 
 def heldout_batches(run: Run, tokenizer, n_batches: int) -> list[dict[str, torch.Tensor]]:
@@ -84,6 +90,7 @@ def heldout_examples(cfg, tokenizer, data: str | None) -> tuple[list[dict], str]
     from tunekit.config import plain
     from tunekit.data import load_splits, tokenize_rows
     from tunekit.data.formats import detect_format, read_rows
+    from tunekit.data.mixture import describe
 
     max_len = cfg.data.max_seq_len if cfg is not None else DEFAULT_MAX_LEN
     if data is not None:
@@ -98,7 +105,8 @@ def heldout_examples(cfg, tokenizer, data: str | None) -> tuple[list[dict], str]
         d = cfg.data
         _, val = load_splits(d.path, d.val_path, plain(d.format), tokenizer, d.max_seq_len, d.val_fraction,
                              d.max_val_examples, cfg.seed)
-        where = d.val_path or (f"{d.val_fraction:g} of {d.path} (the run's split)" if d.path else "the default data's val split")
+        where = d.val_path or (f"{d.val_fraction:g} of {describe(d.path)} (the run's split)" if d.path
+                               else "the default data's val split")
         return val, where
     _, val = load_splits(None, None, "auto", tokenizer, max_len, 0.05, None, 0)
     return val, "the default data's val split"

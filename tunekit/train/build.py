@@ -132,11 +132,16 @@ class RecipeSetup:
             cfg.data.val_fraction, cfg.data.max_val_examples, cfg.seed,
         )
         self.train_data, self.val_data = splits
+        self.val_groups = splits.val_groups  # a list of sources: each one's held-out rows, evaluated apart
         # Rows longer than data.max_seq_len lose their end, replies included: said once here, and in
         # summary.json, so that a cut that costs a share of the training signal is seen.
         train, val = splits.train.truncation(), splits.val.truncation()
         self.data_report = {"max_seq_len": cfg.data.max_seq_len, "train": train.as_dict(), "held_out": val.as_dict(),
                             "dropped_rows": {d.path: len(d.rows) for d in splits.dropped}}
+        if splits.sources is not None:  # a list of sources: what each has, gives and holds out
+            self.data_report["sources"] = [r.as_dict() for r in splits.sources]
+            for r in splits.sources:
+                self._info(r.line())
         self._info(f"data: {len(self.train_data)} train / {len(self.val_data)} held-out examples"
                    + (", packed" if cfg.data.packing else "")
                    + f"; data.max_seq_len={cfg.data.max_seq_len}: {train.phrase('training')}, {val.phrase('held-out')}")

@@ -244,37 +244,47 @@ class TrainRecipe(RecipeSetup):
         raise TunekitError(f"step {step + 1}: {what}; training stopped and nothing more was saved: {kept}. "
                            "Lower trainer.lr, check trainer.max_grad_norm, or look for bad rows in the data")
 
-    @torch.no_grad()
-    def evaluate(self, step: int) -> dict:
-        """Token-weighted held-out metrics (split across ranks, sums reduced): val_loss, plus
-        val_ce and val_kl (to the teacher) when distilling."""
-        self.model.eval()
+    def _held_out_sums(self, names: list[str]) -> list[list[float]]:
+        """Per held-out group (each source of a list of sources, else the whole set), the sums of the
+        objective's eval `names` and the trained tokens, over every rank: [[sum per name..., tokens]]."""
         # Every rank reduces the same named sums, even one with no held-out batch (fewer held-out
         # rows than ranks): a rank reducing fewer values would hang NCCL.
-        names = list(self.objective.eval_names)
-        sums = {name: torch.zeros((), device=self.device, dtype=torch.float64) for name in names}
-        tokens = torch.zeros((), device=self.device, dtype=torch.float64)
-        lengths = [example_length(e) for e in self.val_data]
-        batches = eval_micro_batches(lengths, self.cfg.trainer.micro_batch_size, self.strategy.world_size,
-                                     self.strategy.rank, min_padding=not self.cfg.data.packing)
+        groups = getattr(self, "val_groups", None) or [(None, list(range(len(self.val_data))))]
+        sums = torch.zeros((len(groups), len(names) + 1), device=self.device, dtype=torch.float64)
+        batches = []  # (group, rows): each group's rows split over the ranks and grouped by length apart
+        for g, (_, rows) in enumerate(groups):
+            lengths = [example_length(self.val_data[i]) for i in rows]
+            batches += [(g, [rows[j] for j in idx]) for idx in eval_micro_batches(
+                lengths, self.cfg.trainer.micro_batch_size, self.strategy.world_size, self.strategy.rank,
+                min_padding=not self.cfg.data.packing)]
         # Where forwards are collective (FSDP: each gathers weights from every rank), each rank runs as
         # many as the busiest: the extra ones on a held-out row, not counted
         extra = self.strategy.missing_forwards(len(batches))
-        for idx in batches:
+        for g, idx in batches:
             batch = self.collate([self.val_data[i] for i in idx], self.tokenizer.pad_token_id)
             parts, n = self._micro_batch(batch, self.objective.eval_sums)
-            for name in names:
-                sums[name] += parts[name].double()
-            tokens += n.double().to(self.device)
+            sums[g] += torch.stack([parts[name].double() for name in names] + [n.double().to(self.device)])
         for _ in range(extra):
             self._micro_batch(self.collate([self.val_data[0]], self.tokenizer.pad_token_id), self.objective.eval_sums)
+        reduced = self.strategy.sum(sums.flatten()).view(len(groups), len(names) + 1).tolist()
+        return reduced
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> dict:
+        """Token-weighted held-out metrics (split across ranks, sums reduced): val_loss, plus
+        val_ce and val_kl (to the teacher) when distilling; with a list of sources, each source's
+        own too (eval/<name>/loss, ...)."""
+        self.model.eval()
+        names = list(self.objective.eval_names)
+        per_group = self._held_out_sums(names)
         self.model.train()
-        reduced = self.strategy.sum(torch.stack([sums[k] for k in names] + [tokens])).tolist()
-        finish = getattr(self.objective, "finish", None)
-        if finish is not None:  # preference: per pair, rewards per desirable / undesirable row (KTO)
-            metrics = {f"val_{k}": v for k, v in finish(dict(zip(names, reduced[:-1])), reduced[-1]).items()}
-        else:
-            metrics = {f"val_{k}": v / max(reduced[-1], 1) for k, v in zip(names, reduced[:-1])}
+        reduced = [sum(col) for col in zip(*per_group)]
+        # means over the trained tokens (preference: over the pairs, and KTO's rewards over their rows)
+        finish = getattr(self.objective, "finish", None) or _per_unit
+        metrics = {f"val_{k}": v for k, v in finish(dict(zip(names, reduced[:-1])), reduced[-1]).items()}
+        for (source, _), sums in zip(getattr(self, "val_groups", None) or [], per_group):
+            metrics.update({f"eval/{source}/{k}": v for k, v in finish(dict(zip(names, sums[:-1])), sums[-1]).items()})
+        if not hasattr(self.objective, "finish"):  # preference: a loss per pair, no perplexity
             metrics["val_ppl"] = math.exp(min(metrics.get("val_ce", metrics["val_loss"]), 50))
         samples = []
         if self.probe is not None:
@@ -388,3 +398,8 @@ class TrainRecipe(RecipeSetup):
             self.model = self.optimizer = self.scheduler = self.params = self.strategy = None
             gc.collect()
             torch.distributed.destroy_process_group()
+
+
+def _per_unit(sums: dict[str, float], n: float) -> dict[str, float]:
+    """Held-out sums as means over the `n` units they were summed over (trained tokens)."""
+    return {k: v / max(n, 1) for k, v in sums.items()}

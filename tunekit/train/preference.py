@@ -55,6 +55,11 @@ def check_preference_config(cfg) -> None:
     if plain(cfg.data.format) != "auto":
         raise TunekitError(f"data.format: {plain(cfg.data.format)} is an SFT format; objective=preference reads "
                            "preference rows (prompt/chosen/rejected or prompt/completion/label): set data.format=auto")
+    from tunekit.data.mixture import is_mixture
+
+    if is_mixture(cfg.data.path):
+        raise TunekitError("data.path: a list of sources is not read with objective=preference yet; give one file "
+                           "of preference rows")
     if cfg.data.path is None:
         raise TunekitError("data.path: objective=preference needs a file of preference rows (the default data is "
                            "SFT rows); give data.path=pairs.jsonl")

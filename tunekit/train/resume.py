@@ -65,10 +65,11 @@ def fingerprint(cfg, world_size: int, hashes: Optional[dict] = None) -> dict[str
     kept = {k: v for k, v in flat.items()
             if not any(k == m or (m.endswith(".") and k.startswith(m)) for m in MAY_CHANGE)}
     data = cfg.data
-    train = Path(data.path) if data.path else DEFAULT_DATA_DIR / "train.jsonl"
-    val = Path(data.val_path) if data.val_path else (DEFAULT_DATA_DIR / "val.jsonl" if not data.path else None)
-    from tunekit.data.sources import data_fingerprint  # a file's sha256; also save_to_disk folders, hub ids
+    # a file's sha256; also save_to_disk folders, hub ids, and a list of sources with their settings
+    from tunekit.data.mixture import fingerprint as data_fingerprint, is_mixture
 
+    train = data.path if is_mixture(data.path) else Path(data.path) if data.path else DEFAULT_DATA_DIR / "train.jsonl"
+    val = Path(data.val_path) if data.val_path else (DEFAULT_DATA_DIR / "val.jsonl" if not data.path else None)
     if hashes is not None:
         kept.update({k: v for k, v in hashes.items() if k.endswith(":sha256")})
     else:
@@ -118,6 +119,9 @@ def run_changes(saved: dict, current: dict, ckpt: Path) -> Optional[str]:
     ranks is world_size_change's."""
     changed = [k for k in sorted(set(saved) | set(current))
                if saved.get(k) != current.get(k) and k != "world_size"]
+    # a list of sources' digest covers its settings too: a changed setting is named once, as the setting
+    changed = [k for k in changed if not (k.endswith(":sha256") and k.removesuffix(":sha256") in changed
+                                          and isinstance(current.get(k.removesuffix(":sha256")), list))]
     if not changed:
         return None
 

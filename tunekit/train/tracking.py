@@ -191,6 +191,9 @@ class Tracker:
         extra += "".join(f", {k.removeprefix('val_')} {row[k]:.4f}" for k in PREFERENCE_EVAL if k in row)
         task = "".join(f", {name.split(' ')[0]} {100 * row[k]:.1f}%" for k, name in TASK_METRICS.items() if k in row)
         task += f" on {row['val_task_rows']} rows" if task else ""
+        own = [f"{k[len('eval/'):-len('/loss')]} {v:.4f}" for k, v in row.items()
+               if k.startswith("eval/") and k.endswith("/loss")]
+        task += f"; per source: {', '.join(own)}" if own else ""  # a list of sources (tunekit.data.mixture)
         ppl = f"ppl {row['val_ppl']:.2f}" if "val_ppl" in row else "mean per pair, KTO: per row"
         self.bar.write(f"step {row['step']}: val_loss {row['val_loss']:.4f} ({ppl}{extra}){task}")
         self.undrawn = True
