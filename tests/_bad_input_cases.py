@@ -154,6 +154,20 @@ CASES = [
     train("prompt-tokens-0", "recipe=prompt_tuning method.num_virtual_tokens=0", "method.num_virtual_tokens: must be >= 1"),
     train("prompt-init-empty", "recipe=prompt_tuning method.prompt_init_text=''", "method.prompt_init_text: must be non-empty"),
     train("full-on-4bit", "method.name=full model.quantize=nf4", "method.name=full: cannot train a 4-bit base"),
+    # ---- objective=preference: its keys, what it cannot run with, its rows
+    train("preference-beta-0", f"recipe=dpo data.path={D}/pairs.jsonl preference.beta=0",
+          "preference.beta: must be > 0, got 0"),
+    train("preference-smoothing-ipo", f"recipe=dpo data.path={D}/pairs.jsonl preference.loss=ipo "
+          "preference.label_smoothing=0.1", "preference.label_smoothing: 0.1 applies to preference.loss=dpo and simpo only"),
+    train("preference-full-dpo", f"recipe=full objective=preference data.path={D}/pairs.jsonl",
+          "method.name: preference.loss=dpo scores against the base with the trained part switched off"),
+    train("preference-packing", f"recipe=dpo data.path={D}/pairs.jsonl data.packing=true",
+          "data.packing: not with objective=preference"),
+    train("preference-sft-rows", "recipe=dpo", "{data}: row 1: objective=preference needs preference rows"),
+    train("preference-sources", f"recipe=dpo 'data.path=[{D}/pairs.jsonl,{D}/same_sides.jsonl]'",
+          "data.path: a list of sources is not read with objective=preference yet"),
+    train("preference-same-sides", f"recipe=dpo data.path={D}/same_sides.jsonl",
+          "{w}/data/same_sides.jsonl: row 2: 'chosen' and 'rejected' are the same: nothing to prefer"),
     # ---- distill.*, kernels.*, tracker.*
     train("distill-alpha", "recipe=distill distill.alpha=1.5", "distill.alpha: must be in [0, 1], got 1.5"),
     train("distill-alpha-nan", "recipe=distill distill.alpha=nan", "distill.alpha: must be in [0, 1], got nan"),

@@ -24,6 +24,9 @@ def build_world(w: Path, tiny: Path, run_fingerprint: dict) -> None:
     qa = {"instruction": "What is 2 plus 2?", "output": "4."}
     chat = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
     _jsonl(d / "alpaca.jsonl", [qa] * 6)
+    pair = {"prompt": "What is 2 plus 2?", "chosen": "4.", "rejected": "5."}
+    _jsonl(d / "pairs.jsonl", [pair] * 6)
+    _jsonl(d / "same_sides.jsonl", [pair, {**pair, "rejected": "4."}] + [pair] * 4)
     (d / "folder.jsonl").mkdir()
     (d / "notes.txt").write_text("hello\n")
     (d / "empty.jsonl").write_text("")

@@ -416,3 +416,39 @@ def crashed_copy(full_run: Path, dest: Path) -> Path:
     shutil.rmtree(dest / "adapter")
     (dest / "summary.json").unlink()
     return dest
+
+
+def trl_dpo_loss(per_token, ref_sums, completion_mask, beta: float, loss_type: str = "sigmoid"):
+    """TRL 1.16's own DPO loss (DPOTrainer._compute_loss, called on a stand-in trainer whose model returns
+    `per_token` as its per-token log-probs, with `ref_sums` as TRL's precomputed reference log-probs).
+    per_token: (2P, W-1) in TRL's [chosen; rejected] order, zero off the completions; ref_sums: (2P,);
+    completion_mask: (2P, W). Returns (loss, TRL's logged metrics {name: [value]})."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    import torch
+    from trl import DPOTrainer
+
+    class Acc:
+        device = torch.device("cpu")
+
+        def gather(self, x):
+            return x
+
+        gather_for_metrics = gather
+
+    def model(**kwargs):
+        z = torch.zeros_like(per_token)
+        return SimpleNamespace(log_probs=per_token, entropy=z, mean_logits=z, is_top1=z.bool())
+
+    pairs = per_token.shape[0] // 2
+    trainer = SimpleNamespace(
+        model=SimpleNamespace(training=True), accelerator=Acc(), aux_loss_enabled=False, ld_alpha=None,
+        precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0],
+        beta=beta, label_smoothing=0.0, use_weighting=False, _metrics=defaultdict(lambda: defaultdict(list)),
+        _total_train_tokens=0, _tp_size=1, args=SimpleNamespace())
+    inputs = {"input_ids": torch.ones_like(completion_mask), "attention_mask": torch.ones_like(completion_mask),
+              "completion_mask": completion_mask, "ref_chosen_logps": ref_sums[:pairs],
+              "ref_rejected_logps": ref_sums[pairs:]}
+    loss = DPOTrainer._compute_loss(trainer, model, inputs, False)
+    return float(loss), {k: v for k, v in trainer._metrics["train"].items()}

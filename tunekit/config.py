@@ -176,6 +176,31 @@ class DistillConfig:
     student_keep_every: int = 0
 
 
+class PreferenceLoss(str, Enum):
+    dpo = "dpo"  # Rafailov et al. 2023; needs the reference (the base, trained part off)
+    ipo = "ipo"  # Azar et al. 2023; needs the reference
+    orpo = "orpo"  # Hong et al. 2024; reference-free, with the chosen side's NLL
+    simpo = "simpo"  # Meng et al. 2024; reference-free, length-normalised
+    kto = "kto"  # Ethayarajh et al. 2024; unpaired rows (prompt, completion, label); zero-KL form
+
+
+@dataclass
+class PreferenceConfig:
+    """Used when objective=preference (tunekit.losses.preference; docs/preference.md). Defaults: TRL's."""
+
+    loss: PreferenceLoss = PreferenceLoss.dpo
+    # DPO/IPO/KTO: strength of the pull towards the reference (IPO's tau); ORPO: the odds-ratio
+    # term's weight (lambda); SimPO: the reward scale
+    beta: float = 0.1
+    label_smoothing: float = 0.0  # dpo (conservative DPO) and simpo only: in [0, 0.5)
+    gamma: float = 0.5  # simpo only: the target reward margin
+    desirable_weight: float = 1.0  # kto only
+    undesirable_weight: float = 1.0  # kto only
+    # dpo/ipo/kto: compute every row's reference log-probs once before training (one forward over the
+    # data) instead of a reference forward in every micro-batch (TRL's precompute_ref_log_probs)
+    precompute_ref: bool = False
+
+
 @dataclass
 class KernelsConfig:
     # tunekit's Triton LoRA-over-NF4 kernel instead of peft + bitsandbytes (same math, same adapter files)
@@ -206,7 +231,7 @@ class TrackerConfig:
 @dataclass
 class TrainConfig:
     recipe: str = "custom"
-    objective: str = "sft"  # sft | distill
+    objective: str = "sft"  # sft | distill | preference
     output_dir: str = "runs/default"
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -216,10 +241,11 @@ class TrainConfig:
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
 
 
 TRACKERS = ("none", "wandb")
-OBJECTIVES = ("sft", "distill")
+OBJECTIVES = ("sft", "distill", "preference")
 BEST_METRICS = ("auto", "val_loss", "val_accuracy", "val_exact_match")
 
 

@@ -26,10 +26,11 @@ def check_data_values(d: DataConfig) -> None:
         number("data.max_val_examples", d.max_val_examples, ge=1, integer=True)
 
 
-def check_data_files(d: DataConfig) -> None:
+def check_data_files(d: DataConfig, objective: str = "sft") -> None:
     """Every row of the data files, read and checked (no tokenizer); the held-out split must leave
-    training rows."""
+    training rows. objective=preference: preference rows (tunekit.data.preference)."""
     from tunekit.data.formats import check_file, row_char_limit
+    from tunekit.data.preference import check_rows
     from tunekit.data.mixture import is_mixture
 
     if is_mixture(d.path):
@@ -38,7 +39,10 @@ def check_data_files(d: DataConfig) -> None:
         value = getattr(d, key)
         if value is None or is_mixture(value):
             continue
-        rows, _ = check_file(value, plain(d.format), f"data.{key}", row_char_limit(d.max_seq_len))
+        if objective == "preference":
+            rows, _ = check_rows(value, f"data.{key}")
+        else:
+            rows, _ = check_file(value, plain(d.format), f"data.{key}", row_char_limit(d.max_seq_len))
         if key == "path" and d.val_path is None and rows - max(1, int(rows * d.val_fraction)) < 1:
             raise TunekitError(f"data.path: {value} has {rows} row(s): too few to hold out data.val_fraction="
                                f"{d.val_fraction} and train on the rest; add rows or give data.val_path")

@@ -198,6 +198,8 @@ def detect_format(rows: list[dict], path: str | Path) -> str:
             f"{path}: cannot tell the format from the columns {sorted(rows[0])} of its first row; expected "
             "'messages' (chat), 'conversations' (sharegpt), 'prompt'+'completion', 'instruction'+'output' "
             "(alpaca) or 'text'"
+            + ("; preference pairs (chosen/rejected) train with objective=preference (recipe=dpo)"
+               if rows[0].get("chosen") is not None else "")
         )
     return fmt
 

@@ -29,6 +29,7 @@ anything else is needed. Layers and models are imported inside the functions tha
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import typing
@@ -64,6 +65,9 @@ class Method:
     # Whether the method puts positions of its own before every example (prompt tuning's virtual
     # tokens), which packed rows' per-example attention cannot place (tunekit.speed.packed_attention).
     prepends_positions: bool = False
+    # Whether `switched_off` can run the model as the base alone (the reference model of preference
+    # objectives, tunekit.train.preference): peft's disable_adapter, or the hooks' switch below.
+    can_switch_off: bool = False
     # The method.* keys this method reads: a dataclass (defaults and comments), or None for none.
     config: Optional[type] = None
     # adapter_config.json's "peft_type" (peft formats) or "method" (tunekit's formats) it writes.
@@ -104,6 +108,13 @@ class Method:
         exceed the `limit` positions the model in `where` was built for."""
 
     # ------------------------------------------------------------ the trained part
+    def switched_off(self, model: nn.Module):
+        """A context in which `model` computes as its frozen base alone (no second copy of the base).
+        Methods whose part is forward hooks share one process-wide switch (`trained_part_off`)."""
+        if not self.can_switch_off:
+            raise TunekitError(f"method {self.name}: its trained part cannot be switched off")
+        return trained_part_off()
+
     def apply(self, model: nn.Module, cfg) -> nn.Module:
         """Freeze the base, add the method's trainable parameters; return the model to train."""
         raise NotImplementedError
@@ -220,6 +231,24 @@ class Method:
 
         check_loadable(Path(in_dir), self.expected_tensors(model))
         self.read(model, Path(in_dir))
+
+
+_OFF = [0]  # depth of the trained_part_off() contexts open in this process
+
+
+@contextlib.contextmanager
+def trained_part_off():
+    """While open, the hook-based methods' hooks (BitFit, (IA)^3, bottleneck adapters) leave their
+    module's input and output as the base computes them."""
+    _OFF[0] += 1
+    try:
+        yield
+    finally:
+        _OFF[0] -= 1
+
+
+def is_off() -> bool:
+    return _OFF[0] > 0
 
 
 _REGISTRY: Dict[str, Callable[[], Method]] = {}

@@ -23,6 +23,7 @@ from tunekit import TunekitError
 from tunekit.config import AUTO, DEFAULT_MAX_STEPS, TrainConfig, plain
 from tunekit.data import BatchSchedule, collate, collate_packed, load_splits
 from tunekit.data.batching import describe_epochs, steps_for_epochs
+from tunekit.data.preference import example_length
 from tunekit.methods import get_method, in_train_schema, trainable_parameters
 from tunekit.model import (load_base_model, load_tokenizer, prepare_for_training, quantized_bits_per_param,
                            resolve_model_path)
@@ -124,6 +125,8 @@ class RecipeSetup:
         """The tokenizer, the train / held-out splits, and the collate function (padded or packed)."""
         cfg = self.cfg
         self.tokenizer = load_tokenizer(self.model_path)
+        if cfg.objective == "preference":
+            return self._load_preference_data()
         splits = load_splits(
             cfg.data.path, cfg.data.val_path, plain(cfg.data.format), self.tokenizer, cfg.data.max_seq_len,
             cfg.data.val_fraction, cfg.data.max_val_examples, cfg.seed,
@@ -143,6 +146,25 @@ class RecipeSetup:
                    + (", packed" if cfg.data.packing else "")
                    + f"; data.max_seq_len={cfg.data.max_seq_len}: {train.phrase('training')}, {val.phrase('held-out')}")
         self.collate = collate_packed if cfg.data.packing else collate
+
+    def _load_preference_data(self) -> None:
+        """objective=preference: pairs (or KTO's unpaired rows) as examples, a micro-batch of N pairs
+        collated as 2N rows (tunekit.data.preference)."""
+        from tunekit.data.preference import collate_preference, load_preference_splits
+
+        d = self.cfg.data
+        self.train_data, self.val_data, kind, (train_cut, val_cut) = load_preference_splits(
+            d.path, d.val_path, self.tokenizer, d.max_seq_len, d.val_fraction, d.max_val_examples, self.cfg.seed)
+        self.data_report = {"max_seq_len": d.max_seq_len, "preference_rows": kind, "train": train_cut.as_dict(),
+                            "held_out": val_cut.as_dict() if val_cut is not None else None}
+        unit = "pairs" if kind == "pairs" else "unpaired rows"
+        self._info(f"data: {len(self.train_data)} train / {len(self.val_data)} held-out {unit}; data.max_seq_len="
+                   f"{d.max_seq_len}: {train_cut.phrase('training')}"
+                   + (f", {val_cut.phrase('held-out')}" if val_cut is not None else ""))
+        if train_cut.dropped:
+            log.warning("%d rows dropped: no completion token within data.max_seq_len=%d (first: %s)",
+                        len(train_cut.dropped), d.max_seq_len, train_cut.dropped[0])
+        self.collate = collate_preference
 
     def _plan_memory(self) -> None:
         """Before the model loads: `auto` settings from the memory plan, every rank choosing from the
@@ -254,9 +276,19 @@ class RecipeSetup:
         self.model = model
 
     def _build_objective(self) -> None:
-        """SFT, or distillation from the frozen teacher (loaded here, after checking its vocabulary)."""
+        """SFT, preference (its reference set in _wrap_model), or distillation from the frozen teacher
+        (loaded here, after checking its vocabulary)."""
         if self.cfg.objective == "sft":
             self.objective = SFTObjective()
+            return
+        if self.cfg.objective == "preference":
+            from tunekit.train.preference import PreferenceObjective
+
+            p = self.cfg.preference
+            self.objective = PreferenceObjective(p)
+            self._info(f"preference: {plain(p.loss)}, beta {p.beta}"
+                       + (", reference: the base with the trained part switched off" if self.objective.needs_reference
+                          else ", no reference model"))
             return
         d = self.cfg.distill
         check_same_vocabulary(self.tokenizer, load_tokenizer(self.teacher_path, key="distill.teacher"),
@@ -325,10 +357,49 @@ class RecipeSetup:
         if self.resume_from is not None:
             self.method.load(self.model, self.resume_from / "adapter")
         self.params = self.strategy.wrap(self.model)
+        if getattr(self.objective, "needs_reference", False):
+            self.objective.reference = self.reference_hidden
         if self.bits_per_param is None and plain(self.cfg.model.quantize) == "nf4":  # a streamed base: now loaded
             from tunekit.train.fsdp_load import sharded_bits_per_param
 
             self.bits_per_param = sharded_bits_per_param(self.model)
+
+    def _precompute_reference(self) -> None:
+        """preference.precompute_ref: every training and held-out row's reference log-probs, once, stored
+        with the row (its micro-batches then carry them and skip the reference forward). Every rank
+        computes every row in the same order, so collective forwards (FSDP) stay in step."""
+        if not (getattr(self.objective, "needs_reference", False) and self.cfg.preference.precompute_ref):
+            return
+        from tunekit.losses.logps import sequence_logps
+        from tunekit.model import decoder_and_head
+
+        size = self.cfg.trainer.micro_batch_size
+        self.model.eval()
+        for data in (self.train_data, self.val_data):
+            for i in range(0, len(data), size):
+                rows = data[i : i + size]
+                batch = {k: v.to(self.device) for k, v in self.collate(rows, self.tokenizer.pad_token_id).items()}
+
+                def forward():
+                    _, head = decoder_and_head(self.model)
+                    return sequence_logps(self.reference_hidden(batch), head, batch["labels"])[0]
+
+                with torch.no_grad(), self.precision.autocast(self.device, self.method.autocast):
+                    logps = self.strategy.run(forward).float().cpu().view(-1, len(rows))  # (sides, rows)
+                for j, e in enumerate(rows):
+                    e["ref_logps"] = logps[:, j].tolist()
+        self.model.train()
+        self._info(f"preference: reference log-probs of {len(self.train_data)} + {len(self.val_data)} rows computed "
+                   "once (preference.precompute_ref)")
+
+    def reference_hidden(self, batch: dict) -> torch.Tensor:
+        """The reference model's last hidden states for `batch` (on the device): the same model with the
+        method's trained part switched off, under no_grad (preference objectives)."""
+        from tunekit.model import decoder_and_head
+
+        with torch.no_grad(), self.method.switched_off(self.model):
+            decoder, _ = decoder_and_head(self.model)
+            return decoder(**model_inputs(batch), use_cache=False).last_hidden_state
 
     # ---------------------------------------------------------------- training state
     def _build_optimizer(self) -> None:
@@ -341,7 +412,7 @@ class RecipeSetup:
         # A resume on another number of ranks (data parallel) goes on from the example after the last
         # one the checkpoint's ranks trained: the steps before it had their own global batch.
         resumed = self._resumed_position() if self.resume_state is not None else None
-        self.schedule = BatchSchedule([len(e["input_ids"]) for e in self.train_data], t.micro_batch_size,
+        self.schedule = BatchSchedule([example_length(e) for e in self.train_data], t.micro_batch_size,
                                       t.grad_accum, self.strategy.world_size, self.strategy.rank, cfg.seed,
                                       min_padding=not cfg.data.packing, resumed=resumed)
 

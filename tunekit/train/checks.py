@@ -23,6 +23,7 @@ from tunekit.config import (AUTO, BEST_METRICS, DEFAULT_MAX_STEPS, OBJECTIVES, S
 from tunekit.data.checks import check_data_files, check_data_values
 from tunekit.methods import check_method_config, fill_method_defaults, get_method
 from tunekit.model.checks import check_model_values
+from tunekit.train.preference import check_preference_config
 
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
@@ -70,7 +71,7 @@ def validate(cfg: TrainConfig) -> None:
         preset_shape(cfg.model.preset)  # a known name
     check_writable_dir(cfg.output_dir)
     check_libraries(cfg)
-    check_data_files(cfg.data)
+    check_data_files(cfg.data, cfg.objective)
     check_model_folders(cfg)
 
 
@@ -149,6 +150,7 @@ def check_values(cfg: TrainConfig) -> None:
     number("distill.beta", dist.beta, gt=0, lt=1)
     number("distill.chunk_size", dist.chunk_size, ge=1, integer=True)
     number("distill.student_keep_every", dist.student_keep_every, ge=0, integer=True)
+    check_preference_config(cfg)
     if dist.student_keep_every == 1:
         raise TunekitError("distill.student_keep_every: 1 keeps every layer (no smaller student); use 0 to train "
                            "model.path as the student, or 2 or more")

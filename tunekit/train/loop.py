@@ -30,7 +30,8 @@ from accelerate.utils import set_seed
 
 from tunekit import TunekitError
 from tunekit.config import TrainConfig, plain
-from tunekit.data import IGNORE, count_tokens, eval_micro_batches
+from tunekit.data import count_tokens, eval_micro_batches
+from tunekit.data.preference import example_length
 from tunekit.model import decoder_and_head
 from tunekit.device import facts as dev
 from tunekit.device import precision
@@ -71,6 +72,7 @@ class TrainRecipe(RecipeSetup):
         self._wrap_model()
         self._build_optimizer()
         self._start_or_resume()
+        self._precompute_reference()
         self._write_run_files()
         self._open_tracker()
         self._setup_task_eval()
@@ -156,7 +158,9 @@ class TrainRecipe(RecipeSetup):
         norm = self.strategy.clip_grad_norm(self.params, self.cfg.trainer.max_grad_norm)
         # The two values the step must see before it may apply the update, in one device-to-host
         # read; the only other read is the finite check after the update (a test counts them).
-        loss_sum, grad_norm = torch.stack([loss_sum.float(), norm.float().to(loss_sum.device)]).tolist()
+        stats = getattr(self, "step_stats", None)
+        values = [loss_sum.float(), norm.float().to(loss_sum.device)] + ([] if stats is None else list(stats))
+        loss_sum, grad_norm, *stats = torch.stack(values).tolist()
         loss = loss_sum / max(n_trained, 1)
         lr = self.scheduler.get_last_lr()[0]
         self.tokens_seen += n_input
@@ -183,6 +187,9 @@ class TrainRecipe(RecipeSetup):
         row = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": n_input / dt,
                "input_tokens": n_input, "trained_tokens": n_trained, "tokens_seen": self.tokens_seen,
                "step_time_s": dt, "epoch": self.schedule.epoch_of(step + 1), "memory_mb": dev.peak_memory_mb(self.device)}
+        if stats:  # preference: rewards/chosen, rewards/rejected, reward accuracy and margin
+            row.update(self.objective.finish(dict(zip(self.objective.stat_names, stats)), n_trained))
+            row[self.objective.unit] = row.pop("trained_tokens")
         if self.scaler.enabled:
             row.update(loss_scale=self.scaler.scale, **({"skipped": True} if overflowed else {}))
         return row
@@ -192,7 +199,7 @@ class TrainRecipe(RecipeSetup):
         (the global batch's summed loss, a 0-dim tensor not yet read; trained tokens; input tokens)."""
         micro = [self.collate([self.train_data[i] for i in idx], self.tokenizer.pad_token_id)
                  for idx in self.schedule.micro_batches(step)]
-        local_trained = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in micro)
+        local_trained = sum(self.objective.count(b) for b in micro)  # trained tokens, or pairs
         n_trained, n_input = self.strategy.sum_counts([local_trained, sum(count_tokens(b) for b in micro)])
         loss_sum = torch.zeros((), device=self.device)
         for batch in micro:
@@ -200,7 +207,13 @@ class TrainRecipe(RecipeSetup):
             self.scaler.scaled(micro_sum / max(n_trained, 1)).backward()
             loss_sum += micro_sum.detach()
         self.strategy.reduce_grads(self.params)
-        return self.strategy.sum(loss_sum), n_trained, n_input
+        take = getattr(self.objective, "take_stats", None)
+        if take is None:
+            return self.strategy.sum(loss_sum), n_trained, n_input
+        # preference: the rewards' sums ride along in the same all-reduce (train_step reads them with the loss)
+        summed = self.strategy.sum(torch.cat([loss_sum.float()[None], take(self.device)]))
+        self.step_stats = summed[1:]
+        return summed[0], n_trained, n_input
 
     def _micro_batch(self, batch: dict, objective_fn):
         """objective_fn(hidden, head, batch) of one micro-batch: the student's last hidden states
@@ -240,7 +253,7 @@ class TrainRecipe(RecipeSetup):
         sums = torch.zeros((len(groups), len(names) + 1), device=self.device, dtype=torch.float64)
         batches = []  # (group, rows): each group's rows split over the ranks and grouped by length apart
         for g, (_, rows) in enumerate(groups):
-            lengths = [len(self.val_data[i]["input_ids"]) for i in rows]
+            lengths = [example_length(self.val_data[i]) for i in rows]
             batches += [(g, [rows[j] for j in idx]) for idx in eval_micro_batches(
                 lengths, self.cfg.trainer.micro_batch_size, self.strategy.world_size, self.strategy.rank,
                 min_padding=not self.cfg.data.packing)]
@@ -266,10 +279,13 @@ class TrainRecipe(RecipeSetup):
         per_group = self._held_out_sums(names)
         self.model.train()
         reduced = [sum(col) for col in zip(*per_group)]
-        metrics = {f"val_{k}": v / max(reduced[-1], 1) for k, v in zip(names, reduced[:-1])}
+        # means over the trained tokens (preference: over the pairs, and KTO's rewards over their rows)
+        finish = getattr(self.objective, "finish", None) or _per_unit
+        metrics = {f"val_{k}": v for k, v in finish(dict(zip(names, reduced[:-1])), reduced[-1]).items()}
         for (source, _), sums in zip(getattr(self, "val_groups", None) or [], per_group):
-            metrics.update({f"eval/{source}/{k}": v / max(sums[-1], 1) for k, v in zip(names, sums[:-1])})
-        metrics["val_ppl"] = math.exp(min(metrics.get("val_ce", metrics["val_loss"]), 50))
+            metrics.update({f"eval/{source}/{k}": v for k, v in finish(dict(zip(names, sums[:-1])), sums[-1]).items()})
+        if not hasattr(self.objective, "finish"):  # preference: a loss per pair, no perplexity
+            metrics["val_ppl"] = math.exp(min(metrics.get("val_ce", metrics["val_loss"]), 50))
         samples = []
         if self.probe is not None:
             # generation pads its prompts and keeps a KV cache: the model's own attention
@@ -382,3 +398,8 @@ class TrainRecipe(RecipeSetup):
             self.model = self.optimizer = self.scheduler = self.params = self.strategy = None
             gc.collect()
             torch.distributed.destroy_process_group()
+
+
+def _per_unit(sums: dict[str, float], n: float) -> dict[str, float]:
+    """Held-out sums as means over the `n` units they were summed over (trained tokens)."""
+    return {k: v / max(n, 1) for k, v in sums.items()}

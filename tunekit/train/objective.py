@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tunekit import TunekitError
 from tunekit.losses.distill import chunked_distill_loss, divergence
-from tunekit.losses.sft import select_trained, sft_loss_from_hidden
+from tunekit.losses.sft import IGNORE, select_trained, sft_loss_from_hidden
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,11 @@ class SFTObjective:
     """Token-summed cross-entropy on response tokens."""
 
     eval_names = ("loss",)  # the keys of eval_sums, the same on every rank
+
+    @staticmethod
+    def count(batch: dict) -> int:
+        """Trained tokens of a collated micro-batch: what the step's summed loss is divided by."""
+        return int((batch["labels"][:, 1:] != IGNORE).sum())
 
     def loss(self, hidden: torch.Tensor, head: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         return sft_loss_from_hidden(hidden, head, batch["labels"])
@@ -47,6 +52,7 @@ class DistillObjective:
     """
 
     eval_names = ("ce", "kl", "loss")
+    count = SFTObjective.count
 
     def __init__(self, teacher: nn.Module, cfg):
         from tunekit.model import decoder_and_head

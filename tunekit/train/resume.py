@@ -76,6 +76,9 @@ def fingerprint(cfg, world_size: int, hashes: Optional[dict] = None) -> dict[str
         kept["data.path:sha256"] = data_fingerprint(train)
         kept["data.val_path:sha256"] = data_fingerprint(val, "data.val_path") if val is not None else None
     kept["world_size"] = world_size
+    if kept.get("objective") != "preference":
+        # the preference node shapes nothing else: checkpoints written before it existed still resume
+        kept = {k: v for k, v in kept.items() if not k.startswith("preference.")}
     if kept.get("trainer.strategy") == "ddp":
         # the default, as before the key existed: checkpoints written then still resume
         del kept["trainer.strategy"]

@@ -69,6 +69,7 @@ def smooth(values: list[float], weight: float = 0.9) -> list[float]:
     return out
 
 
+PREFERENCE_EVAL = ("val_rewards/chosen", "val_rewards/rejected", "val_rewards/accuracies", "val_rewards/margins")
 TASK_METRICS = {"val_accuracy": "accuracy (likelihood)", "val_exact_match": "exact match"}
 
 
@@ -178,18 +179,23 @@ class Tracker:
         self.log(row)
         if "epoch" in row:
             self.bar.set_description(self.epoch_label(row["epoch"]), refresh=False)
-        self.bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+        # preference objectives: reward accuracy (pairs only) and margin
+        extra = {name: f"{row[k]:.3f}" for name, k in (("acc", "rewards/accuracies"), ("margin", "rewards/margins"))
+                 if k in row}
+        self.bar.set_postfix(loss=f"{row['loss']:.3f}", **extra, tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
         self.bar.update(1)
 
     def eval(self, row: dict) -> None:
         self.log(row)
         extra = "".join(f", {k} {row[k]:.4f}" for k in ("val_kl", "val_ce") if k in row)
+        extra += "".join(f", {k.removeprefix('val_')} {row[k]:.4f}" for k in PREFERENCE_EVAL if k in row)
         task = "".join(f", {name.split(' ')[0]} {100 * row[k]:.1f}%" for k, name in TASK_METRICS.items() if k in row)
         task += f" on {row['val_task_rows']} rows" if task else ""
         own = [f"{k[len('eval/'):-len('/loss')]} {v:.4f}" for k, v in row.items()
                if k.startswith("eval/") and k.endswith("/loss")]
         task += f"; per source: {', '.join(own)}" if own else ""  # a list of sources (tunekit.data.mixture)
-        self.bar.write(f"step {row['step']}: val_loss {row['val_loss']:.4f} (ppl {row['val_ppl']:.2f}{extra}){task}")
+        ppl = f"ppl {row['val_ppl']:.2f}" if "val_ppl" in row else "mean per pair, KTO: per row"
+        self.bar.write(f"step {row['step']}: val_loss {row['val_loss']:.4f} ({ppl}{extra}){task}")
         self.undrawn = True
         if time.monotonic() - self.drawn_at >= self.REDRAW_AFTER_S:
             self.plot()

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, List
 
 from tunekit import TunekitError
 from tunekit.checks import names, number, one_of
-from tunekit.methods.registry import Method, register
+from tunekit.methods.registry import Method, is_off, register
 from tunekit.methods.adapter.config import AdapterConfig
 from tunekit.plan.terms import PlanTerms, Site
 
@@ -69,6 +69,8 @@ def run_bottleneck(adapter: nn.ModuleDict, h: torch.Tensor) -> torch.Tensor:
 
 
 def _adapt_output(module: nn.Module, args, output, adapter: nn.ModuleDict):
+    if is_off():  # the base alone (tunekit.methods.registry.trained_part_off)
+        return None
     if isinstance(output, tuple):  # attention: (hidden (batch, seq, dim), attention weights or None)
         return (run_bottleneck(adapter, output[0]), *output[1:])
     return run_bottleneck(adapter, output)
@@ -77,6 +79,7 @@ def _adapt_output(module: nn.Module, args, output, adapter: nn.ModuleDict):
 @register("adapter")
 class BottleneckAdapter(Method):
     can_merge = False
+    can_switch_off = True
     config = AdapterConfig
     adapter_kinds = (CONFIG_TYPE,)
     plan_options_type = AdapterPlan

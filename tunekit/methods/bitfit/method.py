@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, List
 from tunekit import TunekitError
 from tunekit.checks import names
 from tunekit.methods.merging import dequantized_linear, replace_module, to_plain_model
-from tunekit.methods.registry import Method, register
+from tunekit.methods.registry import Method, is_off, register
 from tunekit.methods.bitfit.config import BitFitConfig
 from tunekit.plan.shape import PROJECTIONS
 from tunekit.plan.terms import PlanTerms, planned_projections
@@ -48,6 +48,8 @@ class BitFitPlan:
 
 def _add_bias(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
     # output: (..., out). Adding in fp32 keeps the small trained bias exact in the sum.
+    if is_off():  # the base alone (tunekit.methods.registry.trained_part_off)
+        return None
     return (output.float() + getattr(module, PARAM)).to(output.dtype)
 
 
@@ -77,6 +79,7 @@ def _target_names(wanted) -> list[str]:
 @register("bitfit")
 class BitFit(Method):
     can_merge = True
+    can_switch_off = True
     config = BitFitConfig
     adapter_kinds = (CONFIG_TYPE,)
     plan_options_type = BitFitPlan

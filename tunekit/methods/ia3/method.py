@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, List
 from tunekit import TunekitError
 from tunekit.checks import names
 from tunekit.methods.merging import dequantized_linear, replace_module, to_plain_model
-from tunekit.methods.registry import Method, register
+from tunekit.methods.registry import Method, is_off, register
 from tunekit.methods.ia3.config import IA3Config
 from tunekit.plan.shape import PROJECTIONS
 from tunekit.plan.terms import PlanTerms, Site, planned_projections
@@ -52,10 +52,14 @@ class IA3Plan:
 
 def _scale_output(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
     # output: (..., out); the fp32 product rounded once to the output's dtype
+    if is_off():  # the base alone (tunekit.methods.registry.trained_part_off)
+        return None
     return (output * getattr(module, PARAM).view(-1)).to(output.dtype)
 
 
 def _scale_input(module: nn.Module, args):
+    if is_off():
+        return None
     x = args[0]  # (..., in)
     return ((x * getattr(module, PARAM).view(-1)).to(x.dtype), *args[1:])
 
@@ -94,6 +98,7 @@ def _projections(model: nn.Module, wanted: list[str]) -> list[tuple[str, nn.Modu
 @register("ia3")
 class IA3(Method):
     can_merge = True
+    can_switch_off = True
     config = IA3Config
     adapter_kinds = ("IA3",)
     plan_options_type = IA3Plan

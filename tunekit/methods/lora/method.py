@@ -127,10 +127,15 @@ def peft_config(c: LoRAConfig):
 @register("lora")
 class LoRA(Method):
     can_merge = True
+    can_switch_off = True
     config = LoRAConfig
     adapter_kinds = ("LORA",)
     plan_options_type = LoRAPlan
     plan_aliases = {"lora_r": "r", "lora_targets": "targets", "lora_dropout": "dropout"}
+
+    def switched_off(self, model: nn.Module):
+        """peft's own switch: every LoRA layer (peft's and the fused kernel's) computes the base alone."""
+        return model.disable_adapter()
 
     def check_config(self, cfg, model: nn.Module | None = None, quantize: str = "none") -> None:
         c = self.settings(cfg)

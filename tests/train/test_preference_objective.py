@@ -1,0 +1,130 @@
+"""PreferenceObjective (tunekit.train.preference) on plain tensors: a micro-batch of N pairs is 2N rows
+scored in one pass, chosen first; the reference pass is asked for only by the losses that need one; the
+step's reward sums become TRL's per-pair means (KTO: per desirable / undesirable row); and the config
+checks refuse what cannot run, in one line each.
+
+Both sides of each comparison run the same fp32 ops on the same tensors (the objective calls
+sequence_logps and the loss functions the test calls), so they agree to summation order: atol 1e-6 on
+values of magnitude <= 10."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tunekit import TunekitError
+from tunekit.config import PreferenceConfig
+from tunekit.losses.logps import sequence_logps
+from tunekit.losses.preference import kto_loss, pair_losses
+from tunekit.train.preference import PreferenceObjective, check_preference_config
+
+
+def _batch(rows: int, **extra):
+    g = torch.Generator().manual_seed(rows)
+    labels = torch.randint(0, 40, (rows, 7), generator=g)
+    labels[:, :3] = -100  # a 3-token prompt
+    return {"input_ids": labels.clamp(min=0), "labels": labels, **extra}
+
+
+def _head():
+    torch.manual_seed(0)
+    return torch.nn.Linear(8, 40, bias=False)
+
+
+@pytest.mark.parametrize("loss", ["dpo", "ipo", "orpo", "simpo"])
+def test_pairs_are_scored_in_one_pass_against_the_reference(loss):
+    head, batch = _head(), _batch(6)
+    hidden, ref_hidden = torch.randn(6, 7, 8), torch.randn(6, 7, 8)
+    asked = []
+    obj = PreferenceObjective(PreferenceConfig(loss=loss, beta=0.2), reference=lambda b: asked.append(b) or ref_hidden)
+    total, n = obj.loss(hidden, head, batch)
+    assert int(n) == 3 and obj.count(batch) == 3
+    assert len(asked) == (0 if loss in ("orpo", "simpo") else 1)
+    logps, tokens = sequence_logps(hidden, head, batch["labels"])
+    ref, _ = sequence_logps(ref_hidden, head, batch["labels"])
+    refs = (None, None) if loss in ("orpo", "simpo") else (ref[:3], ref[3:])
+    want = pair_losses(loss, logps[:3], logps[3:], *refs, tokens[:3], tokens[3:], 0.2, 0.0, 0.5)
+    torch.testing.assert_close(total, want.per_pair.sum(), atol=1e-6, rtol=0)
+    stats = dict(zip(obj.stat_names, obj.take_stats("cpu").tolist()))
+    margin = want.chosen_rewards - want.rejected_rewards
+    means = obj.finish(stats, 3)
+    assert means["rewards/chosen"] == pytest.approx(float(want.chosen_rewards.mean()), abs=1e-6)
+    assert means["rewards/margins"] == pytest.approx(float(margin.mean()), abs=1e-6)
+    assert means["rewards/accuracies"] == pytest.approx(float((margin > 0).float().mean()), abs=1e-6)
+    assert obj.take_stats("cpu").abs().sum() == 0  # taken: the next step starts from zero
+
+
+def test_kto_rewards_are_means_over_desirable_and_undesirable_rows():
+    head = _head()
+    desirable = torch.tensor([True, False, False, True, False])
+    batch = _batch(5, desirable=desirable)
+    hidden, ref_hidden = torch.randn(5, 7, 8), torch.randn(5, 7, 8)
+    obj = PreferenceObjective(PreferenceConfig(loss="kto"), reference=lambda b: ref_hidden)
+    total, n = obj.loss(hidden, head, batch)
+    assert int(n) == 5
+    logps, _ = sequence_logps(hidden, head, batch["labels"])
+    ref, _ = sequence_logps(ref_hidden, head, batch["labels"])
+    want = kto_loss(logps, ref, desirable, 0.1)
+    torch.testing.assert_close(total, want.per_pair.sum(), atol=1e-6, rtol=0)
+    means = obj.finish(dict(zip(obj.stat_names, obj.take_stats("cpu").tolist())), 5)
+    assert means["rewards/chosen"] == pytest.approx(float(want.chosen_rewards.mean()), abs=1e-6)  # over 2 rows
+    assert means["rewards/rejected"] == pytest.approx(float(want.rejected_rewards.mean()), abs=1e-6)  # over 3
+
+
+def _cfg(method="lora", init="default", loss="dpo", micro=4, **pref):
+    return SimpleNamespace(objective="preference", preference=PreferenceConfig(loss=loss, **pref),
+                           data=SimpleNamespace(packing=False, format="auto", path="pairs.jsonl"),
+                           method=SimpleNamespace(name=method, init=init), trainer=SimpleNamespace(micro_batch_size=micro))
+
+
+@pytest.mark.parametrize("cfg,culprit", [
+    (_cfg(init="pissa"), "method.init: pissa starts the adapter away from zero"),
+    (_cfg(method="prompt_tuning"), "method.name: preference.loss=dpo scores against the base"),
+    (_cfg(loss="kto", label_smoothing=0.1), "preference.label_smoothing: 0.1 applies to preference.loss=dpo and simpo"),
+    (_cfg(gamma=-1.0, loss="simpo"), "preference.gamma: must be >= 0, got -1"),
+    (_cfg(undesirable_weight=0.0, loss="kto"), "preference.undesirable_weight: must be > 0, got 0"),
+    (_cfg(micro="auto"), "trainer.micro_batch_size: auto is planned in rows"),
+])
+def test_config_refusals_name_the_key(cfg, culprit):
+    with pytest.raises(TunekitError) as e:
+        check_preference_config(cfg)
+    assert str(e.value).startswith(culprit)
+
+
+def test_reference_free_losses_run_with_any_method():
+    check_preference_config(_cfg(method="full", loss="orpo"))
+    check_preference_config(_cfg(method="prompt_tuning", init="pissa", loss="simpo"))
+
+
+def test_the_preference_keys_are_in_the_fingerprint_of_preference_runs_only():
+    """A checkpoint saved before the preference node existed (an SFT run) must still resume: its
+    fingerprint never had preference.* keys."""
+    from tunekit.config import TrainConfig
+    from tunekit.train.resume import fingerprint
+
+    hashes = {"data.path:sha256": "x", "data.val_path:sha256": None}
+    sft = TrainConfig()
+    assert not [k for k in fingerprint(sft, 1, hashes) if k.startswith("preference.")]
+    dpo = TrainConfig(objective="preference")
+    assert fingerprint(dpo, 1, hashes)["preference.beta"] == 0.1
+
+
+def test_precomputed_reference_logps_ride_in_the_batch_and_replace_the_reference_pass(tiny_model_dir):
+    """preference.precompute_ref: rows carry (chosen, rejected) reference log-probs; the collated
+    micro-batch holds them in its rows' order and the objective uses them instead of a reference forward."""
+    from transformers import AutoTokenizer
+
+    from tunekit.data.formats import Rows
+    from tunekit.data.preference import PAIRS, collate_preference, tokenize_preference
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = Rows([{"prompt": f"q{i}", "chosen": f"yes {i}", "rejected": f"no {i}"} for i in range(2)], ["row 1", "row 2"])
+    examples, _ = tokenize_preference(rows, PAIRS, "p.jsonl", tok, 64)
+    for i, e in enumerate(examples):
+        e["ref_logps"] = [-1.0 - i, -10.0 - i]
+    batch = collate_preference(examples, tok.pad_token_id)
+    assert batch["ref_logps"].tolist() == [-1.0, -2.0, -10.0, -11.0]  # chosen rows, then rejected
+    obj = PreferenceObjective(PreferenceConfig(loss="dpo"), reference=lambda b: pytest.fail("reference forward"))
+    assert obj._reference_logps(None, batch).tolist() == [-1.0, -2.0, -10.0, -11.0]

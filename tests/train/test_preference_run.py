@@ -1,0 +1,115 @@
+"""`tunekit train recipe=dpo` end to end on the tiny model (one run, 2 steps), checked against log-probs
+computed apart from tunekit: plain transformers (model(input_ids).logits, log_softmax, gather, masked sum)
+on the same pairs, rendered with the tokenizer's chat template, and TRL's own DPO loss on them.
+
+The run is in fp32 (model.quantize=none model.dtype=fp32 over recipe=dpo's QLoRA) so that both sides
+compute in one dtype and the comparison's tolerance comes from summation order alone: per-sequence
+log-probs are sums of <= 20 per-token values of magnitude ~11 (ln 49152, the tiny model's near-uniform
+predictions), each from a log-sum-exp over 49k fp32 logits and two decoder layers whose fp32 matmuls
+sum 64-128 products in another order in a padded batch than in a single row: a relative error of a few
+1e-6 per value, ~1e-4 absolute per summed sequence at worst. Rewards are beta = 0.1 times differences
+of two such sums (<= 2e-5) and the DPO loss moves by at most beta/4 times its argument's error: atol 2e-4
+holds with a margin of 10x, and is far below what a wrong reference would change (the rewards after two
+steps at lr 1e-3 are ~1e-2, which the test asserts; a reference with the adapter left on makes them 0).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from _helpers import read_jsonl, run_cli, trl_dpo_loss
+
+ATOL = 2e-4
+BETA = 0.1
+HELD = [{"prompt": f"What is {a} times 2?", "chosen": f"{a} times 2 is {2 * a}.", "rejected": f"It is {2 * a + 3}, I think."}
+        for a in (3, 5, 8, 11)]
+
+
+@pytest.fixture(scope="module")
+def dpo_run(tiny_model_dir, tmp_path_factory):
+    from pathlib import Path
+
+    tmp = tmp_path_factory.mktemp("dpo")
+    held = tmp / "held.jsonl"
+    held.write_text("".join(json.dumps(r) + "\n" for r in HELD))
+    pairs = Path(__file__).parents[1] / "data" / "pairs.jsonl"
+    out = tmp / "run"
+    args = ["train", "recipe=dpo", f"model.path={tiny_model_dir}", f"data.path={pairs}", f"data.val_path={held}",
+            f"output_dir={out}", "model.quantize=none", "model.dtype=fp32", "trainer.max_steps=2",
+            "trainer.micro_batch_size=4", "trainer.grad_accum=1", "trainer.eval_every=2", "trainer.save_every=2",
+            "trainer.warmup_steps=0", "trainer.lr=1e-3", "trainer.eval_samples=0", "data.max_seq_len=64"]
+    done = run_cli(args, tmp)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, read_jsonl(out / "metrics.jsonl")
+
+
+def _logps(model, tok, rows) -> torch.Tensor:
+    """(2P,) summed log-probs of each completion's tokens (through its <|im_end|>), chosen then rejected."""
+    out = []
+    for side in ("chosen", "rejected"):
+        for r in rows:
+            user = [{"role": "user", "content": r["prompt"]}]
+            prompt = tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+            full = tok.apply_chat_template(user + [{"role": "assistant", "content": r[side]}], tokenize=False)
+            completion = full[len(prompt):]
+            completion = completion[: completion.index("<|im_end|>") + len("<|im_end|>")]
+            p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+            c_ids = tok(completion, add_special_tokens=False)["input_ids"]
+            ids = torch.tensor([p_ids + c_ids])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(input_ids=ids).logits.float()[0, :-1], -1)
+            picked = logp.gather(1, ids[0, 1:, None]).squeeze(1)
+            out.append(picked[len(p_ids) - 1:].sum())  # the positions that predict the completion
+    return torch.stack(out)
+
+
+def _as_trl(sums: torch.Tensor, ref: torch.Tensor):
+    """TRL's loss and metrics from per-sequence sums (each sum as one per-token value)."""
+    mask = torch.ones(sums.shape[0], 2, dtype=torch.long)
+    return trl_dpo_loss(sums[:, None], ref, mask, BETA)
+
+
+def test_dpo_recipe_logs_rewards_and_saves_the_adapter(dpo_run):
+    out, rows = dpo_run
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in train] == [1, 2] and [r["step"] for r in evals] == [0, 2]
+    for r in train:
+        assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "pairs"} <= set(r)
+        assert r["pairs"] == 4
+    for r in evals:
+        assert {"val_rewards/chosen", "val_rewards/rejected", "val_rewards/accuracies", "val_rewards/margins"} <= set(r)
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["data"]["preference_rows"] == "pairs"
+
+
+def test_losses_and_rewards_equal_trl_on_independent_logps(dpo_run, tiny_model_dir):
+    """Step 1 and the step-0 evaluation: the adapter is the identity (B = 0), so the policy is the base and
+    TRL's loss is ln 2 on any pairs. The last evaluation: the saved adapter over the base gives the policy,
+    the base alone the reference; the run's held-out loss and rewards must be TRL's on those."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, rows = dpo_run
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    base = _logps(model, tok, HELD)
+    first, _ = _as_trl(base, base)
+    train = [r for r in rows if "loss" in r]
+    evals = {r["step"]: r for r in rows if "val_loss" in r}
+    assert train[0]["loss"] == pytest.approx(first, abs=ATOL) and first == pytest.approx(math.log(2), abs=1e-6)
+    assert evals[0]["val_loss"] == pytest.approx(first, abs=ATOL)
+
+    policy = _logps(PeftModel.from_pretrained(model, out / "adapter").eval(), tok, HELD)
+    loss, metrics = _as_trl(policy, base)
+    last = evals[2]
+    assert abs(metrics["rewards/margins"][0]) > 10 * ATOL  # the adapter moved: a wrong reference would show
+    assert last["val_loss"] == pytest.approx(loss, abs=ATOL)
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert last[f"val_{name}"] == pytest.approx(metrics[name][0], abs=ATOL), name
