@@ -139,11 +139,15 @@ def test_qlora_two_fsdp_ranks_match_one_process_and_resume(tiny_model_dir, tiny_
     assert "base:" not in r.stderr and "Traceback" not in r.stderr
 
 
-def test_lora_over_bf16_two_fsdp_ranks_match_one_process(untied_model_dir, tiny_data, tmp_path):
-    """LoRA over a bf16 base (bf16 compute) whose embeddings and head are units of their own, G = 1
-    and clipping off above: equal bit for bit. keep_best gathers the adapter at every evaluation
-    (all ranks) and rank 0 writes best/."""
-    common = ["recipe=lora", "model.dtype=bf16", *ONE_EXAMPLE, "trainer.max_grad_norm=inf"]
+def test_lora_over_an_untied_model_two_fsdp_ranks_match_one_process(untied_model_dir, tiny_data, tmp_path):
+    """LoRA over a base whose embeddings and head are units of their own, G = 1 and clipping off
+    above. The frozen head is never gathered: the loss takes its vocabulary slices from the ranks
+    one at a time, summed online (tunekit.losses.sliced_head), where one process sums the whole
+    head's logits at once. Only that loss's sums differ in order: a few roundings of 2^-24
+    relative per gradient element in fp32, the G = 2 case's bound above (in bf16 such a difference
+    flips activations' roundings from step to step, as said there). keep_best gathers the adapter
+    at every evaluation (all ranks) and rank 0 writes best/."""
+    common = ["recipe=lora", "model.dtype=fp32", *ONE_EXAMPLE, "trainer.max_grad_norm=inf"]
     two = tmp_path / "two"
     r = launch_two_ranks(tiny_args(untied_model_dir, tiny_data, two, *common, "trainer.grad_accum=1",
                                    "trainer.strategy=fsdp", "trainer.keep_best=true"), tmp_path, 29523)
@@ -154,12 +158,11 @@ def test_lora_over_bf16_two_fsdp_ranks_match_one_process(untied_model_dir, tiny_
 
     assert "2 decoder layers + embeddings + head + the rest" in r.stderr
     fsdp = _holds_half(two)
-    assert fsdp["model_bytes"] > 2 * 49152 * 64 * 2  # embeddings and head, bf16
+    assert fsdp["model_bytes"] > 2 * 49152 * 64 * 4  # embeddings and head, fp32
+    assert fsdp["head_in_loss"] == "slices"
     best = json.loads((two / "best" / "best.json").read_text())
     assert best["step"] in (0, 2, 4) and _adapter(two).keys() == _adapter(two, "best/adapter").keys()
     _same_run(two, one)  # the last checkpoints (adapter/ is the best evaluation's)
-    a, b = _adapter(two, "checkpoints/step-000004/adapter"), _adapter(one, "checkpoints/step-000004/adapter")
-    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 # ---------------------------------------------------------------- without launching

@@ -125,10 +125,17 @@ def sft_loss_from_hidden(hidden: torch.Tensor, head: nn.Module, labels: torch.Te
     if not _sharded(head.weight):
         return linear_cross_entropy(rows, head.weight, head.bias, targets), n
     # FSDP: an untied head is a unit of its own, its weight a shard outside the module's call. A frozen
-    # head is gathered for the loss and let go after; a trained one (no gradient would reach its
-    # shards through a gather by hand) runs through the module's own call, unchunked.
+    # head's slices come to every rank one at a time (tunekit.losses.sliced_head), never the whole
+    # head; where its layout is not the one that expects (a bias, another mesh), it is gathered for
+    # the loss and let go after. A trained one (no gradient would reach its shards through a gather
+    # by hand) runs through the module's own call, unchunked.
     if head.weight.requires_grad or not hasattr(head, "unshard"):
         return F.cross_entropy(head(rows.to(head.weight.dtype)).float(), targets, reduction="sum"), n
+    from tunekit.losses.sliced_head import broadcast_slices, sliced_cross_entropy
+
+    slices = broadcast_slices(head.weight) if head.bias is None else None
+    if slices is not None:
+        return sliced_cross_entropy(rows, targets, slices, head.weight.dtype), n
     head.unshard()
     try:
         return linear_cross_entropy(rows, head.weight, head.bias, targets), n

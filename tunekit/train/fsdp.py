@@ -5,9 +5,11 @@ every parameter along its first dimension into one shard per rank. Each decoder 
 unit: its weights are all-gathered just before the layer runs and freed after, and its gradients
 are reduce-scattered in backward, so a rank holds 1/N of the base, of the trained tensors, of
 their gradients and of the optimizer state, plus about two gathered layers at a time. Untied
-input embeddings and output head are a unit each, gathered only while they compute; everything
-else (final norm, a soft prompt, and a head tied to the embeddings) is the root unit, gathered
-for a whole micro-batch. tunekit.plan.memory counts the same ("gathered blocks (FSDP)").
+input embeddings and output head are a unit each, gathered only while they compute (a frozen head
+not even then: the loss takes its vocabulary slices from the ranks one at a time,
+tunekit.losses.sliced_head); everything else (final norm, a soft prompt, and a head tied to the
+embeddings) is the root unit, gathered for a whole micro-batch. tunekit.plan.memory counts the
+same ("gathered blocks (FSDP)").
 
 What the training loop reaches through tunekit.train.strategy.FSDP2 (DDP runs never reach this module):
 
@@ -97,6 +99,22 @@ def outer_units(model: nn.Module) -> list[nn.Module]:
     if emb is None or head is None or getattr(emb, "weight", None) is getattr(head, "weight", None):
         return []
     return [emb, head]
+
+
+def head_loss_route(model: nn.Module) -> str:
+    """How the SFT loss reaches the output head under FSDP (tunekit.losses.sft): "slices" (a frozen
+    untied head without bias, each rank's vocabulary rows broadcast in turn, never whole),
+    "gathered" (whole for the loss, then let go), "own call" (a trained head, through FSDP's own
+    gather) or "root unit" (tied to the embeddings)."""
+    from tunekit.losses.sliced_head import broadcast_slices
+
+    units = outer_units(model)
+    if not units:
+        return "root unit"
+    head = units[1]
+    if head.weight.requires_grad or not hasattr(head, "unshard"):
+        return "own call"
+    return "slices" if head.bias is None and broadcast_slices(head.weight) is not None else "gathered"
 
 
 def _quant_state_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -396,7 +414,8 @@ class Sharded:
                                None if s is None else s.bytes_read, None if s is None else s.opens)])
         out = {"model_bytes": self.full_bytes, "rank_bytes": [r[0] for r in rows],
                "rank_memory_after_shard_mb": [None if r[1] is None else round(r[1], 1) for r in rows],
-               "rank_peak_memory_mb": [round(r[2], 1) for r in rows], "base_streamed_from_rank_0": s is not None}
+               "rank_peak_memory_mb": [round(r[2], 1) for r in rows], "base_streamed_from_rank_0": s is not None,
+               "head_in_loss": None if self.root is None else head_loss_route(self.root.model)}
         if s is not None:  # who read the weight files: rank 0 alone
             out["rank_weight_bytes_read"] = [r[3] for r in rows]
             out["rank_weight_file_opens"] = [r[4] for r in rows]
