@@ -141,9 +141,9 @@ def test_qlora_two_fsdp_ranks_match_one_process_and_resume(tiny_model_dir, tiny_
 
 def test_lora_over_an_untied_model_two_fsdp_ranks_match_one_process(untied_model_dir, tiny_data, tmp_path):
     """LoRA over a base whose embeddings and head are units of their own, G = 1 and clipping off
-    above. The frozen head is never gathered: the loss takes its vocabulary slices from the ranks
-    one at a time, summed online (tunekit.losses.sliced_head), where one process sums the whole
-    head's logits at once. Only that loss's sums differ in order: a few roundings of 2^-24
+    above. The frozen embeddings and head are never gathered: the lookup and the loss take their
+    vocabulary slices from the ranks one at a time (the loss summed online,
+    tunekit.losses.sliced_head), where one process sums the whole head's logits at once. Only that loss's sums differ in order: a few roundings of 2^-24
     relative per gradient element in fp32, the G = 2 case's bound above (in bf16 such a difference
     flips activations' roundings from step to step, as said there). keep_best gathers the adapter
     at every evaluation (all ranks) and rank 0 writes best/."""
@@ -159,7 +159,7 @@ def test_lora_over_an_untied_model_two_fsdp_ranks_match_one_process(untied_model
     assert "2 decoder layers + embeddings + head + the rest" in r.stderr
     fsdp = _holds_half(two)
     assert fsdp["model_bytes"] > 2 * 49152 * 64 * 4  # embeddings and head, fp32
-    assert fsdp["head_in_loss"] == "slices"
+    assert fsdp["head_in_loss"] == fsdp["embeddings_in_forward"] == "slices"
     best = json.loads((two / "best" / "best.json").read_text())
     assert best["step"] in (0, 2, 4) and _adapter(two).keys() == _adapter(two, "best/adapter").keys()
     _same_run(two, one)  # the last checkpoints (adapter/ is the best evaluation's)

@@ -117,6 +117,52 @@ def head_loss_route(model: nn.Module) -> str:
     return "slices" if head.bias is None and broadcast_slices(head.weight) is not None else "gathered"
 
 
+def _embedding_slices(model: nn.Module, decoder: nn.Module):
+    """broadcast_slices of the embedding table where sliced_embeddings applies, else None."""
+    from tunekit.losses.sliced_head import broadcast_slices
+
+    units = outer_units(model)
+    if not units:
+        return None
+    emb = units[0]
+    # a plain lookup (FSDP made its class a subclass; one that scales in its own forward is not)
+    plain = isinstance(emb, nn.Embedding) and type(emb).forward is nn.Embedding.forward and emb.max_norm is None
+    if not plain or emb.weight.requires_grad or getattr(decoder, "get_input_embeddings", lambda: None)() is not emb:
+        return None
+    return broadcast_slices(emb.weight)
+
+
+def sliced_embeddings(model: nn.Module, decoder: nn.Module, input_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The decoder's input embeddings of `input_ids`, looked up in each rank's vocabulary slice in
+    turn (a broadcast per rank), never the table gathered whole: an untied embedding unit gathered
+    for its call holds, for a moment, the all-gather's buffer and the table, twice its size. Only a
+    frozen plain nn.Embedding that the decoder itself reads (not prompt tuning's wrapper, not a
+    scaled embedding class); None otherwise, and the decoder embeds as usual. Every rank calls this
+    once per forward, as it runs the forward itself."""
+    slices = _embedding_slices(model, decoder) if input_ids is not None else None
+    if slices is None:
+        return None
+    out = None
+    for lo, part in slices():
+        if out is None:
+            out = torch.zeros(*input_ids.shape, part.shape[1], dtype=part.dtype, device=input_ids.device)
+        here = (input_ids >= lo) & (input_ids < lo + part.shape[0])
+        out[here] = part[input_ids[here] - lo]
+    if out is not None and (getattr(model, "_require_grads_hooks", None) or getattr(model, "_require_grads_hook", None)):
+        out.requires_grad_(True)  # what the hook of enable_input_require_grads gives the module's output
+    return out
+
+
+def embedding_route(model: nn.Module) -> str:
+    """How the training forward reaches the input embeddings under FSDP: "slices"
+    (sliced_embeddings), "gathered" (the unit's own call) or "root unit" (tied to the head)."""
+    from tunekit.model import decoder_and_head
+
+    if not outer_units(model):
+        return "root unit"
+    return "slices" if _embedding_slices(model, decoder_and_head(model)[0]) is not None else "gathered"
+
+
 def _quant_state_tensors(module: nn.Module) -> list[torch.Tensor]:
     state = getattr(module, "quant_state", None)
     if state is None:
@@ -415,7 +461,8 @@ class Sharded:
         out = {"model_bytes": self.full_bytes, "rank_bytes": [r[0] for r in rows],
                "rank_memory_after_shard_mb": [None if r[1] is None else round(r[1], 1) for r in rows],
                "rank_peak_memory_mb": [round(r[2], 1) for r in rows], "base_streamed_from_rank_0": s is not None,
-               "head_in_loss": None if self.root is None else head_loss_route(self.root.model)}
+               "head_in_loss": None if self.root is None else head_loss_route(self.root.model),
+               "embeddings_in_forward": None if self.root is None else embedding_route(self.root.model)}
         if s is not None:  # who read the weight files: rank 0 alone
             out["rank_weight_bytes_read"] = [r[3] for r in rows]
             out["rank_weight_file_opens"] = [r[4] for r in rows]

@@ -230,7 +230,8 @@ class TrainRecipe(RecipeSetup):
 
         def forward():
             with offload.offload_context(self.device) if self.offload else contextlib.nullcontext():
-                hidden = decoder(**model_inputs(batch), **packed, use_cache=False).last_hidden_state
+                inputs = self.strategy.decoder_inputs(self.model, decoder, model_inputs(batch))
+                hidden = decoder(**inputs, **packed, use_cache=False).last_hidden_state
             return objective_fn(hidden, head, batch)
 
         with self.precision.autocast(self.device, self.method.autocast):

@@ -94,6 +94,11 @@ class Strategy(ABC):
     def run(self, fn: Callable, *args) -> Any:
         """fn(*args): a forward (and what it computes), as this strategy must run it."""
 
+    def decoder_inputs(self, model: nn.Module, decoder: nn.Module, inputs: dict) -> dict:
+        """The keyword arguments of the decoder's forward for `inputs` (model_inputs of a batch): as
+        they are, unless the strategy embeds the tokens itself (FSDP's sliced lookup)."""
+        return inputs
+
     @abstractmethod
     def reduce_grads(self, params: list[nn.Parameter]) -> None:
         """After the last micro-batch's backward: every param's .grad is the sum over all ranks."""
@@ -358,6 +363,16 @@ class FSDP2(Strategy):
 
     def run(self, fn: Callable, *args) -> Any:
         return self.sharded.run(fn, *args)
+
+    def decoder_inputs(self, model: nn.Module, decoder: nn.Module, inputs: dict) -> dict:
+        """A frozen untied embedding's lookup from the ranks' vocabulary slices, never the table
+        gathered whole (tunekit.train.fsdp.sliced_embeddings); where it does not apply, as they are."""
+        from tunekit.train.fsdp import sliced_embeddings
+
+        embeds = sliced_embeddings(model, decoder, inputs.get("input_ids"))
+        if embeds is None:
+            return inputs
+        return {**{k: v for k, v in inputs.items() if k != "input_ids"}, "inputs_embeds": embeds}
 
     def reduce_grads(self, params: list[nn.Parameter]) -> None:
         """FSDP summed every micro-batch's gradients into the shards in backward: collect them."""
