@@ -52,7 +52,7 @@ class DistillObjective:
     """
 
     eval_names = ("ce", "kl", "loss")
-    count = SFTObjective.count
+    count = staticmethod(SFTObjective.count)
 
     def __init__(self, teacher: nn.Module, cfg):
         from tunekit.model import decoder_and_head
