@@ -235,11 +235,14 @@ def test_fsdp_shards_the_state_and_ddp_does_not():
     assert fsdp.terms["base weights"] == (one.terms["base weights"] - state) // 2 + state
     assert fsdp.terms["optimizer state"] == one.terms["optimizer state"] // 2
     assert fsdp.terms["activations"] == one.terms["activations"]  # each rank runs its own micro-batch
-    # two gathered blocks (without their quantization state, which each rank holds), or one and the
-    # untied bf16 head (128256 x 8192, 2.1 GB) while the loss runs
+    # one gathered block (without its quantization state, which each rank holds) and, beside it,
+    # the larger of the prefetched block and one rank's slice of the frozen untied bf16 head or
+    # embeddings (128256 x 8192 x 2 bytes, halved on two ranks): those are never gathered whole
     block = (base_weight_bytes(shape.with_layers(1), "nf4", 2) - base_weight_bytes(shape.with_layers(0), "nf4", 2)
              - quant_state_bytes(shape.with_layers(1), "nf4"))
-    assert fsdp.terms["gathered blocks (FSDP)"] == block + 2 * 128256 * 8192 < one.terms["base weights"] / 8
+    assert fsdp.terms["gathered blocks (FSDP)"] == block + 128256 * 8192 < one.terms["base weights"] / 8
+    eight = step_memory(shape, st, ranks=8, sharded=True)  # a slice of an eighth: smaller than a block
+    assert eight.terms["gathered blocks (FSDP)"] == 2 * block
     # 70B in 4 bits does not fit a 24 GB card, and does, sharded, on four
     gpu = DeviceFacts("cuda", 0, (8, 0), "GPU", 24 * GiB)
     plan = predict(shape, replace(st, seq_len=512), gpu, ranks=4)

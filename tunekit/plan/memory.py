@@ -417,11 +417,13 @@ def teacher_forward_bytes(shape: ModelShape, st: TrainSetup) -> int:
 
 
 # ------------------------------------------------------------------ the peak
-def fsdp_gathered_bytes(shape: ModelShape, st: TrainSetup) -> int:
+def fsdp_gathered_bytes(shape: ModelShape, st: TrainSetup, ranks: int = 1) -> int:
     """Whole weights an FSDP rank holds beside its shards (tunekit.train.fsdp): the decoder block that
-    computes and the one prefetched; an untied embedding or head is a unit of its own, gathered
-    while it computes (with one block prefetched beside it); a head tied to the embeddings stays
-    in the root unit, gathered for the whole micro-batch with the final norm."""
+    computes and the one prefetched; a head tied to the embeddings stays in the root unit, gathered
+    for the whole micro-batch with the final norm. Untied embeddings and head are units of their own:
+    frozen, they are never gathered, only one rank's vocabulary slice at a time is received
+    (tunekit.train.fsdp.sliced_embeddings, tunekit.losses.sliced_head); trained (a method that trains
+    the base), each is gathered while it computes, with one block prefetched beside it."""
     outer = base_weight_bytes(shape.with_layers(0), st.quantize, st.compute_bytes)
     block = base_weight_bytes(shape.with_layers(1), st.quantize, st.compute_bytes) - outer
     block -= quant_state_bytes(shape.with_layers(1), st.quantize)  # never gathered: each rank holds it whole
@@ -429,6 +431,8 @@ def fsdp_gathered_bytes(shape: ModelShape, st: TrainSetup) -> int:
         return 2 * block + outer
     per_param = st.compute_bytes
     largest = per_param * max(shape.embedding_params, shape.head_params)
+    if not method_of(st).trains_base:
+        largest = math.ceil(largest / max(ranks, 1))  # one received slice
     return block + max(block, largest)
 
 
@@ -461,7 +465,7 @@ def step_memory(shape: ModelShape, st: TrainSetup, ranks: int = 1, sharded: bool
     shards = [math.ceil(n / split) for n in tensors] if split > 1 else tensors
     mem.terms["optimizer state"] = optimizer_state_bytes(shards, st.optimizer)
     if sharded and ranks > 1:
-        mem.terms["gathered blocks (FSDP)"] = fsdp_gathered_bytes(shape, st)
+        mem.terms["gathered blocks (FSDP)"] = fsdp_gathered_bytes(shape, st, ranks)
     if st.teacher is not None:
         mem.terms["teacher weights"] = base_weight_bytes(st.teacher, st.teacher_quantize, st.compute_bytes) // split
     if split > 1:
