@@ -1,0 +1,134 @@
+"""The tokenized cache's cold and warm start: `tunekit data prepare` over 100k+ rows, 1 and 2 processes.
+
+    python scripts/bench_data_cache.py [--rows 120000] [--out benchmarks/data/data-cache-DATE] [--work DIR]
+
+The rows are built from the embedded default data (tunekit/data/default/, 1,171 alpaca rows): chats of
+1 to 3 turns, each turn a default row drawn by a seeded generator, numbered so that no two rows are the
+same. Each measurement is a fresh `tunekit data prepare` process on the default model's tokenizer:
+
+  no cache   data.cache=false, 1 process: tokenizing alone
+  cold       an empty data.cache_dir: tokenize + hash the rows + write the entry
+  warm       the same command again: the entry read back, nothing tokenized
+
+for data.num_proc=1 and 2. Wall: the whole command (imports, config, tokenizer, rows read and
+checked); `prepare` is what the command itself reports (tokenizer load + load_splits). Peak RSS is the
+command's main process (os.wait4), the pool's workers not included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchlib import REPO, machine, versions, write_result
+
+DEFAULT = REPO / "tunekit" / "data" / "default"
+
+
+def build_rows(n: int, path: Path) -> None:
+    """n chat rows of 1-3 turns from the default data, in a seeded order, each numbered."""
+    base = [json.loads(line) for name in ("train.jsonl", "val.jsonl")
+            for line in (DEFAULT / name).read_text().splitlines() if line.strip()]
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for i in range(n):
+            messages = []
+            for turn in range(rng.choice((1, 1, 2, 3))):
+                row = rng.choice(base)
+                ask = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
+                messages += [{"role": "user", "content": f"({i}.{turn}) {ask}"},
+                             {"role": "assistant", "content": row["output"]}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+
+
+def prepare(data: Path, cache_dir: Path, num_proc: int, cache: bool = True) -> dict:
+    """One `tunekit data prepare` process: its wall time, peak RSS and report."""
+    cmd = [sys.executable, "-m", "tunekit.commands.main", "data", "prepare", f"data.path={data}",
+           f"data.cache_dir={cache_dir}", f"data.num_proc={num_proc}", f"data.cache={str(cache).lower()}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryFile("w+") as fout, tempfile.TemporaryFile("w+") as ferr:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fout, stderr=ferr, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)  # its own rusage: the peak RSS of this process
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        fout.seek(0)
+        ferr.seek(0)
+        out, err = fout.read(), ferr.read()
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_data_cache: {' '.join(cmd)} failed:\n{err[-3000:]}")
+    done = re.search(r"done in ([\d.]+) s", out)
+    return {"wall_s": round(wall, 2), "prepare_s": float(done.group(1)) if done else None,
+            "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+            "from_cache": "tokenized rows from cache" in err, "report": out.strip().splitlines()}
+
+
+def entry_bytes(cache_dir: Path) -> int:
+    return sum(f.stat().st_size for f in cache_dir.rglob("*") if f.is_file())
+
+
+def render(r: dict) -> str:
+    lines = [f"# The tokenized cache: cold and warm start of `tunekit data prepare` ({r['date']})", "",
+             f"Machine: {r['machine_note']}. Versions: "
+             + ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + ".", "",
+             f"Data: {r['rows']:,} chat rows (1-3 turns) built from the embedded default data "
+             f"(`scripts/bench_data_cache.py`), {r['data_mib']:.1f} MiB; the default model's tokenizer, "
+             f"data.max_seq_len=512. Cache entries on disk: {r['cache_mib']:.1f} MiB.", "",
+             "| run | data.num_proc | wall (s) | prepare (s) | peak RSS (MiB) | from cache |",
+             "|---|---|---|---|---|---|"]
+    for m in r["runs"]:
+        lines.append(f"| {m['name']} | {m['num_proc']} | {m['wall_s']:.1f} | {m['prepare_s']:.1f} | "
+                     f"{m['peak_rss_mib']:.0f} | {'yes' if m['from_cache'] else 'no'} |")
+    lines += ["", "wall: the whole command (imports, config, rows read and checked, tokenizer); prepare: "
+              "what the command reports (tokenizer load + tokenization or cache read + split). Peak RSS: the "
+              "command's main process, not its workers. Times are disturbed by other jobs on the same 2 cores: "
+              "compare within this table only.", "", "What the command printed (cold, 1 process):", "", "```",
+              *r["runs"][1]["report"], "```", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=120_000)
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "data" / f"data-cache-{datetime.date.today()}"))
+    p.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed after)")
+    args = p.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench-data-cache-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        data = work / "rows.jsonl"
+        build_rows(args.rows, data)
+        runs = []
+        for name, num_proc, folder, cache in (("no cache", 1, "none", False), ("cold", 1, "c1", True),
+                                              ("warm", 1, "c1", True), ("cold", 2, "c2", True),
+                                              ("warm", 2, "c2", True)):
+            m = prepare(data, work / folder, num_proc, cache)
+            runs.append({"name": name, "num_proc": num_proc, **m})
+            print(f"{name}, {num_proc} process(es): wall {m['wall_s']} s, prepare {m['prepare_s']} s, "
+                  f"rss {m['peak_rss_mib']} MiB", flush=True)
+        reports = {tuple(ln for ln in m["report"] if not ln.startswith(("cache:", "done in"))) for m in runs}
+        result = {"date": str(datetime.date.today()), "machine": machine()["device"].split(",")[0],
+                  "machine_note": f"{machine()['device'].split(',')[0]}, 2 cores shared with other jobs, no GPU",
+                  "versions": versions(("torch", "transformers", "tokenizers", "safetensors", "tunekit")),
+                  "rows": args.rows, "data_mib": data.stat().st_size / 2 ** 20,
+                  "cache_mib": entry_bytes(work / "c1") / 2 ** 20, "same_report_every_run": len(reports) == 1,
+                  "runs": runs}
+        write_result(Path(args.out), result, render)
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
