@@ -1,6 +1,6 @@
 """The tokenized cache's cold and warm start: `tunekit data prepare` over 100k+ rows, 1 and 2 processes.
 
-    python scripts/bench_data_cache.py [--rows 120000] [--out benchmarks/data/data-cache-DATE] [--work DIR]
+    PYTHONPATH=. python scripts/bench_data_cache.py [--rows 120000] [--out benchmarks/data/data-cache-DATE] [--work DIR]
 
 The rows are built from the embedded default data (tunekit/data/default/, 1,171 alpaca rows): chats of
 1 to 3 turns, each turn a default row drawn by a seeded generator, numbered so that no two rows are the
@@ -74,6 +74,36 @@ def prepare(data: Path, cache_dir: Path, num_proc: int, cache: bool = True) -> d
             "from_cache": "tokenized rows from cache" in err, "report": out.strip().splitlines()}
 
 
+def cache_costs(data: Path, cache_dir: Path, repeats: int = 3) -> dict:
+    """The cache's own costs in this process, tokenizing left out (each the best of `repeats`): the key
+    (hashing the rows and the tokenizer), writing the entry, reading it back. From the entry a cold
+    run wrote, to a fresh folder."""
+    from tunekit.data.cache import TokenCache
+    from tunekit.data.formats import read_rows
+    from tunekit.model import load_tokenizer
+    from tunekit.model.folder import resolve_model_path
+
+    rows = read_rows(str(data))
+    tok = load_tokenizer(resolve_model_path(None))
+    entry = TokenCache(cache_dir).entry(str(data), rows, "chat", tok, 512)
+    got = entry.load()
+    if got is None:
+        raise SystemExit(f"bench_data_cache: no entry at {entry.folder}")
+    out = {"key_s": [], "write_s": [], "read_s": []}
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        fresh = TokenCache(cache_dir.parent / f"costs{i}").entry(str(data), rows, "chat", tok, 512)
+        t1 = time.perf_counter()
+        fresh.store(got.examples, got.lost, got.dropped)
+        t2 = time.perf_counter()
+        assert fresh.load() is not None
+        t3 = time.perf_counter()
+        out["key_s"].append(t1 - t0)
+        out["write_s"].append(t2 - t1)
+        out["read_s"].append(t3 - t2)
+    return {k: round(min(v), 2) for k, v in out.items()}
+
+
 def entry_bytes(cache_dir: Path) -> int:
     return sum(f.stat().st_size for f in cache_dir.rglob("*") if f.is_file())
 
@@ -85,6 +115,9 @@ def render(r: dict) -> str:
              f"Data: {r['rows']:,} chat rows (1-3 turns) built from the embedded default data "
              f"(`scripts/bench_data_cache.py`), {r['data_mib']:.1f} MiB; the default model's tokenizer, "
              f"data.max_seq_len=512. Cache entries on disk: {r['cache_mib']:.1f} MiB.", "",
+             f"The cache's own costs, tokenizing left out (in one process, best of 3): the key (hashing the rows and "
+             f"the tokenizer) {r['costs']['key_s']:.2f} s, writing the entry {r['costs']['write_s']:.2f} s, reading it "
+             f"back {r['costs']['read_s']:.2f} s.", "",
              "| run | data.num_proc | wall (s) | prepare (s) | peak RSS (MiB) | from cache |",
              "|---|---|---|---|---|---|"]
     for m in r["runs"]:
@@ -112,7 +145,8 @@ def main() -> None:
         runs = []
         for name, num_proc, folder, cache in (("no cache", 1, "none", False), ("cold", 1, "c1", True),
                                               ("warm", 1, "c1", True), ("cold", 2, "c2", True),
-                                              ("warm", 2, "c2", True)):
+                                              ("warm", 2, "c2", True), ("no cache", 2, "none", False),
+                                              ("no cache", 1, "none", False)):
             m = prepare(data, work / folder, num_proc, cache)
             runs.append({"name": name, "num_proc": num_proc, **m})
             print(f"{name}, {num_proc} process(es): wall {m['wall_s']} s, prepare {m['prepare_s']} s, "
@@ -123,6 +157,7 @@ def main() -> None:
                   "versions": versions(("torch", "transformers", "tokenizers", "safetensors", "tunekit")),
                   "rows": args.rows, "data_mib": data.stat().st_size / 2 ** 20,
                   "cache_mib": entry_bytes(work / "c1") / 2 ** 20, "same_report_every_run": len(reports) == 1,
+                  "costs": cache_costs(data, work / "c1"),
                   "runs": runs}
         write_result(Path(args.out), result, render)
     finally:
