@@ -37,6 +37,8 @@ from typing import Optional
 
 import numpy as np
 
+from tunekit.data.tokenize import IGNORE
+
 log = logging.getLogger(__name__)
 
 WRITTEN_BY = "tunekit tokenized cache"
@@ -200,7 +202,15 @@ class Entry:
         if hashlib.sha256(data).hexdigest() != info.get("sha256"):
             raise ValueError(f"{DATA} does not match the SHA-256 its manifest records")
         arrays = load(data)
-        ids, labels, offsets = arrays["input_ids"].tolist(), arrays["labels"].tolist(), arrays["offsets"].tolist()
+        ids, offsets = arrays["input_ids"].tolist(), arrays["offsets"].tolist()
+        trained = arrays["labels"] == arrays["input_ids"]
+        if len(trained) == len(ids) and bool(np.all(trained | (arrays["labels"] == IGNORE))):
+            # each label its token or IGNORE (tokenize's rule): the labels then hold the ids' own int objects,
+            # as a fresh tokenization's do (separate ones would take ~40% more memory)
+            ignore = IGNORE
+            labels = [t if m else ignore for t, m in zip(ids, trained.tolist())]
+        else:
+            labels = arrays["labels"].tolist()
         lost = [None if n < 0 else n for n in arrays["lost"].tolist()]
         dropped = arrays["dropped"].tolist()
         n = len(offsets) - 1
