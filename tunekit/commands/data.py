@@ -54,7 +54,7 @@ def report(cfg, splits, cache, seconds: float) -> str:
     from tunekit.data.batching import pack_rows
 
     d = cfg.data
-    lines = []
+    lines = [r.line() for r in splits.sources or []]  # a list of sources: what each has, gives and holds out
     for name, examples in (("train", splits.train), ("held-out", splits.val)):
         tokens = sum(len(e["input_ids"]) for e in examples)
         trained = sum(sum(label != IGNORE for label in e["labels"][1:]) for e in examples)
@@ -83,6 +83,9 @@ def prepare(cfg) -> str:
     from tunekit.data.cache import cache_for
     from tunekit.model.loader import load_tokenizer
 
+    if cfg.objective == "preference":
+        raise TunekitError("data prepare: objective=preference: preference pairs are tokenized by the run itself and "
+                           "not cached; data prepare tokenizes the rows of objective=sft or distill")
     start = time.perf_counter()
     folder, key = tokenizer_source(cfg)
     tokenizer = load_tokenizer(folder, key)
