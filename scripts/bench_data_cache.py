@@ -57,6 +57,7 @@ def prepare(data: Path, cache_dir: Path, num_proc: int, cache: bool = True) -> d
            f"data.cache_dir={cache_dir}", f"data.num_proc={num_proc}", f"data.cache={str(cache).lower()}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
+    load = os.getloadavg()[0]  # how busy the machine was as the run started (other jobs share its cores)
     with tempfile.TemporaryFile("w+") as fout, tempfile.TemporaryFile("w+") as ferr:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fout, stderr=ferr, text=True)
@@ -70,7 +71,9 @@ def prepare(data: Path, cache_dir: Path, num_proc: int, cache: bool = True) -> d
         raise SystemExit(f"bench_data_cache: {' '.join(cmd)} failed:\n{err[-3000:]}")
     done = re.search(r"done in ([\d.]+) s", out)
     return {"wall_s": round(wall, 2), "prepare_s": float(done.group(1)) if done else None,
-            "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+            "peak_rss_mib": round(usage.ru_maxrss / 1024, 1), "load_1min": round(load, 2),
+            # CPU seconds of the command and of the pool workers it waited for
+            "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
             "from_cache": "tokenized rows from cache" in err, "report": out.strip().splitlines()}
 
 
@@ -118,15 +121,18 @@ def render(r: dict) -> str:
              f"The cache's own costs, tokenizing left out (in one process, best of 3): the key (hashing the rows and "
              f"the tokenizer) {r['costs']['key_s']:.2f} s, writing the entry {r['costs']['write_s']:.2f} s, reading it "
              f"back {r['costs']['read_s']:.2f} s.", "",
-             "| run | data.num_proc | wall (s) | prepare (s) | peak RSS (MiB) | from cache |",
-             "|---|---|---|---|---|---|"]
+             "| run | data.num_proc | wall (s) | prepare (s) | CPU (s) | load (1 min) | peak RSS (MiB) | from cache |",
+             "|---|---|---|---|---|---|---|---|"]
     for m in r["runs"]:
-        lines.append(f"| {m['name']} | {m['num_proc']} | {m['wall_s']:.1f} | {m['prepare_s']:.1f} | "
-                     f"{m['peak_rss_mib']:.0f} | {'yes' if m['from_cache'] else 'no'} |")
+        lines.append(f"| {m['name']} | {m['num_proc']} | {m['wall_s']:.1f} | {m['prepare_s']:.1f} | {m['cpu_s']:.1f} | "
+                     f"{m['load_1min']:.1f} | {m['peak_rss_mib']:.0f} | {'yes' if m['from_cache'] else 'no'} |")
     lines += ["", "wall: the whole command (imports, config, rows read and checked, tokenizer); prepare: "
-              "what the command reports (tokenizer load + tokenization or cache read + split). Peak RSS: the "
-              "command's main process, not its workers. Times are disturbed by other jobs on the same 2 cores: "
-              "compare within this table only.", "", "What the command printed (cold, 1 process):", "", "```",
+              "what the command reports (tokenizer load + tokenization or cache read + split); CPU: user + system "
+              "seconds of the command and its pool workers; load: the machine's 1-minute load average as the run "
+              "started (2 cores: above 2, other jobs take cores from this one, and a second worker process gains "
+              "little or nothing). Peak RSS: the command's main process, not its workers. Times are disturbed by "
+              "other jobs on the same 2 cores: compare within this table only, with its load column.", "",
+              "What the command printed (cold, 1 process):", "", "```",
               *r["runs"][1]["report"], "```", ""]
     return "\n".join(lines)
 
