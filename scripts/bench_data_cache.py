@@ -132,9 +132,10 @@ def render(r: dict) -> str:
               f"{cold['prepare_s']:.1f} s ({cold['prepare_s'] / warm['prepare_s']:.1f}x less), the whole command "
               f"{warm['wall_s']:.1f} s against {cold['wall_s']:.1f} s. 2 processes against 1, cold: "
               f"{cold2['prepare_s']:.1f} s against {cold['prepare_s']:.1f} s, {cold2['cpu_s']:.1f} against "
-              f"{cold['cpu_s']:.1f} CPU seconds, at a load of {cold2['load_1min']:.1f} and {cold['load_1min']:.1f} on 2 "
-              "cores: where other jobs hold the cores, the second worker has none of its own. Every run reported "
-              f"the same counts of examples and tokens, cuts and drops: {'yes' if r['same_report_every_run'] else 'NO'}."]
+              f"{cold['cpu_s']:.1f} CPU seconds, at a load of {cold2['load_1min']:.1f} and {cold['load_1min']:.1f} "
+              "on 2 cores: where other jobs hold the cores, the second worker has none of its own. Every run "
+              "reported the same counts of examples and tokens, cuts and drops: "
+              f"{'yes' if r['same_report_every_run'] else 'NO'}."]
     lines += ["", "wall: the whole command (imports, config, rows read and checked, tokenizer); prepare: "
               "what the command reports (tokenizer load + tokenization or cache read + split); CPU: user + system "
               "seconds of the command and its pool workers; load: the machine's 1-minute load average as the run "
