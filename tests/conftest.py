@@ -33,6 +33,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # os.environ as it found it, and the fork server (tests/_helpers.py) keeps serving instead of being
 # restarted (a fresh import of the stack) for an environment that moved.
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# The tokenized cache (tunekit.data.cache) of every run the suite starts: a folder of the session's own
+# (the xdist workers inherit the controller's), removed at exit; never the user's ~/.cache, and no run
+# sees what an earlier session cached.
+if not os.environ.get("TUNEKIT_DATA_CACHE"):
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["TUNEKIT_DATA_CACHE"] = tempfile.mkdtemp(prefix="tunekit-test-tokenized-")
+    atexit.register(shutil.rmtree, os.environ["TUNEKIT_DATA_CACHE"], True)
 
 
 def pytest_xdist_auto_num_workers(config) -> int:

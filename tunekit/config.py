@@ -87,6 +87,13 @@ class DataConfig:
     # Concatenate each micro-batch into one row with per-example positions and attention
     # (no padding). Same examples and same loss as unpacked; faster on short examples.
     packing: bool = False
+    # Tokenize each file once and reuse the examples while nothing that shapes them changes
+    # (docs/data.md#tokenized-cache); false: tokenize every run.
+    cache: bool = True
+    # Folder of the tokenized cache; null: $TUNEKIT_DATA_CACHE, else ~/.cache/tunekit/tokenized.
+    cache_dir: Optional[str] = None
+    # Processes that tokenize; null: auto (several from 20,000 rows). Same examples for any value.
+    num_proc: Optional[int] = None
 
 
 @dataclass

@@ -45,6 +45,8 @@ COMMANDS: dict[str, str] = {
     "export": "adapter | merged HF model | GGUF, each checked against the trained model: tunekit export --help",
     "doctor": "check this build on this machine (kernels, fused vs peft training, resume, export): a report",
     "plan": "will it fit? peak memory and FLOPs of a training step, nothing loaded: tunekit plan --help",
+    "data": ("tokenize a run's rows once into the tokenized cache, ahead of training (the tokenizer only): "
+             "tunekit data prepare recipe=NAME [key=value ...]"),
 }
 
 

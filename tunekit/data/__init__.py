@@ -14,12 +14,15 @@ from typing import Optional
 
 from tunekit.data.batching import (BatchSchedule, collate, collate_packed, count_tokens, eval_batches,
                                    eval_micro_batches)
-from tunekit.data.formats import DEFAULT_DATA_DIR, DataError, detect_format, iter_examples, read_rows, row_char_limit
-from tunekit.data.tokenize import IGNORE, encode_example, end_of_turn_ids, ensure_chat_template
+from tunekit.data.cache import TokenCache
+from tunekit.data.encode import encode_rows
+from tunekit.data.formats import DEFAULT_DATA_DIR, DataError, detect_format, read_rows
+from tunekit.data.tokenize import IGNORE, end_of_turn_ids, ensure_chat_template
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BatchSchedule", "DataError", "Dropped", "Examples", "IGNORE", "Splits", "Truncation", "collate", "collate_packed",
+__all__ = ["BatchSchedule", "DataError", "Dropped", "Examples", "IGNORE", "Splits", "TokenCache", "Truncation", "collate",
+           "collate_packed",
            "count_tokens", "eval_batches", "eval_micro_batches", "load_splits", "tokenize_rows"]
 
 SHOWN_ROWS = 5  # how many dropped rows the report names
@@ -120,20 +123,30 @@ class Splits(tuple):
         return self[1]
 
 
-def tokenize_rows(rows: list[dict], fmt: str, path, tokenizer, max_len: int, why: str = "") -> Examples:
+def tokenize_rows(rows: list[dict], fmt: str, path, tokenizer, max_len: int, why: str = "",
+                  cache: Optional[TokenCache] = None, num_proc: Optional[int] = 1) -> Examples:
     """Every row tokenized and masked (tunekit.data.tokenize). A row whose trained tokens all lie past
-    max_len is dropped, and the file's dropped rows are logged in one line; all rows dropped is an error."""
-    out, dropped = Examples(), []
-    out.lost = []
+    max_len is dropped, and the file's dropped rows are logged in one line; all rows dropped is an error.
+
+    cache: a TokenCache to take the examples from, or to store them in (tunekit.data.cache); the
+    report of dropped and cut rows is the same either way. num_proc: processes that encode (None:
+    auto, several from tunekit.data.encode.AUTO_ROWS rows); the examples are the same either way."""
+    entry = cache.entry(str(path), rows, fmt, tokenizer, max_len) if cache is not None else None
+    got = entry.load() if entry is not None else None
+    if got is not None:
+        log.info("tokenized rows from cache %s", entry.folder)
+        examples, lost, dropped_at = got.examples, got.lost, got.dropped
+    else:
+        encoded = encode_rows(rows, fmt, path, why, tokenizer, max_len, end_of_turn_ids(tokenizer), num_proc)
+        examples = [ex for ex, _ in encoded if ex is not None]
+        lost = [n for ex, n in encoded if ex is not None]
+        dropped_at = [i for i, (ex, _) in enumerate(encoded) if ex is None]
+        if entry is not None and examples:
+            entry.store(examples, lost, dropped_at)
+    out = Examples(examples)
+    out.lost = lost
     labels = getattr(rows, "labels", None)
-    ends = end_of_turn_ids(tokenizer)
-    for i, (where, messages, row) in enumerate(iter_examples(rows, fmt, path, why, row_char_limit(max_len))):
-        ex, lost = encode_example(tokenizer, messages, row, where, max_len, ends)
-        if ex is None:
-            dropped.append(labels[i] if labels else f"row {i + 1}")
-        else:
-            out.append(ex)
-            out.lost.append(lost)
+    dropped = [labels[i] if labels else f"row {i + 1}" for i in dropped_at]
     if not out:
         raise DataError(f"{path}: no usable rows: none of its {len(dropped)} rows keeps a response token within "
                         f"data.max_seq_len={max_len}; raise it or shorten the prompts")
@@ -165,16 +178,21 @@ def load_splits(
     val_fraction: float,
     max_val_examples: Optional[int],
     seed: int,
+    cache: Optional[TokenCache] = None,
+    num_proc: Optional[int] = None,
 ) -> Splits:
     """(train, val) tokenized examples, with Splits.dropped. No path -> the embedded default data and
     its val split. data.path may be a file, a save_to_disk folder or a hub id (tunekit.data.sources);
     a dataset with a held-out split gives the val set when val_path is None. A list of sources:
-    tunekit.data.mixture.load_mixture."""
+    tunekit.data.mixture.load_mixture. cache, num_proc: as tokenize_rows (each file, or each source of a
+    list, is an entry of its own; its held-out part is split off after, from its examples, so a cached
+    file splits as a fresh one)."""
     ensure_chat_template(tokenizer)
     from tunekit.data.mixture import is_mixture, load_mixture
 
     if is_mixture(path):
-        return load_mixture(path, val_path, fmt, tokenizer, max_len, val_fraction, max_val_examples, seed)
+        return load_mixture(path, val_path, fmt, tokenizer, max_len, val_fraction, max_val_examples, seed, cache,
+                            num_proc)
     train_path = path if path else str(DEFAULT_DATA_DIR / "train.jsonl")
     if val_path is None and path is None:
         val_path = str(DEFAULT_DATA_DIR / "val.jsonl")
@@ -187,10 +205,10 @@ def load_splits(
         val_name = train_path if val_path is None else val_path
         fmt_val = detect_format(val_rows, val_name) if fmt == "auto" else fmt
         # Validate every training row (clear error with its number) before any split.
-        train = tokenize_rows(train_rows, fmt_train, train_path, tokenizer, max_len, why)
-        val = tokenize_rows(val_rows, fmt_val, val_name, tokenizer, max_len, why)
+        train = tokenize_rows(train_rows, fmt_train, train_path, tokenizer, max_len, why, cache, num_proc)
+        val = tokenize_rows(val_rows, fmt_val, val_name, tokenizer, max_len, why, cache, num_proc)
     else:
-        examples = tokenize_rows(train_rows, fmt_train, train_path, tokenizer, max_len, why)
+        examples = tokenize_rows(train_rows, fmt_train, train_path, tokenizer, max_len, why, cache, num_proc)
         train, val = hold_out(examples, val_fraction, seed, train_path)
     if max_val_examples is not None:
         val = val.subset(range(min(max_val_examples, len(val))))

@@ -100,6 +100,22 @@ def group_longest_first(indices: list[int], lengths: list[int], cap: int, min_pa
     return [[ordered[i] for i in g] for g in group_by_length([lengths[i] for i in ordered], cap)]
 
 
+def pack_rows(lengths: list[int], width: int) -> int:
+    """How many rows of `width` token slots hold examples of these lengths (each <= width), packed
+    best-fit decreasing: longest first, each into the fullest row it still fits. What `tunekit data
+    prepare` reports packing against: tokens / (rows x width) is the share of slots that hold tokens."""
+    import bisect
+
+    free: list[int] = []  # the rows' free slots, sorted
+    for n in sorted(lengths, reverse=True):
+        at = bisect.bisect_left(free, n)
+        if at < len(free):
+            bisect.insort(free, free.pop(at) - n)
+        else:
+            bisect.insort(free, width - n)
+    return len(free)
+
+
 def rows_for_epochs(epochs: float, rows: int) -> int:
     """Positions of the data order that `epochs` passes over `rows` training rows cover: a fractional
     pass takes its rows rounded up (0.5 x 7 rows: 4). Exact for decimal epochs (0.1 x 30 is 3, not

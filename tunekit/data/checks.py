@@ -24,6 +24,9 @@ def check_data_values(d: DataConfig) -> None:
     number("data.max_seq_len", d.max_seq_len, ge=8, integer=True)
     if d.max_val_examples is not None:
         number("data.max_val_examples", d.max_val_examples, ge=1, integer=True)
+    text("data.cache_dir", d.cache_dir, "a folder for the tokenized cache, or null for the default")
+    if d.num_proc is not None:
+        number("data.num_proc", d.num_proc, ge=1, integer=True)
 
 
 def check_data_files(d: DataConfig, objective: str = "sft") -> None:

@@ -266,9 +266,11 @@ class SourceReport:
 
 
 # ----------------------------------------------------------------------------- reading and drawing
-def _source_examples(s: Source, fmt: str, tokenizer, max_len: int, val_fraction: Optional[float], seed: int):
+def _source_examples(s: Source, fmt: str, tokenizer, max_len: int, val_fraction: Optional[float], seed: int,
+                     cache=None, num_proc: Optional[int] = None):
     """(training examples, held-out examples or None) of one source: its dataset's held-out split, else
-    val_fraction of its rows; None where data.val_path holds out (val_fraction None)."""
+    val_fraction of its rows; None where data.val_path holds out (val_fraction None). cache, num_proc:
+    tunekit.data.tokenize_rows'."""
     from tunekit.data import hold_out, tokenize_rows
     from tunekit.data.formats import detect_format, read_rows
 
@@ -276,7 +278,8 @@ def _source_examples(s: Source, fmt: str, tokenizer, max_len: int, val_fraction:
     why = "as its first row" if own == "auto" else (f"format={own}" if s.format else f"data.format={own}")
 
     def tokenized(rows):
-        return tokenize_rows(rows, detect_format(rows, s.path) if own == "auto" else own, s.path, tokenizer, max_len, why)
+        return tokenize_rows(rows, detect_format(rows, s.path) if own == "auto" else own, s.path, tokenizer, max_len, why,
+                             cache, num_proc)
 
     rows = read_rows(s.path, s.key, s.split)
     examples = tokenized(rows)
@@ -288,7 +291,7 @@ def _source_examples(s: Source, fmt: str, tokenizer, max_len: int, val_fraction:
 
 
 def load_mixture(value: Any, val_path: Optional[str], fmt: str, tokenizer, max_len: int, val_fraction: float,
-                 max_val_examples: Optional[int], seed: int):
+                 max_val_examples: Optional[int], seed: int, cache=None, num_proc: Optional[int] = None):
     """tunekit.data.load_splits for a list of sources: the drawn training rows of every source, the
     held-out rows of each (Splits.val_groups: each source's name and its rows of the held-out set;
     None where data.val_path holds out) and what was drawn (Splits.sources, SourceReports)."""
@@ -300,7 +303,8 @@ def load_mixture(value: Any, val_path: Optional[str], fmt: str, tokenizer, max_l
     trains, vals = [], []
     for s in sources:
         with naming(s):
-            train, val = _source_examples(s, fmt, tokenizer, max_len, None if val_path else val_fraction, seed)
+            train, val = _source_examples(s, fmt, tokenizer, max_len, None if val_path else val_fraction, seed, cache,
+                                          num_proc)
         trains.append(train)
         vals.append(val if val is None or cap is None else val.subset(range(min(cap, len(val)))))
     counts = draw_counts([len(t) for t in trains], sources)
@@ -320,7 +324,7 @@ def load_mixture(value: Any, val_path: Optional[str], fmt: str, tokenizer, max_l
         rows = read_rows(val_path, key="data.val_path")
         why = "as its first row" if fmt == "auto" else f"data.format={fmt}"
         own = detect_format(rows, val_path) if fmt == "auto" else fmt
-        val = tokenize_rows(rows, own, val_path, tokenizer, max_len, why)
+        val = tokenize_rows(rows, own, val_path, tokenizer, max_len, why, cache, num_proc)
         if max_val_examples is not None:
             val = val.subset(range(min(max_val_examples, len(val))))
         groups = None

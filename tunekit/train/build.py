@@ -23,6 +23,7 @@ from tunekit import TunekitError
 from tunekit.config import AUTO, DEFAULT_MAX_STEPS, TrainConfig, plain
 from tunekit.data import BatchSchedule, collate, collate_packed, load_splits
 from tunekit.data.batching import describe_epochs, steps_for_epochs
+from tunekit.data.cache import cache_for
 from tunekit.data.preference import example_length
 from tunekit.methods import get_method, in_train_schema, trainable_parameters
 from tunekit.model import (load_base_model, load_tokenizer, prepare_for_training, quantized_bits_per_param,
@@ -127,9 +128,11 @@ class RecipeSetup:
         self.tokenizer = load_tokenizer(self.model_path)
         if cfg.objective == "preference":
             return self._load_preference_data()
+        # one rank per machine writes the tokenized cache; every rank reads it (docs/data.md#tokenized-cache)
+        cache = cache_for(cfg.data.cache, cfg.data.cache_dir, write=self.acc.is_local_main_process)
         splits = load_splits(
             cfg.data.path, cfg.data.val_path, plain(cfg.data.format), self.tokenizer, cfg.data.max_seq_len,
-            cfg.data.val_fraction, cfg.data.max_val_examples, cfg.seed,
+            cfg.data.val_fraction, cfg.data.max_val_examples, cfg.seed, cache=cache, num_proc=cfg.data.num_proc,
         )
         self.train_data, self.val_data = splits
         self.val_groups = splits.val_groups  # a list of sources: each one's held-out rows, evaluated apart

@@ -58,7 +58,7 @@ def validate(cfg: TrainConfig) -> None:
     1. values and ranges of every key, the method's own checks (ranges and names, no model):
        check_settings (a key of another method is refused where the command line is composed,
        tunekit.commands.compose, which sees every job of a sweep)
-    2. output_dir can be created and written   (a probe folder, removed at once)
+    2. output_dir (and data.cache_dir) can be created and written   (a probe folder, removed at once)
     3. the libraries a choice needs            (bitsandbytes, wandb)
     4. data files: every row read and checked  (no tokenizer)
     5. model folders: config.json, weights, tokenizer; the method's targets against the model
@@ -70,6 +70,7 @@ def validate(cfg: TrainConfig) -> None:
 
         preset_shape(cfg.model.preset)  # a known name
     check_writable_dir(cfg.output_dir)
+    check_cache_dir(cfg)
     check_libraries(cfg)
     check_data_files(cfg.data, cfg.objective)
     check_model_folders(cfg)
@@ -206,6 +207,13 @@ def check_writable_dir(path: str, key: str = "output_dir") -> None:
         where = "in" if parent == p else f"{p} in"
         raise TunekitError(f"{key}: cannot create {where} {parent} ({e.strerror or e}); choose a writable "
                            "folder") from None
+
+
+def check_cache_dir(cfg: TrainConfig) -> None:
+    """data.cache_dir, where it is given and the cache is on, is or can become a writable folder (the
+    default folder is not checked: where it cannot be written, the run goes on uncached, with a warning)."""
+    if cfg.data.cache and cfg.data.cache_dir is not None:
+        check_writable_dir(cfg.data.cache_dir, "data.cache_dir")
 
 
 def _resolves(link: Path) -> bool:

@@ -33,6 +33,7 @@ MAY_CHANGE = (
     "trainer.memory_check",                       # a safety check, not part of the run
     "trainer.allow_nonempty_output_dir",          # where the run may live, not what it trains
     "data.max_val_examples",                      # only what is evaluated
+    "data.cache", "data.cache_dir", "data.num_proc",  # where and how rows are tokenized: the same examples
     "trainer.eval_samples", "trainer.eval_task", "trainer.eval_task_rows", "trainer.eval_max_new_tokens",
     "trainer.keep_best", "trainer.best_metric",   # what is reported, and which adapter/ is exported
     "tracker.",                                   # where metrics go
