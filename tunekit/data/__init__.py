@@ -7,6 +7,7 @@ and the batch schedule. May import tunekit.model (the tokenizer) and nothing abo
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import random
 from dataclasses import dataclass
@@ -123,6 +124,20 @@ class Splits(tuple):
         return self[1]
 
 
+# While load_splits reads several files or sources, what tokenize_rows would log (a cache hit, dropped
+# rows) waits until every one of them has loaded: a source that fails then stops the run with its
+# error line alone, not after lines about the sources before it.
+_HELD: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("tunekit_data_held_lines", default=None)
+
+
+def _say(level: int, message: str) -> None:
+    held = _HELD.get()
+    if held is None:
+        log.log(level, "%s", message)
+    else:
+        held.append((level, message))
+
+
 def tokenize_rows(rows: list[dict], fmt: str, path, tokenizer, max_len: int, why: str = "",
                   cache: Optional[TokenCache] = None, num_proc: Optional[int] = 1) -> Examples:
     """Every row tokenized and masked (tunekit.data.tokenize). A row whose trained tokens all lie past
@@ -134,7 +149,7 @@ def tokenize_rows(rows: list[dict], fmt: str, path, tokenizer, max_len: int, why
     entry = cache.entry(str(path), rows, fmt, tokenizer, max_len) if cache is not None else None
     got = entry.load() if entry is not None else None
     if got is not None:
-        log.info("tokenized rows from cache %s", entry.folder)
+        _say(logging.INFO, f"tokenized rows from cache {entry.folder}")
         examples, lost, dropped_at = got.examples, got.lost, got.dropped
     else:
         encoded = encode_rows(rows, fmt, path, why, tokenizer, max_len, end_of_turn_ids(tokenizer), num_proc)
@@ -152,7 +167,7 @@ def tokenize_rows(rows: list[dict], fmt: str, path, tokenizer, max_len: int, why
                         f"data.max_seq_len={max_len}; raise it or shorten the prompts")
     if dropped:
         out.dropped = Dropped(str(path), dropped, len(rows), max_len)
-        log.warning("%s", out.dropped.line())
+        _say(logging.WARNING, out.dropped.line())
     return out
 
 
@@ -186,7 +201,21 @@ def load_splits(
     a dataset with a held-out split gives the val set when val_path is None. A list of sources:
     tunekit.data.mixture.load_mixture. cache, num_proc: as tokenize_rows (each file, or each source of a
     list, is an entry of its own; its held-out part is split off after, from its examples, so a cached
-    file splits as a fresh one)."""
+    file splits as a fresh one). What reading them logs comes once all have loaded (_HELD)."""
+    held: list = []
+    token = _HELD.set(held)
+    try:
+        splits = _load_splits(path, val_path, fmt, tokenizer, max_len, val_fraction, max_val_examples, seed, cache,
+                              num_proc)
+    finally:
+        _HELD.reset(token)
+    for level, message in held:
+        log.log(level, "%s", message)
+    return splits
+
+
+def _load_splits(path, val_path, fmt, tokenizer, max_len, val_fraction, max_val_examples, seed, cache,
+                 num_proc) -> Splits:
     ensure_chat_template(tokenizer)
     from tunekit.data.mixture import is_mixture, load_mixture
 
