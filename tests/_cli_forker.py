@@ -34,6 +34,10 @@ from tunekit.commands.forkserver import CLI, Server
 # Environment variables read when torch, libgomp, triton, transformers or the kernels are imported: a
 # command whose environment differs from the server's in one of them needs a server of its own.
 IMPORT_TIME_ENV = ("TRITON_", "OMP_", "GOMP_", "MKL_", "CUDA_", "PYTHON", "HF_", "TRANSFORMERS_", "TORCH", "LD_")
+# Among those, variables read only when used, which a library sets in the test process on its first
+# use: inductor writes its default cache folder into os.environ (torch.compile, or importing trl), and
+# a server replaced for it costs the stack's import again. Each command gets the caller's value.
+READ_WHEN_USED = ("TORCHINDUCTOR_CACHE_DIR",)
 
 
 class Running:
@@ -94,7 +98,7 @@ class CliServer:
     def serves(self, env: dict) -> bool:
         """Whether a command with environment `env` may be a fork of this server: the server runs and
         agrees with `env` on every variable read at import."""
-        keys = {k for k in {*env, *self.env} if k.startswith(IMPORT_TIME_ENV)}
+        keys = {k for k in {*env, *self.env} if k.startswith(IMPORT_TIME_ENV) and k not in READ_WHEN_USED}
         return self.server.alive() and all(env.get(k) == self.env.get(k) for k in keys)
 
     def close(self) -> None:

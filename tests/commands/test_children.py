@@ -164,3 +164,35 @@ def test_a_preload_that_fails_is_left_to_the_child(tmp_path):
         assert server.start("_child_probe", ["exit", "3"], tmp_path / "p", tmp_path / "p").wait(60) == 3
     finally:
         server.close()
+
+
+def test_a_server_forked_from_its_caller_runs_none_of_the_callers_exit_work(tmp_path):
+    """The caller's exit functions and finalizers (a temporary folder's removal, its own servers'
+    closing) stay the caller's: each child runs the exit functions it finds, and one that ran the
+    caller's removed the suite's own folders."""
+    import atexit
+    import weakref
+
+    ran = tmp_path / "ran"
+
+    def mark(what: str) -> None:
+        with open(ran, "a") as f:
+            f.write(what + "\n")
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    finalizer = weakref.finalize(owner, mark, "finalizer")
+    atexit.register(mark, "atexit")
+    try:
+        launcher = Launcher(ENV, "forkserver", module="_child_probe", preload=["_child_probe"], from_here=True)
+        try:
+            code, said, _ = run(launcher, ["exit", "0"], tmp_path)
+        finally:
+            launcher.close()
+        assert code == 0 and said is not None
+        assert not ran.exists(), ran.read_text()
+    finally:
+        atexit.unregister(mark)
+        finalizer.detach()

@@ -338,13 +338,26 @@ class _ServerFork:
             os.kill(self.pid, 9)
 
 
+def _forget_the_callers_exit_work() -> None:
+    """In a server forked from its caller: the caller's exit functions and finalizers (the removal of
+    its temporary folders, the closing of its own servers) are the caller's, and each child runs the
+    exit functions it finds (`_child`), so they are dropped here, before any child is forked."""
+    atexit._clear()  # noqa: SLF001 - CPython's; there is no public way to drop every exit function
+    import weakref
+
+    for finalizer in list(weakref.finalize._registry):  # noqa: SLF001 - as in _no_torch_library_teardown_at_exit
+        finalizer.atexit = False
+
+
 def _fork_server(env: dict, preload: list[str]) -> _ServerFork:
-    """A server forked from the calling process: it starts with everything the caller imported."""
+    """A server forked from the calling process: it starts with everything the caller imported, and
+    none of its exit work."""
     requests_r, requests_w = os.pipe()
     answers_r, answers_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
+            _forget_the_callers_exit_work()
             os.dup2(requests_r, 0)
             os.dup2(answers_w, 1)
             for fd in (requests_r, requests_w, answers_r, answers_w):
