@@ -36,9 +36,10 @@ def test_row_counts_are_fsdps_cut():
 @pytest.mark.parametrize("ranks, order", [(1, [0]), (4, [2, 0, 3, 1]), (8, [7, 6, 5, 4, 3, 2, 1, 0])])
 def test_fp64_equals_the_whole_head_in_any_slice_order(ranks, order):
     """In fp64 the online sums and the whole head's differ only by summation order: ~V * 2^-53
-    relative, far below 1e-10 on a loss of O(100) and gradients of O(10). With 8 ranks over 301
-    rows, the last rank holds none (an empty slice is skipped)."""
-    rows, weight, targets = _case()
+    relative, far below 1e-10 on a loss of O(10) and gradients of O(1). With 8 ranks over 17
+    rows (3 a rank), the last two hold none (an empty slice is skipped)."""
+    rows, weight, targets = _case(n=11, d=6, V=17)
+    assert fsdp_row_counts(17, 8)[-2:] == [0, 0]
     loss = sliced_cross_entropy(rows, targets, _slices(weight, ranks, order), torch.float64)
     (grad,) = torch.autograd.grad(loss * 0.5, rows)  # a scaled loss, as the trainer's 1/tokens
     ref = F.cross_entropy(F.linear(rows, weight), targets, reduction="sum")
