@@ -360,8 +360,9 @@ def _fork_server(env: dict, preload: list[str]) -> _ServerFork:
             _forget_the_callers_exit_work()
             os.dup2(requests_r, 0)
             os.dup2(answers_w, 1)
-            for fd in (requests_r, requests_w, answers_r, answers_w):
-                os.close(fd)
+            # Every other descriptor the caller had open (pipes to its other servers and children
+            # among them) is closed here: held open by this server, such a pipe would never end
+            os.closerange(3, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536)
             os.environ.clear()
             os.environ.update(env)
             serve([json.dumps(preload)])
@@ -435,7 +436,10 @@ class Server:
         """End the server; children still running go on by themselves. One never asked anything (a
         caller that failed before its first child) is killed, maybe mid-import: it holds nothing."""
         with self._lock:
-            if not self._asked:
+            # A server forked from its caller is killed too: any process the caller forks after it
+            # holds its request pipe open, so closing our end is no end of input to it (it computed
+            # nothing and holds nothing to tidy; its running children go on by themselves)
+            if not self._asked or self.forked_here:
                 self._proc.kill()
             if not self._proc.stdin.closed:
                 self._proc.stdin.close()  # a server waiting for requests ends at once
