@@ -27,7 +27,11 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "PROBE_MINE": "yes", "PY
 @pytest.fixture(scope="module")
 def launchers():
     made = {m: Launcher(ENV, m, module="_child_probe", preload=["_child_probe"]) for m in ("fresh", "forkserver")}
-    # the server forked from this process (the doctor's, where it was forked itself), not started fresh
+    # the server forked from this process (the doctor's, where it was forked itself), not started fresh;
+    # this process with a multiprocessing resource tracker running, as a pytest worker may have
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
     made["forkserver from here"] = Launcher(ENV, "forkserver", module="_child_probe", preload=["_child_probe"],
                                             from_here=True)
     yield made

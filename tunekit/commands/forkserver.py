@@ -193,7 +193,10 @@ def _own_resource_tracker() -> None:
 
     tracker = getattr(resource_tracker, "_resource_tracker", None)
     if tracker is not None and getattr(tracker, "_fd", None) is not None and hasattr(tracker, "_pid"):
-        os.close(tracker._fd)
+        try:
+            os.close(tracker._fd)
+        except OSError:  # closed already (a server forked from its caller closes what it inherited)
+            pass
         tracker._fd, tracker._pid = None, None
 
 
@@ -358,6 +361,7 @@ def _fork_server(env: dict, preload: list[str]) -> _ServerFork:
     if pid == 0:
         try:
             _forget_the_callers_exit_work()
+            _own_resource_tracker()  # the caller's tracker pipe goes with the descriptors closed below
             os.dup2(requests_r, 0)
             os.dup2(answers_w, 1)
             # Every other descriptor the caller had open (pipes to its other servers and children
