@@ -41,3 +41,18 @@ def test_a_forced_dtype_is_named_before_the_runs(monkeypatch):
     assert bench.forced_dtype(["model.dtype=auto"]) is None
     assert bench.forced_dtype(["model.dtype=bf16"]) == "bfloat16"
     assert bench.forced_dtype(["model.dtype=bf16", "trainer.lr=1e-4", "model.dtype=fp32"]) == "float32"
+
+
+def test_fork_runs_is_refused_where_cuda_is_visible(monkeypatch, capsys):
+    """--fork-runs forks runs from a parent that imported the stack: CUDA state does not survive a
+    fork, so with a GPU visible (faked here) it stops in one line before measuring anything."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("bench_train_script", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert bench.main(["--config", "cpu", "--fork-runs"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--fork-runs" in err[0] and "CUDA" in err[0]

@@ -131,9 +131,9 @@ def sft_loss_from_hidden(hidden: torch.Tensor, head: nn.Module, labels: torch.Te
     # by hand) runs through the module's own call, unchunked.
     if head.weight.requires_grad or not hasattr(head, "unshard"):
         return F.cross_entropy(head(rows.to(head.weight.dtype)).float(), targets, reduction="sum"), n
-    from tunekit.losses.sliced_head import broadcast_slices, sliced_cross_entropy
+    from tunekit.losses.sliced_head import frozen_head_slices, sliced_cross_entropy
 
-    slices = broadcast_slices(head.weight) if head.bias is None else None
+    slices = frozen_head_slices(head)
     if slices is not None:
         return sliced_cross_entropy(rows, targets, slices, head.weight.dtype), n
     head.unshard()

@@ -127,3 +127,11 @@ def broadcast_slices(weight) -> Slices | None:
             yield starts[r], part
 
     return slices
+
+
+def frozen_head_slices(head) -> Slices | None:
+    """broadcast_slices of an FSDP head the loss may take slice by slice: frozen, without bias, laid out
+    as FSDP2 shards it; None for any other head (the caller gathers it or calls it)."""
+    if head.weight.requires_grad or getattr(head, "bias", None) is not None:
+        return None
+    return broadcast_slices(head.weight)

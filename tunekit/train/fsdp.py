@@ -106,7 +106,7 @@ def head_loss_route(model: nn.Module) -> str:
     untied head without bias, each rank's vocabulary rows broadcast in turn, never whole),
     "gathered" (whole for the loss, then let go), "own call" (a trained head, through FSDP's own
     gather) or "root unit" (tied to the embeddings)."""
-    from tunekit.losses.sliced_head import broadcast_slices
+    from tunekit.losses.sliced_head import frozen_head_slices
 
     units = outer_units(model)
     if not units:
@@ -114,7 +114,7 @@ def head_loss_route(model: nn.Module) -> str:
     head = units[1]
     if head.weight.requires_grad or not hasattr(head, "unshard"):
         return "own call"
-    return "slices" if head.bias is None and broadcast_slices(head.weight) is not None else "gathered"
+    return "slices" if frozen_head_slices(head) is not None else "gathered"
 
 
 def _embedding_slices(model: nn.Module, decoder: nn.Module):
