@@ -75,6 +75,10 @@ VARIANTS = [
     ("packed, checkpointing", "data.packing=true model.gradient_checkpointing=true model.offload_activations=false"),
     ("packed, checkpointing + offload", "data.packing=true model.gradient_checkpointing=true "
                                         "model.offload_activations=true"),
+    # preference tuning over the 4-bit base: chosen and rejected in one forward pass, the reference
+    # from the same base with the adapter switched off, log-probabilities from the head in chunks.
+    # {pairs} is the check's generated pairs file; its loss is not comparable with the SFT rows'.
+    ("DPO over qlora, generated pairs", "objective=preference data.path={pairs}"),
 ]
 
 
@@ -331,9 +335,14 @@ class Check:
         fp16, offloading and per-example attention paths had never run on a GPU."""
         rows = []
         data = [f"data.path={self.args.data}"] if self.args.data else []
-        for i, (label, overrides) in enumerate(self.s["variants"]):
+        chosen = list(enumerate(self.s["variants"])) if self.args.variants is None else \
+            [(i, v) for i, v in enumerate(VARIANTS) if i in self.args.variants]
+        for i, (label, overrides) in chosen:
+            preference = "objective=preference" in overrides
+            overrides = overrides.replace("{pairs}", str(self.pairs_rows()))
             run_dir = self.work / f"run-variant-{i}"
-            r = self.child(f"variant-{i}", self.cli("train", *self.s["variants_base"], *overrides.split(), *data,
+            r = self.child(f"variant-{i}", self.cli("train", *self.s["variants_base"], *([] if preference else data),
+                                                    *overrides.split(),
                                                     *QUIET, f"model.path={self.model_dirs['small']}",
                                                     f"output_dir={run_dir}"),
                            100 if "fp16" in overrides else 60)  # fp16's first step compiles the kernel's fp16 configs
@@ -354,7 +363,9 @@ class Check:
             if steps and steps[2:]:
                 row["tokens_per_s"] = round(sum(m["input_tokens"] for m in steps[2:])
                                             / sum(m["step_time_s"] for m in steps[2:]), 1)
-            if rows and rows[0]["losses"] and row["losses"]:
+            if steps and "rewards/margins" in steps[-1]:
+                row["reward_margins"] = [m.get("rewards/margins") for m in steps]
+            if rows and rows[0]["losses"] and row["losses"] and not preference:
                 ref = rows[0]["losses"]
                 row["first_loss_rel_diff"] = abs(row["losses"][0] - ref[0]) / abs(ref[0])
                 n = min(len(ref), len(row["losses"]))
@@ -363,7 +374,7 @@ class Check:
             rows.append(row)
             if self.deadline - time.monotonic() < 10:
                 break
-        return {"ok": all(r["ok"] for r in rows) and len(rows) == len(self.s["variants"]), "rows": rows}
+        return {"ok": all(r["ok"] for r in rows) and len(rows) == len(chosen), "rows": rows}
 
     # bench ----------------------------------------------------------------------------------
     def bench(self) -> dict:
@@ -431,6 +442,19 @@ class Check:
         if not path.is_file():
             text = " ".join(f"The number {i} follows {i - 1} and comes before {i + 1}." for i in range(600))
             path.write_text("".join(json.dumps({"text": f"Row {r}. {text}"}) + "\n" for r in range(64)))
+        return path
+
+    def pairs_rows(self) -> Path:
+        """Preference pairs for the DPO variant: a question, the right count as chosen, a wrong one
+        as rejected (the rows only need to differ; nothing here judges what was learned)."""
+        path = self.work / "pairs.jsonl"
+        if not path.is_file():
+            rows = []
+            for r in range(64):
+                words = " ".join(["apple", "pear", "plum", "fig"][(r + k) % 4] for k in range(5 + r % 7))
+                rows.append({"prompt": f"How many words are in this list: {words}?",
+                             "chosen": f"There are {5 + r % 7} words.", "rejected": f"There are {6 + r % 7 + r % 3} words."})
+            path.write_text("".join(json.dumps(row) + "\n" for row in rows))
         return path
 
     # export ---------------------------------------------------------------------------------
@@ -518,8 +542,14 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="dry run on a tiny model (CPU; the test suite runs it)")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {','.join(STAGES)}")
     p.add_argument("--budget", type=float, default=480.0, help="seconds for all stages together")
+    p.add_argument("--variants", help="the variants stage's rows to run, as comma-separated indices into "
+                   "VARIANTS (default: all of the mode's)")
     p.add_argument("--prepare", action="store_true", help="build .carry/ here (network needed) and exit")
     args = p.parse_args(argv)
+    try:
+        args.variants = None if args.variants is None else {int(v) for v in args.variants.split(",") if v.strip()}
+    except ValueError:
+        p.error(f"--variants: comma-separated indices into VARIANTS (0-{len(VARIANTS) - 1}), not {args.variants!r}")
     args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     bad = [s for s in args.stages if s not in STAGES]
     if bad:
