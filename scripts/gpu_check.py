@@ -315,8 +315,9 @@ class Check:
     def doctor(self) -> dict:
         report = self.work / "doctor"
         data = ["--data", str(self.args.data)] if self.args.data else []
+        # 360 s: on an H200 (2026-11-27) 280 s ended before the resume and export checks
         r = self.child("doctor", self.cli("doctor", "--model", str(self.model_dirs["small"]), "--out", str(report),
-                                          *data, *self.s["doctor"]), 280)
+                                          *data, *self.s["doctor"]), 360)
         rep = report / "report.json"
         if rep.is_file():
             data = json.loads(rep.read_text())
