@@ -125,6 +125,8 @@ def _evaluate(args, src, gguf, gguf_load_s: float, start: float) -> dict:
     from tunekit.runs.memory import check_memory
 
     tokenizer = load_tokenizer_for(src)
+    if _scores_preference(args, src):
+        return _evaluate_preference(args, src, tokenizer, start)
     examples, where = heldout_examples(src.run.cfg if src.kind == "run" else None, tokenizer, args.data)
     rows, skipped = task_rows(examples, tokenizer)
     if args.max_rows is not None:
@@ -178,6 +180,85 @@ def _evaluate(args, src, gguf, gguf_load_s: float, start: float) -> dict:
         "samples": sample_lines(tokenizer, rows, trained, args.samples) if not args.no_generate else [],
     }
     return report
+
+
+def _scores_preference(args, src) -> bool:
+    """Whether the rows are preference rows, scored as the run's preference loss scores them: a
+    preference run's own split, or --data holding preference rows (a preference run's only)."""
+    from tunekit.runs.heldout import is_preference_data
+
+    run_pref = src.kind == "run" and src.run.cfg.objective == "preference"
+    if args.data is None or not is_preference_data(args.data):
+        return run_pref and args.data is None
+    if not run_pref:
+        what = "run" if src.kind == "run" else {"gguf": "GGUF file", "model": "model folder"}.get(src.kind, "adapter folder")
+        raise TunekitError(f"--data: {args.data} holds preference rows, which are scored with a preference run's own "
+                           f"loss (preference.loss, beta); give the folder of a run trained with objective=preference, "
+                           f"or SFT rows to score this {what}")
+    return True
+
+
+def _evaluate_preference(args, src, tokenizer, start: float) -> dict:
+    """Preference figures of the held-out rows (tunekit.infer.preference), trained and, with --base, base."""
+    from tunekit.infer.preference import PairScorer, completion_logps, desirable_of, preference_table
+    from tunekit.losses.sft import chunk_rows
+    from tunekit.plan.inference import Workload
+    from tunekit.runs.heldout import heldout_preference
+    from tunekit.runs.load import load_base, load_trained
+    from tunekit.runs.memory import check_memory
+
+    cfg = src.run.cfg
+    scorer = PairScorer(cfg.preference)
+    examples, kind, where = heldout_preference(cfg, tokenizer, args.data)
+    if (kind == "pairs") != scorer.paired:
+        raise TunekitError(f"--data: {where} holds {'preference pairs' if kind == 'pairs' else 'unpaired rows'}, but the "
+                           f"run trained preference.loss={scorer.kind} on {'unpaired rows' if kind == 'pairs' else 'pairs'}; "
+                           "give rows of the kind it trained on")
+    examples = examples[:args.max_rows] if args.max_rows is not None else examples
+    sides = 2 if scorer.paired else 1
+    rows = sides * min(args.batch_size, len(examples))
+    longest = max(len(e.get(k, ())) for e in examples for k in ("input_ids", "rejected_input_ids"))
+    work = Workload(kv_tokens=0, forward_tokens=rows * longest, logit_rows=min(rows * longest, chunk_rows(len(tokenizer))))
+    log.info("%s", check_memory(src, work, "tunekit eval", "a smaller --batch-size shrinks the working set"))
+    timings = {}
+    t0 = time.perf_counter()
+    model = load_trained(src)
+    timings["load_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    switch = src.method_impl.switched_off if scorer.needs_reference else None  # the reference, as in training
+    policy, reference = completion_logps(model, examples, tokenizer.pad_token_id, args.batch_size, switch)
+    timings["score_s"] = time.perf_counter() - t0
+    del model
+    gc.collect()
+    desirable = desirable_of(examples)
+    trained = scorer.figures(policy, reference, desirable)
+    base = None
+    if args.base and scorer.needs_reference:  # the base is the reference: every margin 0
+        base = scorer.figures(reference, reference, desirable)
+    elif args.base:
+        t0 = time.perf_counter()
+        base_model = load_base(src)
+        base_logps, _ = completion_logps(base_model, examples, tokenizer.pad_token_id, args.batch_size)
+        base = scorer.figures(base_logps, None, desirable)
+        timings["base_s"] = time.perf_counter() - t0
+        del base_model
+        gc.collect()
+    timings["wall_s"] = time.perf_counter() - start
+    unit = "pairs" if scorer.paired else "unpaired rows"
+    head = (f"held-out: {where}: {len(examples)} {unit}, scored by preference.loss={scorer.kind} (beta {scorer.beta:g}"
+            + (", reference: the base)" if scorer.needs_reference else ", no reference)"))
+    per_row = [{"value": v, **({"correct": c} if trained.correct is not None else {})}
+               for v, c in zip(trained.values, trained.correct or [None] * len(trained.values))]
+    return {
+        "source": src.describe(), "data": where, "rows": len(examples), "skipped": 0, "classes": None,
+        "objective": "preference", "preference_loss": scorer.kind,
+        "settings": {"batch_size": args.batch_size},
+        "trained": trained.metrics,
+        **({"base": base.metrics, "difference": {k: trained.metrics[k] - base.metrics[k] for k in trained.metrics
+                                                 if isinstance(trained.metrics[k], float)}} if base else {}),
+        "timings": timings, "answers": per_row,
+        "table": preference_table(trained.metrics, base.metrics if base else None, head), "samples": [],
+    }
 
 
 def main(argv: list[str]) -> None:
