@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tunekit import TunekitError
 from tunekit.checks import path_fits
-from tunekit.runs.heldout import heldout_examples
+from tunekit.runs.heldout import heldout_split
 from tunekit.commands.parse import Parser, add_device_argument
 
 log = logging.getLogger("tunekit")
@@ -118,8 +118,8 @@ def evaluate(args) -> dict:
 
 
 def _evaluate(args, src, gguf, gguf_load_s: float, start: float) -> dict:
-    from tunekit.infer.report import answers_json, difference, sample_lines, table
-    from tunekit.infer.rows import closed_set, task_rows
+    from tunekit.infer.report import answers_json, difference, sample_lines, source_reports, sources_table, table
+    from tunekit.infer.rows import closed_set, task_rows_kept
     from tunekit.infer.score import score_rows
     from tunekit.runs.load import load_base, load_tokenizer_for, load_trained
     from tunekit.runs.memory import check_memory
@@ -127,10 +127,12 @@ def _evaluate(args, src, gguf, gguf_load_s: float, start: float) -> dict:
     tokenizer = load_tokenizer_for(src)
     if _scores_preference(args, src):
         return _evaluate_preference(args, src, tokenizer, start)
-    examples, where = heldout_examples(src.run.cfg if src.kind == "run" else None, tokenizer, args.data)
-    rows, skipped = task_rows(examples, tokenizer)
+    split = heldout_split(src.run.cfg if src.kind == "run" else None, tokenizer, args.data)
+    where = split.where
+    rows, kept = task_rows_kept(split.examples, tokenizer)
+    skipped = len(split.examples) - len(rows)
     if args.max_rows is not None:
-        rows = rows[:args.max_rows]
+        rows, kept = rows[:args.max_rows], kept[:args.max_rows]
     if not rows:
         raise TunekitError(f"{args.data or src.path}: no held-out row has a prompt and a reply to score "
                            "(plain-text rows, or replies cut by data.max_seq_len)")
@@ -167,6 +169,7 @@ def _evaluate(args, src, gguf, gguf_load_s: float, start: float) -> dict:
         gc.collect()
     timings["wall_s"] = time.perf_counter() - start
 
+    sources = source_reports(split.groups, kept, trained, base) if split.groups else None
     head = (f"held-out: {where}: {len(rows)} rows" + (f" ({skipped} without a reply to score skipped)" if skipped else "")
             + (f", {len(classes.names)} classes: {', '.join(classes.labels)}" if classes else ", free-form answers"))
     report = {
@@ -175,8 +178,10 @@ def _evaluate(args, src, gguf, gguf_load_s: float, start: float) -> dict:
         "settings": {"batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "generate": not args.no_generate},
         "trained": trained.metrics, **({"base": base.metrics, "difference": difference(base.metrics, trained.metrics)}
                                        if base else {}),
+        **({"sources": sources} if sources is not None else {}),
         "timings": timings, "answers": answers_json(tokenizer, rows, trained, base),
-        "table": table(trained.metrics, base.metrics if base else None, head),
+        "table": table(trained.metrics, base.metrics if base else None, head)
+                 + (f"\n{sources_table(sources)}" if sources else ""),
         "samples": sample_lines(tokenizer, rows, trained, args.samples) if not args.no_generate else [],
     }
     return report
