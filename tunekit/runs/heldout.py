@@ -2,7 +2,9 @@
 
 `check_data_unchanged` refuses a run whose data files changed since training started (the split
 would silently be another one); `heldout_batches` rebuilds the first validation micro-batches
-(what `tunekit export` measures fidelity on).
+(what `tunekit export` measures fidelity on; a preference run's pairs as one sequence per side);
+`heldout_split` the held-out examples `tunekit eval` scores, each source's apart for a list of
+sources; `heldout_preference` a preference run's held-out pairs (or KTO rows).
 """
 
 from __future__ import annotations
