@@ -1,6 +1,7 @@
 """`tunekit train recipe=dpo` end to end on the tiny model (one run, 2 steps), checked against log-probs
 computed apart from tunekit: plain transformers (model(input_ids).logits, log_softmax, gather, masked sum)
-on the same pairs, rendered with the tokenizer's chat template, and TRL's own DPO loss on them.
+on the same pairs, rendered with the tokenizer's chat template, and TRL's own DPO loss on them. Then
+`tunekit eval` and `tunekit export` of the same run, against its last evaluation.
 
 The run is in fp32 (model.quantize=none model.dtype=fp32 over recipe=dpo's QLoRA) so that both sides
 compute in one dtype and the comparison's tolerance comes from summation order alone: per-sequence

@@ -60,11 +60,12 @@ class TaskCheck:
             result = score_rows(model, tokenizer, self.rows, self.classes, batch_size=16, generate=not closed)
         return [(r.predicted == r.truth) if closed else r.exact for r in result.rows]
 
-
     def score_base(self, model, tokenizer) -> list[bool]:
+        """The base's rows, scored as any model's (a PreferenceCheck's base is also its reference)."""
         return self.score(model, tokenizer)
 
     def cannot_score(self, model) -> Optional[str]:
+        """Why `model` (what scorer_for gave) cannot be scored here; None: it can."""
         return None
 
 
