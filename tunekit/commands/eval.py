@@ -6,8 +6,11 @@ run's own held-out split unless --data names a file (any format `tunekit train` 
 alpaca rows are scored on their final reply). Figures: response loss and perplexity, exact match
 of greedy answers (normalised: case, surrounding whitespace and punctuation), and, when the
 references form a small closed set, accuracy by log-likelihood of each class's answer with
-per-class counts. --base scores the untuned base the same way, side by side. The table goes to
-stdout, eval.json into the evaluated folder (beside a GGUF file: FILE.eval.json; or --out).
+per-class counts. --base scores the untuned base the same way, side by side. A run on a list of
+sources gets each source's figures beside the whole's. A preference run's pairs (its split, or --data
+of preference rows) are scored by its own loss instead: preference accuracy, reward margin, loss
+(tunekit.infer.preference). The table goes to stdout, eval.json into the evaluated folder (beside a
+GGUF file: FILE.eval.json; or --out).
 """
 
 from __future__ import annotations
