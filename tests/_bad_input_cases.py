@@ -474,6 +474,8 @@ CASES = [
            "{w}/tagged/config.yaml: not a tunekit config (could not determine a constructor"),
     raw("eval-data-changed", "eval {w}/fakerun",
         "data.path: {w}/data/changed.jsonl changed since the run {w}/fakerun trained on it"),
+    raw("eval-pairs-to-sft-run", "eval {w}/fakerun --data {w}/data/pairs.jsonl",
+        "--data: {w}/data/pairs.jsonl holds preference rows, which are scored with a preference run's own loss"),
     export("export-out-symlink-into-run", "{w}/fakerun --format adapter --out {w}/runlink/export",
            "--out: {w}/runlink/export is inside the run folder {w}/fakerun (through a link"),
     export("export-out-under-file", "{w}/fakerun --format adapter --out {w}/afile/export",

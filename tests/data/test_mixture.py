@@ -31,10 +31,11 @@ def _jsonl(path, rows):
 
 @pytest.fixture
 def two_files(tmp_path):
-    """a: 20 alpaca rows; b: 10 text rows (another format, to tell the sources' rows apart)."""
+    """a: 20 alpaca rows; b: 10 prompt/completion rows (another format, to tell the sources' rows apart)."""
     a = _jsonl(tmp_path / "a.jsonl", [{"instruction": f"What is {i} plus {i}?", "output": f"{2 * i}."}
                                       for i in range(20)])
-    b = _jsonl(tmp_path / "b.jsonl", [{"text": f"Story number {i} ends here."} for i in range(10)])
+    b = _jsonl(tmp_path / "b.jsonl", [{"prompt": f"Story number {i}", "completion": "It ends here."}
+                                      for i in range(10)])
     return a, b
 
 
@@ -194,9 +195,10 @@ def test_a_run_on_two_sources_logs_each_and_evaluates_each(tiny_model_dir, two_f
     a, b = two_files
     sources = f"[{{path: '{a}', weight: 3}}, {{path: '{b}', rows: 20, name: stories}}]"
     out = tmp_path / "run"
-    # two steps, evaluated before and after; no samples, no checkpoint: the data is what is tested
+    # two steps, evaluated before and after; no samples, no checkpoint: the data is what is tested. In
+    # fp32, so that `tunekit eval`'s figures meet the trainer's to summation order (below)
     r = run_cli(["train", *tiny_args(tiny_model_dir, sources, out, "trainer.max_steps=2", "trainer.eval_samples=0",
-                                     "trainer.save_every=10")], tmp_path)
+                                     "trainer.save_every=10", "model.dtype=fp32")], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"data: source a ({a}, weight 3): 16 rows available, 16 drawn = 44.4% of 36 training rows; 4 held out" \
         in r.stderr
@@ -209,3 +211,18 @@ def test_a_run_on_two_sources_logs_each_and_evaluates_each(tiny_model_dir, two_f
         assert min(own) - 1e-9 <= row["val_loss"] <= max(own) + 1e-9
     summary = json.loads((out / "summary.json").read_text())
     assert [(s["name"], s["drawn"]) for s in summary["data"]["sources"]] == [("a", 16), ("stories", 20)]
+    # `tunekit eval` reports each source beside the whole, each over its own held-out rows: the trainer's
+    # last evaluation (the saved adapter is the step-2 model). Both in fp32: per-token losses ~10.8, each a
+    # log-sum-exp over 49k logits from 64-wide dot products, summed in another order (a KV-cached prompt pass
+    # against the trainer's padded batch): a few 1e-6 relative, under 1e-4 absolute. The two sources differ
+    # by more than 1e-3 after training, so a row counted with the wrong source would show.
+    done = run_cli(["eval", str(out), "--json", "--no-generate"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    last = evals[-1]
+    by_name = {s["name"]: s for s in report["sources"]}
+    assert [(s["name"], s["examples"], s["rows"]) for s in report["sources"]] == [("a", 4, 4), ("stories", 2, 2)]
+    assert abs(last["eval/a/loss"] - last["eval/stories/loss"]) > 1e-3
+    for name in ("a", "stories"):
+        assert by_name[name]["trained"]["loss"] == pytest.approx(last[f"eval/{name}/loss"], abs=1e-4), name
+    assert report["trained"]["loss"] == pytest.approx(last["val_loss"], abs=1e-4)

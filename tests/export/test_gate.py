@@ -69,6 +69,9 @@ def test_the_task_gate_refuses_changed_answers_and_not_a_flipped_row():
     assert refusal["rule"] == "task" and refusal["bound"] == TASK_MIN_GAIN_KEPT and not refusal["accepted"]
     assert "84.0% where the trained model's is 91.3%" in refusal["why"] and "13 rows lost, 2 won" in refusal["why"]
     assert task_verdict(changed, lossy=False, min_task_gain=0.8) is None  # the user's own bound
+    # a preference run's task check: pairs ordered right by the implied reward
+    assert task_verdict(dict(changed, metric="preference_accuracy"), lossy=False)["why"].startswith(
+        "its preference accuracy on 150 held-out rows is 84.0%")
     # rounding flips a row or two either way: kept ~100%, never refused
     assert task_verdict(_task(137, 137, 2, 2), lossy=False) is None
     # few rows: 3 lost of a 10-row gain is 70% kept, but 3 / sqrt(3) = 1.7 cannot tell it from chance

@@ -1,6 +1,7 @@
 """`tunekit train recipe=dpo` end to end on the tiny model (one run, 2 steps), checked against log-probs
 computed apart from tunekit: plain transformers (model(input_ids).logits, log_softmax, gather, masked sum)
-on the same pairs, rendered with the tokenizer's chat template, and TRL's own DPO loss on them.
+on the same pairs, rendered with the tokenizer's chat template, and TRL's own DPO loss on them. Then
+`tunekit eval` and `tunekit export` of the same run, against its last evaluation.
 
 The run is in fp32 (model.quantize=none model.dtype=fp32 over recipe=dpo's QLoRA) so that both sides
 compute in one dtype and the comparison's tolerance comes from summation order alone: per-sequence
@@ -113,3 +114,30 @@ def test_losses_and_rewards_equal_trl_on_independent_logps(dpo_run, tiny_model_d
     assert last["val_loss"] == pytest.approx(loss, abs=ATOL)
     for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
         assert last[f"val_{name}"] == pytest.approx(metrics[name][0], abs=ATOL), name
+
+
+def test_eval_and_export_score_the_held_out_pairs_as_the_trainer_did(dpo_run, tmp_path):
+    """`tunekit eval` on the run's own split gives the last evaluation's figures (the saved adapter is the
+    step-2 model; the tolerance is the module's: both sides fp32, the same 4 pairs in one batch, only the
+    summation order may differ); the base is the reference, so its margins are 0 and its loss ln 2.
+    Export's task check judges the same preference accuracy."""
+    out, rows = dpo_run
+    last = [r for r in rows if r.get("step") == 2 and "val_loss" in r][0]
+    done = run_cli(["eval", str(out), "--base", "--json"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    trained, base = report["trained"], report["base"]
+    assert report["objective"] == "preference" and trained["pairs"] == 4 == len(report["answers"])
+    assert min(abs(a["value"]) for a in report["answers"]) > 10 * ATOL  # no margin near the accuracy's cut
+    assert trained["loss"] == pytest.approx(last["val_loss"], abs=ATOL)
+    for name, theirs in (("margin", "margins"), ("rewards_chosen", "chosen"), ("rewards_rejected", "rejected"),
+                         ("preference_accuracy", "accuracies")):
+        assert trained[name] == pytest.approx(last[f"val_rewards/{theirs}"], abs=ATOL), name
+    assert trained["preference_accuracy"] == sum(a["correct"] for a in report["answers"]) / 4
+    assert base["margin"] == 0 and base["preference_accuracy"] == 0 and base["loss"] == pytest.approx(math.log(2))
+    exported = run_cli(["export", str(out), "--format", "adapter", "--out", str(tmp_path / "exp")], tmp_path)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    task = json.loads((tmp_path / "exp" / "fidelity.json").read_text())["fidelity"]["task"]
+    assert task["metric"] == "preference_accuracy" and task["rows"] == 4
+    assert (task["base"], task["trained"], task["exported"]) == (0.0, trained["preference_accuracy"],
+                                                                 trained["preference_accuracy"])

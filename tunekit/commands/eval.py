@@ -6,8 +6,11 @@ run's own held-out split unless --data names a file (any format `tunekit train` 
 alpaca rows are scored on their final reply). Figures: response loss and perplexity, exact match
 of greedy answers (normalised: case, surrounding whitespace and punctuation), and, when the
 references form a small closed set, accuracy by log-likelihood of each class's answer with
-per-class counts. --base scores the untuned base the same way, side by side. The table goes to
-stdout, eval.json into the evaluated folder (beside a GGUF file: FILE.eval.json; or --out).
+per-class counts. --base scores the untuned base the same way, side by side. A run on a list of
+sources gets each source's figures beside the whole's. A preference run's pairs (its split, or --data
+of preference rows) are scored by its own loss instead: preference accuracy, reward margin, loss
+(tunekit.infer.preference). The table goes to stdout, eval.json into the evaluated folder (beside a
+GGUF file: FILE.eval.json; or --out).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 
 from tunekit import TunekitError
 from tunekit.checks import path_fits
-from tunekit.runs.heldout import heldout_examples
+from tunekit.runs.heldout import heldout_split
 from tunekit.commands.parse import Parser, add_device_argument
 
 log = logging.getLogger("tunekit")
@@ -118,17 +121,21 @@ def evaluate(args) -> dict:
 
 
 def _evaluate(args, src, gguf, gguf_load_s: float, start: float) -> dict:
-    from tunekit.infer.report import answers_json, difference, sample_lines, table
-    from tunekit.infer.rows import closed_set, task_rows
+    from tunekit.infer.report import answers_json, difference, sample_lines, source_reports, sources_table, table
+    from tunekit.infer.rows import closed_set, task_rows_kept
     from tunekit.infer.score import score_rows
     from tunekit.runs.load import load_base, load_tokenizer_for, load_trained
     from tunekit.runs.memory import check_memory
 
     tokenizer = load_tokenizer_for(src)
-    examples, where = heldout_examples(src.run.cfg if src.kind == "run" else None, tokenizer, args.data)
-    rows, skipped = task_rows(examples, tokenizer)
+    if _scores_preference(args, src):
+        return _evaluate_preference(args, src, tokenizer, start)
+    split = heldout_split(src.run.cfg if src.kind == "run" else None, tokenizer, args.data)
+    where = split.where
+    rows, kept = task_rows_kept(split.examples, tokenizer)
+    skipped = len(split.examples) - len(rows)
     if args.max_rows is not None:
-        rows = rows[:args.max_rows]
+        rows, kept = rows[:args.max_rows], kept[:args.max_rows]
     if not rows:
         raise TunekitError(f"{args.data or src.path}: no held-out row has a prompt and a reply to score "
                            "(plain-text rows, or replies cut by data.max_seq_len)")
@@ -165,6 +172,7 @@ def _evaluate(args, src, gguf, gguf_load_s: float, start: float) -> dict:
         gc.collect()
     timings["wall_s"] = time.perf_counter() - start
 
+    sources = source_reports(split.groups, kept, trained, base) if split.groups else None
     head = (f"held-out: {where}: {len(rows)} rows" + (f" ({skipped} without a reply to score skipped)" if skipped else "")
             + (f", {len(classes.names)} classes: {', '.join(classes.labels)}" if classes else ", free-form answers"))
     report = {
@@ -173,11 +181,92 @@ def _evaluate(args, src, gguf, gguf_load_s: float, start: float) -> dict:
         "settings": {"batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "generate": not args.no_generate},
         "trained": trained.metrics, **({"base": base.metrics, "difference": difference(base.metrics, trained.metrics)}
                                        if base else {}),
+        **({"sources": sources} if sources is not None else {}),
         "timings": timings, "answers": answers_json(tokenizer, rows, trained, base),
-        "table": table(trained.metrics, base.metrics if base else None, head),
+        "table": table(trained.metrics, base.metrics if base else None, head)
+                 + (f"\n{sources_table(sources)}" if sources else ""),
         "samples": sample_lines(tokenizer, rows, trained, args.samples) if not args.no_generate else [],
     }
     return report
+
+
+def _scores_preference(args, src) -> bool:
+    """Whether the rows are preference rows, scored as the run's preference loss scores them: a
+    preference run's own split, or --data holding preference rows (a preference run's only)."""
+    from tunekit.runs.heldout import is_preference_data
+
+    run_pref = src.kind == "run" and src.run.cfg.objective == "preference"
+    if args.data is None or not is_preference_data(args.data):
+        return run_pref and args.data is None
+    if not run_pref:
+        what = "run" if src.kind == "run" else {"gguf": "GGUF file", "model": "model folder"}.get(src.kind, "adapter folder")
+        raise TunekitError(f"--data: {args.data} holds preference rows, which are scored with a preference run's own "
+                           f"loss (preference.loss, beta); give the folder of a run trained with objective=preference, "
+                           f"or SFT rows to score this {what}")
+    return True
+
+
+def _evaluate_preference(args, src, tokenizer, start: float) -> dict:
+    """Preference figures of the held-out rows (tunekit.infer.preference), trained and, with --base, base."""
+    from tunekit.infer.preference import PairScorer, completion_logps, desirable_of, preference_table
+    from tunekit.losses.sft import chunk_rows
+    from tunekit.plan.inference import Workload
+    from tunekit.runs.heldout import heldout_preference
+    from tunekit.runs.load import load_base, load_trained
+    from tunekit.runs.memory import check_memory
+
+    cfg = src.run.cfg
+    scorer = PairScorer(cfg.preference)
+    examples, kind, where = heldout_preference(cfg, tokenizer, args.data)
+    if (kind == "pairs") != scorer.paired:
+        raise TunekitError(f"--data: {where} holds {'preference pairs' if kind == 'pairs' else 'unpaired rows'}, but the "
+                           f"run trained preference.loss={scorer.kind} on {'unpaired rows' if kind == 'pairs' else 'pairs'}; "
+                           "give rows of the kind it trained on")
+    examples = examples[:args.max_rows] if args.max_rows is not None else examples
+    sides = 2 if scorer.paired else 1
+    rows = sides * min(args.batch_size, len(examples))
+    longest = max(len(e.get(k, ())) for e in examples for k in ("input_ids", "rejected_input_ids"))
+    work = Workload(kv_tokens=0, forward_tokens=rows * longest, logit_rows=min(rows * longest, chunk_rows(len(tokenizer))))
+    log.info("%s", check_memory(src, work, "tunekit eval", "a smaller --batch-size shrinks the working set"))
+    timings = {}
+    t0 = time.perf_counter()
+    model = load_trained(src)
+    timings["load_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    switch = src.method_impl.switched_off if scorer.needs_reference else None  # the reference, as in training
+    policy, reference = completion_logps(model, examples, tokenizer.pad_token_id, args.batch_size, switch)
+    timings["score_s"] = time.perf_counter() - t0
+    del model
+    gc.collect()
+    desirable = desirable_of(examples)
+    trained = scorer.figures(policy, reference, desirable)
+    base = None
+    if args.base and scorer.needs_reference:  # the base is the reference: every margin 0
+        base = scorer.figures(reference, reference, desirable)
+    elif args.base:
+        t0 = time.perf_counter()
+        base_model = load_base(src)
+        base_logps, _ = completion_logps(base_model, examples, tokenizer.pad_token_id, args.batch_size)
+        base = scorer.figures(base_logps, None, desirable)
+        timings["base_s"] = time.perf_counter() - t0
+        del base_model
+        gc.collect()
+    timings["wall_s"] = time.perf_counter() - start
+    unit = "pairs" if scorer.paired else "unpaired rows"
+    head = (f"held-out: {where}: {len(examples)} {unit}, scored by preference.loss={scorer.kind} (beta {scorer.beta:g}"
+            + (", reference: the base)" if scorer.needs_reference else ", no reference)"))
+    per_row = [{"value": v, **({"correct": c} if trained.correct is not None else {})}
+               for v, c in zip(trained.values, trained.correct or [None] * len(trained.values))]
+    return {
+        "source": src.describe(), "data": where, "rows": len(examples), "skipped": 0, "classes": None,
+        "objective": "preference", "preference_loss": scorer.kind,
+        "settings": {"batch_size": args.batch_size},
+        "trained": trained.metrics,
+        **({"base": base.metrics, "difference": {k: trained.metrics[k] - base.metrics[k] for k in trained.metrics
+                                                 if isinstance(trained.metrics[k], float)}} if base else {}),
+        "timings": timings, "answers": per_row,
+        "table": preference_table(trained.metrics, base.metrics if base else None, head), "samples": [],
+    }
 
 
 def main(argv: list[str]) -> None:

@@ -16,7 +16,8 @@ At most one of weight, fraction and rows; with none, the source gives every trai
 Held out: each source's own rows, at data.val_fraction (a seeded shuffle, as one file's split), or its
 dataset's held-out split; data.max_val_examples caps the held-out set as a whole (each of N sources
 keeps at most ceil(max / N) rows). With data.val_path, that file is the held-out set and every source
-trains on all its rows. Evaluation reports each source's held-out loss beside the whole's.
+trains on all its rows. Evaluation reports each source's held-out loss beside the whole's (the trainer's
+eval/<name>/loss; `tunekit eval` each source's figures).
 
 The draw (`draw_counts`, `draw_rows`): a pure function of the seed, the sources and their rows, made
 once per run before the batch schedule; the schedule then passes over the drawn rows epoch after

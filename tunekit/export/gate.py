@@ -71,6 +71,8 @@ KL_ADAPTER = 1e-5
 TASK_MIN_GAIN_KEPT = 0.95
 TASK_MIN_GAIN_KEPT_LOSSY = 0.80
 TASK_Z = 2.0
+# The task metrics' names in the verdicts and the table (a preference run's: tunekit.export.task.PreferenceCheck)
+METRIC_NAMES = {"accuracy": "accuracy", "exact_match": "exact match", "preference_accuracy": "preference accuracy"}
 
 
 def decide(fid: dict, *, adapter: bool, lossy: bool, min_gain: Optional[float] = None,
@@ -91,7 +93,7 @@ def task_verdict(task: dict, lossy: bool, min_task_gain: Optional[float] = None)
     bound = min_task_gain if min_task_gain is not None else (TASK_MIN_GAIN_KEPT_LOSSY if lossy else TASK_MIN_GAIN_KEPT)
     if task["gain_kept"] >= bound or task["z"] < TASK_Z:
         return None
-    name = "accuracy" if task["metric"] == "accuracy" else "exact match"
+    name = METRIC_NAMES.get(task["metric"], task["metric"])
     return {"accepted": False, "rule": "task", "bound": bound,
             "why": f"its {name} on {task['rows']} held-out rows is {100 * task['exported']:.1f}% where the trained "
                    f"model's is {100 * task['trained']:.1f}% (base {100 * task['base']:.1f}%): it keeps "
@@ -164,7 +166,7 @@ def table(label: str, report: dict) -> str:
     if f.get("task"):
         t = f["task"]
         kept = "n/a (no task gain)" if t["gain_kept"] is None else f"{100 * t['gain_kept']:.1f}%"
-        lines.append(f"  task ({'accuracy' if t['metric'] == 'accuracy' else 'exact match'}, {t['rows']} rows): "
+        lines.append(f"  task ({METRIC_NAMES.get(t['metric'], t['metric'])}, {t['rows']} rows): "
                      f"base {100 * t['base']:.1f}%  trained {100 * t['trained']:.1f}%  exported "
                      f"{100 * t['exported']:.1f}%  task gain kept {kept} ({t['lost_rows']} rows lost, "
                      f"{t['won_rows']} won)")

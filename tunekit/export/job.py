@@ -142,7 +142,7 @@ class Export:
         with HalfLinearsInFp32(self.emulated), UpcastHalfWeights():
             base = load_base(src)
             if task is not None:
-                task.base = task.score(base, tok)
+                task.base = task.score_base(base, tok)
             self.ref, self.trained = measure_reference(base, lambda b: apply_and_load(src, b), self.batches)
             del base  # its storage is the trained model's now
             if task is not None:
@@ -268,6 +268,8 @@ class Export:
             fid["task_skipped"] = self.task_note
         elif (scorer := scorer_for(exported.logits)) is None:
             fid["task_skipped"] = f"{self.checked_by} gives logits only here, no task scorer"
+        elif (why := self.task.cannot_score(scorer)) is not None:
+            fid["task_skipped"] = f"{self.checked_by}: {why}"
         else:
             with HalfLinearsInFp32(self.emulated):
                 fid["task"] = compare_task(self.task, self.task.score(scorer, self.tokenizer))

@@ -35,7 +35,8 @@ MAX_EXACT_MATCH_TOKENS = 32
 
 @dataclass
 class TaskCheck:
-    """The held-out task rows and the base's and trained model's per-row results on them."""
+    """The held-out task rows and the base's and trained model's per-row results on them (score_base
+    first, then score)."""
 
     rows: list[TaskRow]
     classes: Optional[ClassSet]
@@ -59,14 +60,62 @@ class TaskCheck:
             result = score_rows(model, tokenizer, self.rows, self.classes, batch_size=16, generate=not closed)
         return [(r.predicted == r.truth) if closed else r.exact for r in result.rows]
 
+    def score_base(self, model, tokenizer) -> list[bool]:
+        """The base's rows, scored as any model's (a PreferenceCheck's base is also its reference)."""
+        return self.score(model, tokenizer)
+
+    def cannot_score(self, model) -> Optional[str]:
+        """Why `model` (what scorer_for gave) cannot be scored here; None: it can."""
+        return None
+
+
+@dataclass
+class PreferenceCheck:
+    """A preference run's held-out pairs, scored by the run's own loss (tunekit.infer.preference): a pair is
+    right where the model's implied reward of the chosen completion exceeds the rejected one's. For a
+    loss with a reference, the reference is the base the export measures first (score_base): the base
+    itself then gets every pair wrong (every margin 0), and the trained model's accuracy is its gain."""
+
+    rows: list[dict]  # preference examples (tunekit.data.preference)
+    scorer: object  # tunekit.infer.preference.PairScorer
+    where: str
+    classes: None = None
+    base: Optional[list[bool]] = None
+    trained: Optional[list[bool]] = None
+    reference: object = None  # the base's Logps, for a loss with a reference
+
+    metric = "preference_accuracy"
+
+    def _logps(self, model, tokenizer):
+        from tunekit.infer.preference import completion_logps
+
+        return completion_logps(model, self.rows, tokenizer.pad_token_id, 16)[0]
+
+    def score_base(self, model, tokenizer) -> list[bool]:
+        logps = self._logps(model, tokenizer)
+        if self.scorer.needs_reference:
+            self.reference = logps
+        return self.scorer.figures(logps, self.reference).correct
+
+    def score(self, model, tokenizer) -> list[bool]:
+        return self.scorer.figures(self._logps(model, tokenizer), self.reference).correct
+
+    def cannot_score(self, model) -> Optional[str]:
+        from torch import nn
+
+        return None if isinstance(model, nn.Module) else "preference pairs are scored on a torch model only"
+
 
 def task_check(cfg, tokenizer, data: Optional[str], max_rows: int) -> tuple[Optional[TaskCheck], str]:
-    """The rows of the task check, or (None, why not)."""
-    from tunekit.runs.heldout import heldout_examples
+    """The rows of the task check, or (None, why not). A preference run's own held-out rows (or --data
+    of preference rows) give a PreferenceCheck."""
+    from tunekit.runs.heldout import heldout_examples, is_preference_data
     from tunekit.infer.rows import closed_set, task_rows
 
     if max_rows <= 0:
         return None, "--task-rows 0"
+    if cfg.objective == "preference" and (data is None or is_preference_data(data)):
+        return _preference_check(cfg, tokenizer, data, max_rows)
     examples, where = heldout_examples(cfg, tokenizer, data)
     rows, _ = task_rows(examples, tokenizer)
     if not rows:
@@ -81,6 +130,17 @@ def task_check(cfg, tokenizer, data: Optional[str], max_rows: int) -> tuple[Opti
         return None, (f"{where}: the replies are free text (up to {longest} tokens), not answers to match; "
                       "--data FILE with short answers or a closed set of them enables the task check")
     return TaskCheck(rows, classes, where), where
+
+
+def _preference_check(cfg, tokenizer, data: Optional[str], max_rows: int) -> tuple[Optional[PreferenceCheck], str]:
+    from tunekit.infer.preference import PairScorer
+    from tunekit.runs.heldout import heldout_preference
+
+    scorer = PairScorer(cfg.preference)
+    examples, kind, where = heldout_preference(cfg, tokenizer, data)
+    if not scorer.paired or kind != "pairs":
+        return None, f"{where}: unpaired (KTO) rows have no preference accuracy; the loss check alone judges the export"
+    return PreferenceCheck(examples[:max_rows], scorer, where), where
 
 
 def _rate(correct: list[bool]) -> float:

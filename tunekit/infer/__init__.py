@@ -2,6 +2,8 @@
 
 Owns: prefill / greedy decoding / continuation log-likelihoods (decode.py), task rows and their
 closed answer sets (rows.py), scoring a model on them (score.py), the same scoring through
-llama.cpp for GGUF files (gguf.py, llamacpp.py), and the eval report (report.py). Knows nothing
-of runs or configs: callers hand it a model, a tokenizer and rows. May import model, data and speed.
+llama.cpp for GGUF files (gguf.py, llamacpp.py), the eval report (report.py: with each source of a
+mixture apart), and preference rows scored by a run's preference loss (preference.py). Knows nothing
+of runs: callers hand it a model, a tokenizer and rows (preference.py reads the `preference` node it is
+given). May import model, data, speed and losses (the preference figures are the training loss's own).
 """

@@ -65,6 +65,46 @@ def table(trained: dict, base: Optional[dict] = None, header: str = "") -> str:
     return "\n".join(lines)
 
 
+def source_reports(groups: list[tuple[str, list[int]]], kept: list[int], trained: TaskResult,
+                   base: Optional[TaskResult] = None) -> list[dict]:
+    """Each source's own figures, over its rows of the held-out set. groups: [(source name, the indices of
+    its held-out examples)]; kept: the example index of each scored row (rows without a reply to score,
+    or past --max-rows, are not scored). A source with no scored row has no figures (None)."""
+    row_of = {example: j for j, example in enumerate(kept)}
+    out = []
+    for name, examples in groups:
+        mine = [row_of[i] for i in examples if i in row_of]
+        entry = {"name": name, "examples": len(examples), "rows": len(mine), "trained": None}
+        for side, result in (("trained", trained), ("base", base)):
+            if result is not None and mine:
+                entry[side] = TaskResult([result.rows[j] for j in mine], result.classes, result.generated).summarize()
+        if base is not None and mine:
+            entry["difference"] = difference(entry["base"], entry["trained"])
+        out.append(entry)
+    return out
+
+
+def sources_table(sources: list[dict]) -> str:
+    """One line per source: its rows and the table's figures (base -> trained where the base was scored)."""
+    names = {"loss": "loss", "ppl": "ppl", "exact_match": "exact", "accuracy": "accuracy"}
+    first = next((s for s in sources if s["trained"] is not None), None)
+    keys = [k for k in names if first is not None and k in first["trained"]]
+    with_base = first is not None and "base" in first
+    width = 24 if with_base else 12
+    lines = ["per source" + (" (base -> trained)" if with_base else "") + ":",
+             f"  {'':16}{'rows':>6}" + "".join(f"{names[k]:>{width}}" for k in keys)]
+    for src in sources:
+        line = f"  {src['name'][:16]:16}{src['rows']:>6}"
+        if src["trained"] is None:
+            lines.append(line + "   (no row to score)")
+            continue
+        for k in keys:
+            cell = _fmt(k, src["trained"][k])
+            line += f"  {(_fmt(k, src['base'][k]) + ' -> ' + cell) if with_base else cell:>{width - 2}}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def clip(text: str, width: int) -> str:
     text = " ".join(text.split())
     return text if len(text) <= width else text[:width - 1] + "…"

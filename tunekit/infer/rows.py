@@ -81,10 +81,16 @@ def task_row(example: dict, tokenizer, ends: Optional[frozenset[int]] = None) ->
 
 def task_rows(examples: list[dict], tokenizer) -> tuple[list[TaskRow], int]:
     """(task rows, number of examples skipped because they have no final reply to ask for)."""
+    rows, kept = task_rows_kept(examples, tokenizer)
+    return rows, len(examples) - len(rows)
+
+
+def task_rows_kept(examples: list[dict], tokenizer) -> tuple[list[TaskRow], list[int]]:
+    """(task rows, the index of each one's example): examples without a final reply to ask for are left out."""
     ends = reply_ends(tokenizer)
     rows = [task_row(e, tokenizer, ends) for e in examples]
-    kept = [r for r in rows if r is not None]
-    return kept, len(rows) - len(kept)
+    kept = [i for i, r in enumerate(rows) if r is not None]
+    return [rows[i] for i in kept], kept
 
 
 def closed_set(rows: list[TaskRow], max_classes: int = MAX_CLASSES) -> Optional[ClassSet]:

@@ -2,13 +2,17 @@
 
 `check_data_unchanged` refuses a run whose data files changed since training started (the split
 would silently be another one); `heldout_batches` rebuilds the first validation micro-batches
-(what `tunekit export` measures fidelity on).
+(what `tunekit export` measures fidelity on; a preference run's pairs as one sequence per side);
+`heldout_split` the held-out examples `tunekit eval` scores, each source's apart for a list of
+sources; `heldout_preference` a preference run's held-out pairs (or KTO rows).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -69,8 +73,12 @@ def heldout_batches(run: Run, tokenizer, n_batches: int) -> list[dict[str, torch
     from tunekit.data import collate, eval_batches, load_splits
 
     d = run.cfg.data
-    _, val = load_splits(d.path, d.val_path, plain(d.format), tokenizer, d.max_seq_len, d.val_fraction,
-                         d.max_val_examples, run.cfg.seed)
+    if run.cfg.objective == "preference":  # each side of a pair (KTO: each row) is a sequence of its own
+        pairs, _, _ = heldout_preference(run.cfg, tokenizer, None)
+        val = [side for e in pairs for side in _sides(e)]
+    else:
+        _, val = load_splits(d.path, d.val_path, plain(d.format), tokenizer, d.max_seq_len, d.val_fraction,
+                             d.max_val_examples, run.cfg.seed)
     size = run.cfg.trainer.micro_batch_size
     chosen = [i for idx in eval_batches(len(val), size, 1, 0)[:n_batches] for i in idx]
     chosen.sort(key=lambda i: len(val[i]["input_ids"]))
@@ -83,10 +91,69 @@ def heldout_batches(run: Run, tokenizer, n_batches: int) -> list[dict[str, torch
     return [collate([val[i] for i in idx], tokenizer.pad_token_id) for idx in groups]
 
 
+def _sides(example: dict) -> list[dict]:
+    """A preference example's sequences as SFT-shaped examples: chosen then rejected (KTO: the row)."""
+    out = [{"input_ids": example["input_ids"], "labels": example["labels"]}]
+    if "rejected_input_ids" in example:
+        out.append({"input_ids": example["rejected_input_ids"], "labels": example["rejected_labels"]})
+    return out
+
+
+def is_preference_data(data: str | None) -> bool:
+    """Whether the file (or dataset) `data` holds preference rows (pairs or KTO's unpaired rows), judged
+    by its first row as a preference run's data is. A KTO row {prompt, completion, label} would also
+    read as an SFT prompt/completion row: its label decides."""
+    from tunekit.data.formats import read_rows
+    from tunekit.data.preference import row_kind
+
+    if data is None:
+        return False
+    rows = read_rows(data, "--data")
+    return bool(len(rows)) and row_kind(rows[0]) is not None and (
+        "completion" not in rows[0] or rows[0].get("label") is not None)
+
+
+def heldout_preference(cfg, tokenizer, data: str | None) -> tuple[list[dict], str, str]:
+    """A preference run's held-out examples (tunekit.data.preference: pairs, or KTO's unpaired rows), their
+    kind (pairs | unpaired) and where they come from: `data` (a file of preference rows), else the
+    run's own split, made as the trainer made it."""
+    from tunekit.data.formats import read_rows
+    from tunekit.data.preference import detect_kind, load_preference_splits, tokenize_preference
+
+    d = cfg.data
+    if data is not None:
+        rows = read_rows(data, "--data")
+        if rows.held_out is not None:
+            rows, data = rows.held_out, f"{data} (its held-out split)"
+        kind = detect_kind(rows, data)
+        examples, _ = tokenize_preference(rows, kind, data, tokenizer, d.max_seq_len)
+        return examples, kind, data
+    _, val, kind, _ = load_preference_splits(d.path, d.val_path, tokenizer, d.max_seq_len, d.val_fraction,
+                                             d.max_val_examples, cfg.seed)
+    where = d.val_path or f"{d.val_fraction:g} of {d.path} (the run's split)"
+    return val, kind, where
+
+
+@dataclass
+class HeldOut:
+    """Tokenized held-out examples, where they come from, and with a list of sources in data.path each
+    source's name and its examples' indices (None for one path, or where data.val_path holds out)."""
+
+    examples: list[dict]
+    where: str
+    groups: Optional[list[tuple[str, list[int]]]] = None
+
+
 def heldout_examples(cfg, tokenizer, data: str | None) -> tuple[list[dict], str]:
-    """Tokenized held-out examples and a line saying where they come from: `data` (any file,
-    save_to_disk folder or hub id `tunekit train` reads), else the run's held-out split (cfg: its TrainConfig), else the default
-    data's."""
+    """Tokenized held-out examples and a line saying where they come from (heldout_split)."""
+    split = heldout_split(cfg, tokenizer, data)
+    return split.examples, split.where
+
+
+def heldout_split(cfg, tokenizer, data: str | None) -> HeldOut:
+    """Tokenized held-out examples and where they come from: `data` (any file, save_to_disk folder or
+    hub id `tunekit train` reads), else the run's held-out split (cfg: its TrainConfig; each source's
+    part of it for a list of sources), else the default data's."""
     from tunekit.config import plain
     from tunekit.data import load_splits, tokenize_rows
     from tunekit.data.formats import detect_format, read_rows
@@ -100,13 +167,13 @@ def heldout_examples(cfg, tokenizer, data: str | None) -> tuple[list[dict], str]
         rows = read_rows(data, "--data")  # its own format, whatever the run trained on
         if rows.held_out is not None:  # a saved or hub dataset with a held-out split: score that split
             rows, data = rows.held_out, f"{data} (its held-out split)"
-        return tokenize_rows(rows, detect_format(rows, data), data, tokenizer, max_len), data
+        return HeldOut(tokenize_rows(rows, detect_format(rows, data), data, tokenizer, max_len), data)
     if cfg is not None:
         d = cfg.data
-        _, val = load_splits(d.path, d.val_path, plain(d.format), tokenizer, d.max_seq_len, d.val_fraction,
+        splits = load_splits(d.path, d.val_path, plain(d.format), tokenizer, d.max_seq_len, d.val_fraction,
                              d.max_val_examples, cfg.seed)
         where = d.val_path or (f"{d.val_fraction:g} of {describe(d.path)} (the run's split)" if d.path
                                else "the default data's val split")
-        return val, where
+        return HeldOut(splits.val, where, splits.val_groups)
     _, val = load_splits(None, None, "auto", tokenizer, max_len, 0.05, None, 0)
-    return val, "the default data's val split"
+    return HeldOut(val, "the default data's val split")
