@@ -47,6 +47,10 @@ DEFAULT_CONFIGS = [
     ("adapter, 4x256", "recipe=adapter trainer.micro_batch_size=4 data.max_seq_len=256"),
     ("prompt_tuning, 4x256", "recipe=prompt_tuning trainer.micro_batch_size=4 data.max_seq_len=256"),
     ("distill qlora ckpt, 4x256", "recipe=distill model.gradient_checkpointing=true trainer.micro_batch_size=4 data.max_seq_len=256"),
+    ("dpo qlora no ckpt, 2 pairs x256", "recipe=dpo model.gradient_checkpointing=false trainer.micro_batch_size=2 "
+                                        "data.max_seq_len=256"),
+    ("dpo qlora ckpt, 4 pairs x256", "recipe=dpo model.gradient_checkpointing=true trainer.micro_batch_size=4 "
+                                     "data.max_seq_len=256"),
     ("qlora adamw_8bit dropout, 2x512", "recipe=qlora model.gradient_checkpointing=false method.dropout=0.1 "
      "trainer.optimizer=adamw_8bit trainer.micro_batch_size=2 data.max_seq_len=512"),
 ]
@@ -60,6 +64,8 @@ SUITE_CONFIGS = [
     ("adapter, 4x256", "recipe=adapter trainer.micro_batch_size=4 data.max_seq_len=256"),
     ("prompt_tuning, 4x256", "recipe=prompt_tuning trainer.micro_batch_size=4 data.max_seq_len=256"),
     ("distill qlora ckpt, 4x256", "recipe=distill model.gradient_checkpointing=true trainer.micro_batch_size=4 data.max_seq_len=256"),
+    ("dpo qlora no ckpt, 2 pairs x256", "recipe=dpo model.gradient_checkpointing=false trainer.micro_batch_size=2 "
+                                        "data.max_seq_len=256"),
 ]
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -98,7 +104,12 @@ def measure(overrides: list[str], work: Path, steps: int) -> dict:
     r.setup()
     after_setup = rss_kib()
     t = cfg.trainer
-    rows = worst_batch(cfg.data.max_seq_len, t.micro_batch_size, shape.vocab_size, r.tokenizer.eos_token_id)
+    rows = worst_batch(cfg.data.max_seq_len, t.micro_batch_size * setup.rows_per_example, shape.vocab_size,
+                       r.tokenizer.eos_token_id)
+    if cfg.objective == "preference" and setup.rows_per_example == 2:  # N pairs: the 2N rows, paired up
+        n = t.micro_batch_size
+        rows = [{**a, "rejected_input_ids": b["input_ids"], "rejected_labels": b["labels"]}
+                for a, b in zip(rows[:n], rows[n:])]
     # Warm-up on the measured shapes: optimizer state, first-call buffers, and the per-shape
     # matmul kernels oneDNN JIT-compiles and caches for bf16 (~13 MiB on the suite's qlora over
     # the bf16 LoRA path, the same for 1, 4 or 8 rows: code and scratch, not tensors).
@@ -118,7 +129,14 @@ def measure(overrides: list[str], work: Path, steps: int) -> dict:
             "predicted_peak_mib": plan.peak / 2**20, "phase": plan.memory.phase, "step_s": seconds,
             "terms_mib": {k: v / 2**20 for k, v in plan.memory.terms.items()},
             "loss": row["loss"], "input_tokens": row["input_tokens"],
-            "trained_tokens": row["trained_tokens"]}
+            "trained_tokens": row.get("trained_tokens")}
+
+
+def pairs_file(work: Path) -> Path:
+    path = work / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Count to {i}.", "chosen": " ".join(map(str, range(i))),
+                                        "rejected": "No."}) + "\n" for i in range(2, 42)))
+    return path
 
 
 def run_forked(overrides: list[str], work: Path, steps: int, mmap_threshold: int = 0) -> dict:
@@ -174,6 +192,8 @@ def main(argv=None):
         extra = [f"model.path={model}"]
         if "recipe=distill" in over:
             extra.append(f"distill.teacher={model}")
+        if "recipe=dpo" in over:  # the run needs a file of pairs; the measured batch is the worst one
+            extra.append(f"data.path={pairs_file(work)}")
         row = {"name": name, "overrides": over}
         for mode in wanted:
             res = run_forked(over.split() + extra, work, args.steps, modes[mode])

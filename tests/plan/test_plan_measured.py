@@ -1,4 +1,4 @@
-"""The planner against the measured peak of real training steps on the CPU, 8 configurations.
+"""The planner against the measured peak of real training steps on the CPU, 9 configurations.
 
 scripts/bench_plan.py runs tunekit's own trainer (TrainRecipe.setup + train_step) once per
 configuration, each in a fresh process forked from one that already holds the imported runtime,
@@ -46,7 +46,7 @@ def test_planned_step_memory_is_within_15_percent_of_measured(tmp_path, default_
     rows = json.loads(out.with_suffix(".json").read_text())["results"]
     assert len(rows) >= 8
     overrides = " ".join(r["overrides"] for r in rows)
-    for needed in ("recipe=qlora", "recipe=lora", "recipe=adapter", "recipe=prompt_tuning", "recipe=distill",
+    for needed in ("recipe=qlora", "recipe=lora", "recipe=adapter", "recipe=prompt_tuning", "recipe=distill", "recipe=dpo",
                    "max_seq_len=128", "max_seq_len=1024", "micro_batch_size=1 ", "micro_batch_size=16",
                    "gradient_checkpointing=false", "gradient_checkpointing=true"):
         assert needed in overrides + " ", needed

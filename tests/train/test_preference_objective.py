@@ -85,7 +85,6 @@ def _cfg(method="lora", init="default", loss="dpo", micro=4, **pref):
     (_cfg(loss="kto", label_smoothing=0.1), "preference.label_smoothing: 0.1 applies to preference.loss=dpo and simpo"),
     (_cfg(gamma=-1.0, loss="simpo"), "preference.gamma: must be >= 0, got -1"),
     (_cfg(undesirable_weight=0.0, loss="kto"), "preference.undesirable_weight: must be > 0, got 0"),
-    (_cfg(micro="auto"), "trainer.micro_batch_size: auto is planned in rows"),
 ])
 def test_config_refusals_name_the_key(cfg, culprit):
     with pytest.raises(TunekitError) as e:

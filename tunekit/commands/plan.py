@@ -21,7 +21,7 @@ from tunekit.device.facts import available_memory_bytes, compute_dtype, default_
 from tunekit.plan import GiB, Plan, predict
 from tunekit.plan.inputs import planner_inputs, runs_sharded
 from tunekit.plan.choose import estimate_note
-from tunekit.plan.memory import method_of
+from tunekit.plan.memory import method_of, micro_batch_words
 from tunekit.plan.shape import preset_names, preset_source
 
 EXAMPLES = """examples:
@@ -123,7 +123,7 @@ def render(plan: Plan, memory_gib: Optional[float], cfg, source: str) -> str:
     lines = [
         f"tunekit plan: recipe={cfg.recipe}, {shape.name} ({shape.total_params / 1e9:.3f}B params; {source})",
         f"  {method} over a {base} base, {compute} compute, optimizer {s.optimizer}",
-        f"  worst micro-batch: {s.micro_batch_size} x {s.seq_len} tokens{' (packed)' if s.packing else ''}, "
+        f"  worst micro-batch: {micro_batch_words(s)} x {s.seq_len} tokens{' (packed)' if s.packing else ''}, "
         f"grad_accum {s.grad_accum}, gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}"
         + (f"; teacher {s.teacher.name} ({s.teacher_quantize}), chunk {s.distill_chunk}" if s.teacher else ""),
         f"  device: {plan.facts.describe()}" + (f" x {plan.ranks}" if plan.ranks > 1 else ""),
@@ -176,7 +176,8 @@ def render(plan: Plan, memory_gib: Optional[float], cfg, source: str) -> str:
     f = plan.flops
     lines.append(f"  compute: {f['total'] / 1e12:.2f} TFLOP per optimizer step per rank ({f['tokens']:,} positions; "
                  f"forward {f['forward'] / 1e12:.2f}, backward {f['backward'] / 1e12:.2f}, recompute "
-                 f"{f['recompute'] / 1e12:.2f}, head and loss {f['head and loss'] / 1e12:.2f})")
+                 f"{f['recompute'] / 1e12:.2f}, head and loss {f['head and loss'] / 1e12:.2f}"
+                 + (f", reference {f['reference'] / 1e12:.2f}" if "reference" in f else "") + ")")
     return "\n".join(lines)
 
 

@@ -26,7 +26,7 @@ from tunekit import TunekitError
 from tunekit.device.facts import DeviceFacts, available_memory_bytes, probe, rank_device
 from tunekit.plan import AUTO_HEADROOM, GiB, Plan, predict
 from tunekit.plan.inputs import planner_inputs, runs_sharded
-from tunekit.plan.memory import estimated, method_of
+from tunekit.plan.memory import estimated, method_of, micro_batch_words
 
 log = logging.getLogger(__name__)
 AUTO_MICRO_BATCHES = (64, 32, 16, 8, 4, 2, 1)
@@ -179,7 +179,7 @@ def resolve_memory_settings(cfg, device: torch.device, ranks: int = 1, local_ran
         return f"memory: {settings}; free memory unknown on {facts.describe()}, not planned"
     free = f"{gib(available)} free on {facts.describe()}"
     return (f"memory: {settings}; planned peak {gib(plan.needed_beyond_runtime())} of {free} "
-            f"(worst micro-batch: {b} x {cfg.data.max_seq_len} tokens){estimate_note(plan)}")
+            f"(worst micro-batch: {micro_batch_words(plan.setup)} x {cfg.data.max_seq_len} tokens){estimate_note(plan)}")
 
 
 def estimate_note(plan) -> str:

@@ -9,7 +9,8 @@ parameters), which is why a run that fits without it computes a third less.
 Attention counts the full (seq x seq) score and value products (4 * seq * q_dim per position
 and block, forward); a causal kernel may skip up to half of them. The head runs only on trained
 positions (forward, and the input-gradient pass); distillation recomputes both heads' logits in
-its backward pass, chunk by chunk.
+its backward pass, chunk by chunk. A preference loss with a reference runs one more forward of the
+frozen decoder and head per micro-batch (no backward).
 """
 
 from __future__ import annotations
@@ -46,8 +47,11 @@ def step_flops(shape: ModelShape, st: TrainSetup) -> dict:
         t_base = _decoder_forward(t, rows, seq)
         heads = 2 * n * V * (d + t.hidden_size)
         head = t_base + heads + heads + 2 * n * d * V  # teacher, both heads fwd, recomputed in bwd, grad
-    per_micro = forward + backward + recompute + head
+    # a preference loss's reference: the same rows through the frozen decoder and head, no backward
+    reference = _decoder_forward(shape, rows, seq) + 2 * n * d * V if st.reference_forward else 0
+    per_micro = forward + backward + recompute + head + reference
     total = per_micro * st.grad_accum
     return {"forward": forward * st.grad_accum, "backward": backward * st.grad_accum,
-            "recompute": recompute * st.grad_accum, "head and loss": head * st.grad_accum, "total": total,
+            "recompute": recompute * st.grad_accum, "head and loss": head * st.grad_accum,
+            **({"reference": reference * st.grad_accum} if reference else {}), "total": total,
             "tokens": T * st.grad_accum, "trainable_params": sum(terms.trainable)}

@@ -36,6 +36,16 @@ def runs_sharded(cfg, ranks: int) -> bool:
     return _value(cfg.trainer.strategy) == "fsdp" and ranks > 1
 
 
+def preference_setup(p) -> dict:
+    """What a preference node decides for memory: a pair is two rows in one forward (KTO's unpaired
+    rows one), and a loss with a reference runs it each step unless precompute_ref computed it once."""
+    from tunekit.losses.preference import REFERENCE_FREE
+
+    loss = _value(p.loss)
+    return {"rows_per_example": 1 if loss == "kto" else 2,
+            "reference_forward": loss not in REFERENCE_FREE and not p.precompute_ref}
+
+
 def planner_inputs(cfg, facts: DeviceFacts, teacher_shape: Optional[ModelShape] = None,
                    student: Optional[ModelShape] = None, ranks: int = 1,
                    sharded: Optional[bool] = None) -> tuple[ModelShape, TrainSetup]:
@@ -71,6 +81,8 @@ def planner_inputs(cfg, facts: DeviceFacts, teacher_shape: Optional[ModelShape] 
     setup = method.plan_setup(setup, student, cfg, facts, dtype)
     if sharded:  # FSDP2 keeps peft's LoRA layers on every rank (module docstring)
         setup = replace(setup, lora_compute=False, fused_kernel=False, dense_cache_bytes=0)
+    if cfg.objective == "preference":
+        setup = replace(setup, **preference_setup(cfg.preference))
     if distill:
         setup = replace(setup, teacher=teacher_shape, teacher_quantize=_value(d.teacher_quantize),
                         distill_chunk=d.chunk_size)

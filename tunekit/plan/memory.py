@@ -85,6 +85,12 @@ class TrainSetup:
     teacher: Optional[ModelShape] = None
     teacher_quantize: str = "none"
     distill_chunk: int = 1024
+    # preference tuning (objective=preference): rows the model runs per example of the micro-batch
+    # (2: a pair's chosen and rejected sides go through one forward; 1: SFT, KTO's unpaired rows),
+    # and whether each step also runs the reference, a no-grad forward of the same rows with the
+    # trained part switched off (losses with a reference, unless computed once before training)
+    rows_per_example: int = 1
+    reference_forward: bool = False
     dropout_mask_bytes: int = 4  # torch's dropout keeps a bool mask on CUDA, fp32 noise on a CPU
     # What the method's layers decide on the device (Method.plan_setup; LoRA's rules in
     # tunekit.methods.lora.backend): a copy of the 4-bit base's wrapped weights kept dequantized in the
@@ -307,12 +313,24 @@ def positions(st: TrainSetup, terms: PlanTerms) -> tuple[int, int]:
     extra = terms.extra_positions
     if st.packing:
         return 1, st.micro_batch_size * (st.seq_len + extra)
-    return st.micro_batch_size, st.seq_len + extra
+    return batch_rows(st), st.seq_len + extra
+
+
+def batch_rows(st: TrainSetup) -> int:
+    """Rows of the worst micro-batch: micro_batch_size examples, each a pair's two sides under a
+    paired preference loss."""
+    return st.micro_batch_size * st.rows_per_example
+
+
+def micro_batch_words(st: TrainSetup) -> str:
+    """The worst micro-batch's examples as a user counts them: '4', or '4 pairs (8 rows)'."""
+    n = st.micro_batch_size
+    return f"{n} pairs ({batch_rows(st)} rows)" if st.rows_per_example == 2 else str(n)
 
 
 def trained_positions(st: TrainSetup) -> int:
     """Positions that predict a trained token in the worst micro-batch (all but each row's last)."""
-    return st.micro_batch_size * (st.seq_len - 1)
+    return batch_rows(st) * (st.seq_len - 1)
 
 
 def first_block_input_grad(st: TrainSetup, terms: PlanTerms) -> bool:
@@ -332,8 +350,8 @@ def activation_bytes(shape: ModelShape, st: TrainSetup) -> dict:
     e = activation_dtype_bytes(st)
     first = layer_saved(shape, st, rows, seq, input_grad=first_block_input_grad(st, terms), terms=terms)
     steady = layer_saved(shape, st, rows, seq, input_grad=True, terms=terms)
-    labels = st.micro_batch_size * st.seq_len  # label positions (prompt tuning's virtual tokens have none)
-    trained_mask = labels - 1 if st.packing else labels - st.micro_batch_size
+    labels = batch_rows(st) * st.seq_len  # label positions (prompt tuning's virtual tokens have none)
+    trained_mask = labels - 1 if st.packing else labels - batch_rows(st)
     # final RMSNorm (+ what the method keeps there) + the bool mask of trained positions
     final_norm = (4 * d + 4) * T + terms.saves(Site("final_norm", T, e)) + trained_mask
     # what the method keeps at the embedding (a full fine-tune: the token ids, for its weight gradient)
@@ -390,7 +408,28 @@ def sft_loss_bytes(shape: ModelShape, st: TrainSetup) -> dict:
         work += (st.compute_bytes + 4) * V * d
     forward = n * d * eh + kept + work + 8 * n
     backward = kept + n * d * eh
+    if st.rows_per_example > 1 or st.reference_forward:
+        # preference log-probabilities (tunekit.losses.logps): the same chunked head and kept
+        # gradient, but each row's gradient scale differs, applied through an fp32 copy in backward
+        backward += 4 * n * d
     return {"kept": kept, "forward": forward, "backward": backward}
+
+
+def reference_forward_bytes(shape: ModelShape, st: TrainSetup) -> int:
+    """The preference reference's no-grad forward over the micro-batch's rows (the base with the
+    trained part off), run beside the policy's saved activations: one block's working set at a time,
+    its last hidden states, then its log-probabilities from the head in chunks (rows, the chunk's
+    logits in the head's dtype and fp32)."""
+    from tunekit.losses.sft import chunk_rows
+
+    rows, seq = positions(st, plan_terms(shape, st))
+    T, e, d, V = rows * seq, activation_dtype_bytes(st), shape.hidden_size, shape.vocab_size
+    eh, n = head_dtype_bytes(st), trained_positions(st)
+    dequant = max(i * o for p in PROJECTIONS for i, o in [shape.projection(p)]) * st.compute_bytes \
+        if st.quantize == "nf4" and not st.fused_kernel else 0
+    block = T * (3 * shape.intermediate_size + 3 * d) * e + dequant
+    logps = n * d * eh + min(chunk_rows(V), n) * V * (4 + eh) + 8 * n
+    return T * d * e + max(block, logps)
 
 
 def distill_loss_bytes(shape: ModelShape, st: TrainSetup) -> dict:
@@ -485,6 +524,9 @@ def step_memory(shape: ModelShape, st: TrainSetup, ranks: int = 1, sharded: bool
     }
     if st.teacher is not None:
         phases["teacher forward"] = (act["saved"], teacher_forward_bytes(shape, st))
+    if st.reference_forward:
+        # after the policy's log-probabilities: their kept row gradient waits beside it
+        phases["reference forward"] = (act["saved"], loss.get("kept", 0) + reference_forward_bytes(shape, st))
     if ranks > 1 and not sharded:
         phases["gradient all-reduce"] = (0, 8 * P)  # flat copy of the grads + the reduced result
     start = plan_terms(shape, st).start_bytes

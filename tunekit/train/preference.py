@@ -48,10 +48,6 @@ def check_preference_config(cfg) -> None:
     if cfg.data.packing:
         raise TunekitError("data.packing: not with objective=preference (the chosen and rejected sides of a pair "
                            "are scored as rows of their own); set data.packing=false")
-    if getattr(cfg, "trainer", None) is not None and cfg.trainer.micro_batch_size == "auto":
-        raise TunekitError("trainer.micro_batch_size: auto is planned in rows, and a preference micro-batch of N pairs "
-                           "is 2N rows plus a reference forward, which the memory plan does not count yet; give a "
-                           "number of pairs (recipe=dpo: 4)")
     if plain(cfg.data.format) != "auto":
         raise TunekitError(f"data.format: {plain(cfg.data.format)} is an SFT format; objective=preference reads "
                            "preference rows (prompt/chosen/rejected or prompt/completion/label): set data.format=auto")
