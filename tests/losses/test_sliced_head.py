@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tunekit.losses.sft import linear_cross_entropy
-from tunekit.losses.sliced_head import fsdp_row_counts, online_cross_entropy, sliced_cross_entropy
+from tunekit.losses.sliced_head import fsdp_row_counts, online_cross_entropy, sliced_cross_entropy, sliced_token_logps
 
 
 def _case(n=37, d=16, V=301, dtype=torch.float64, scale=3.0, seed=0):
@@ -87,3 +87,52 @@ def test_no_grad_gives_the_loss_alone():
     total, grad = online_cross_entropy(rows.detach(), targets, _slices(weight, 2, [1, 0]), need_grad=False)
     ref = F.cross_entropy(F.linear(rows.detach(), weight), targets, reduction="sum")
     assert grad is None and abs(total.item() - ref.item()) <= 1e-5 * abs(ref.item())  # fp32 sums of 301 terms
+
+
+@pytest.mark.parametrize("ranks, order", [(1, [0]), (3, [1, 2, 0])])
+def test_per_token_log_probabilities_equal_the_whole_heads_with_each_rows_own_gradient(ranks, order):
+    """The preference losses' per-token log-probabilities (tunekit.losses.logps under FSDP): each
+    row's gradient is scaled by its own incoming gradient, as log_softmax's. In fp64 the sums differ
+    from the whole head's only by summation order (~V * 2^-53 relative); the log-probabilities come
+    back in fp32, as tunekit.losses.logps returns them, so the incoming gradient is an fp32 number
+    and the backward scales in fp32: the fp32 cast of each row's gradient, of its incoming gradient
+    and of their product, three roundings of 2^-24 relative per element (bound: 4 x 2^-24)."""
+    rows, weight, targets = _case(n=13, d=5, V=29)
+    upstream = torch.randn(13, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    logps = sliced_token_logps(rows, targets, _slices(weight, ranks, order), torch.float64)
+    ref = torch.log_softmax(F.linear(rows, weight), -1).gather(1, targets[:, None]).squeeze(1)
+    assert logps.dtype == torch.float32  # what tunekit.losses.logps returns
+    assert (logps.double() - ref).abs().max() <= 1e-5 * ref.abs().max()  # the fp32 cast of the result: 2^-24 relative
+    (grad,) = torch.autograd.grad((logps.double() * upstream).sum(), rows)
+    (ref_grad,) = torch.autograd.grad((ref * upstream).sum(), rows)
+    assert ((grad - ref_grad).abs() <= 4 * 2.0**-24 * ref_grad.abs() + 1e-12).all()
+
+
+def test_preference_logps_take_an_fsdp_heads_slices_never_the_whole(tmp_path, monkeypatch):
+    """tunekit.losses.logps under FSDP2 (one gloo rank, this process): a frozen head without bias goes
+    through its slices, never unshard(); the values are the whole head's (one rank: one slice, the
+    same fp32 dot products and the same sums, up to the online rescale's roundings, 2^-24 relative)."""
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+
+    import tunekit.losses.sliced_head as sliced
+    from tunekit.losses.logps import token_logps
+
+    rows, weight, targets = _case(n=9, d=8, V=40, dtype=torch.float32)
+    head = nn.Linear(8, 40, bias=False)
+    head.weight.data.copy_(weight)
+    head.weight.requires_grad_(False)
+    ref = torch.log_softmax(F.linear(rows, weight), -1).gather(1, targets[:, None]).squeeze(1)
+    calls = []
+    real = sliced.online_row_cross_entropy
+    monkeypatch.setattr(sliced, "online_row_cross_entropy", lambda *a: calls.append(1) or real(*a))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        fully_shard(head)
+        head.unshard = lambda *a, **k: pytest.fail("the head was gathered whole")
+        logps = token_logps(rows, head, targets)
+    finally:
+        dist.destroy_process_group()
+    assert calls == [1]
+    assert (logps - ref).abs().max() <= 8 * 2.0**-24 * ref.abs().max()

@@ -7,7 +7,9 @@ each log-probability with respect to its row, (onehot - softmax) W, is formed ri
 (tokens, hidden) tensor. The backward pass scales it row by row with the incoming per-token gradient
 (which, unlike SFT's, differs per sequence). A trained head's gradient needs that incoming gradient
 inside the vocabulary-sized product, so it is recomputed chunk by chunk in the backward pass (one
-more head matmul per chunk; only where the head trains).
+more head matmul per chunk; only where the head trains). Under FSDP a frozen untied head is never
+gathered: its vocabulary slices come from the ranks one at a time (tunekit.losses.sliced_head), as for
+the SFT loss.
 """
 
 from __future__ import annotations
@@ -65,9 +67,15 @@ class _LinearLogProbs(torch.autograd.Function):
 def token_logps(rows: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
     """(n,) fp32 log-probabilities of `targets` under head(rows), chunked (module docstring)."""
     sharded = _sharded(head.weight)
+    if sharded:  # FSDP, a frozen head without bias: its vocabulary slices one at a time, never gathered
+        from tunekit.losses.sliced_head import frozen_head_slices, sliced_token_logps
+
+        slices = frozen_head_slices(head)
+        if slices is not None:
+            return sliced_token_logps(rows, targets, slices, head.weight.dtype)
     if sharded and (head.weight.requires_grad or not hasattr(head, "unshard")):  # FSDP, a trained head: unchunked
         return torch.log_softmax(head(rows.to(head.weight.dtype)).float(), -1).gather(1, targets[:, None]).squeeze(1)
-    if sharded:  # FSDP, a frozen head: gathered for the loss, let go after
+    if sharded:  # FSDP, a frozen head not laid out in slices (a bias): gathered for the loss, let go after
         head.unshard()
     try:
         weight, bias = head.weight, head.bias

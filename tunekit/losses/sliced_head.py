@@ -37,6 +37,15 @@ def online_cross_entropy(rows: torch.Tensor, targets: torch.Tensor, slices: Slic
                          need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(summed cross-entropy fp32 scalar, d loss / d rows in rows' dtype or None) of rows (n, d)
     against the head whose vocabulary rows `slices()` yields slice by slice, in any order."""
+    per_row, grad = online_row_cross_entropy(rows, targets, slices, need_grad)
+    return per_row.sum(), grad
+
+
+def online_row_cross_entropy(rows: torch.Tensor, targets: torch.Tensor, slices: Slices,
+                             need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(cross-entropy of each row (n,) fp32, d loss_i / d row_i (n, d) in rows' dtype or None): as
+    online_cross_entropy, per row (the preference losses weigh each token's log-probability by its
+    own sequence's gradient)."""
     n, d = rows.shape
     dev = rows.device
     f = torch.float64 if rows.dtype == torch.float64 else torch.float32  # the sums' dtype (fp64: gradcheck)
@@ -68,9 +77,9 @@ def online_cross_entropy(rows: torch.Tensor, targets: torch.Tensor, slices: Slic
             if need_grad:
                 acc[i : i + chunk] = acc[i : i + chunk] * scale[:, None] + (e.to(part.dtype) @ part).to(f)
             m[i : i + chunk] = m_new
-    total = (m + torch.log(s) - target_logit).sum()
+    per_row = m + torch.log(s) - target_logit
     grad = (acc / s[:, None] - target_row).to(rows.dtype) if need_grad else None
-    return total, grad
+    return per_row, grad
 
 
 class _SlicedCrossEntropy(torch.autograd.Function):
@@ -84,6 +93,28 @@ class _SlicedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total):
         (grad,) = ctx.saved_tensors
         return (None if grad is None else (grad * grad_total).to(grad.dtype)), None, None
+
+
+class _SlicedTokenLogps(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, targets, slices: Slices):
+        per_row, grad = online_row_cross_entropy(rows, targets, slices, ctx.needs_input_grad[0])
+        ctx.save_for_backward(grad)
+        return (-per_row).float()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (grad,) = ctx.saved_tensors  # d ce_i / d row_i; log p_i = -ce_i
+        if grad is None:
+            return None, None, None
+        return (grad.float() * -grad_out[:, None]).to(grad.dtype), None, None
+
+
+def sliced_token_logps(rows: torch.Tensor, targets: torch.Tensor, slices: Slices, dtype: torch.dtype) -> torch.Tensor:
+    """(n,) fp32 log-probabilities of `targets` under a frozen head given by `slices` (its dtype
+    `dtype`); each row's gradient reaches `rows` scaled by its own incoming gradient."""
+    with torch.autocast(rows.device.type, enabled=False):
+        return _SlicedTokenLogps.apply(rows.to(dtype), targets, slices)
 
 
 def sliced_cross_entropy(rows: torch.Tensor, targets: torch.Tensor, slices: Slices, dtype: torch.dtype) -> torch.Tensor:

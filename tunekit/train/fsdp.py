@@ -102,7 +102,8 @@ def outer_units(model: nn.Module) -> list[nn.Module]:
 
 
 def head_loss_route(model: nn.Module) -> str:
-    """How the SFT loss reaches the output head under FSDP (tunekit.losses.sft): "slices" (a frozen
+    """How the loss reaches the output head under FSDP (the SFT loss, tunekit.losses.sft, and the
+    preference losses' log-probabilities, tunekit.losses.logps, alike): "slices" (a frozen
     untied head without bias, each rank's vocabulary rows broadcast in turn, never whole),
     "gathered" (whole for the loss, then let go), "own call" (a trained head, through FSDP's own
     gather) or "root unit" (tied to the embeddings)."""
