@@ -114,7 +114,7 @@ def task_check(cfg, tokenizer, data: Optional[str], max_rows: int) -> tuple[Opti
 
     if max_rows <= 0:
         return None, "--task-rows 0"
-    if cfg.objective == "preference" and (data is None or is_preference_data(data)):
+    if getattr(cfg, "objective", None) == "preference" and (data is None or is_preference_data(data)):
         return _preference_check(cfg, tokenizer, data, max_rows)
     examples, where = heldout_examples(cfg, tokenizer, data)
     rows, _ = task_rows(examples, tokenizer)
