@@ -78,7 +78,7 @@ def train(args, iters: int, seed: int, data: dict) -> Path:
            f"trainer.max_steps={args.steps}", f"trainer.micro_batch_size={args.micro_batch_size}", "trainer.grad_accum=1",
            f"data.max_seq_len={args.seq_len}", f"trainer.warmup_steps={min(args.warmup_steps, args.steps - 1)}",
            f"trainer.eval_every={args.steps}", f"trainer.save_every={args.steps}", f"seed={seed}", f"output_dir={out}"]
-    cmd += ["method.init=loftq", f"method.loftq_iters={iters}"] if iters else []
+    cmd += ["method.init=loftq", f"method.loftq_iters={iters}"] if iters else ["method.init=default"]
     cmd += [f"model.path={args.model}"] if args.model else []
     print(f"{arm_name(iters)} seed {seed}: {' '.join(cmd[1:])}", flush=True)
     log = args.work / "logs" / f"train-{out.parent.name}-{out.name}.log"

@@ -457,6 +457,10 @@ def in_fork_or_fresh(spec: dict, fork: bool) -> dict | None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if not any(o.startswith("method.init=") for o in args.set):
+        # both systems from the same start: the baseline's LoRA starts at B = 0, and the qlora recipe's
+        # method.init=auto would pick LoftQ for a small run (tunekit.methods.lora.start_choice)
+        args.set = [*args.set, "method.init=default"]
     if args.child:
         print("BENCH_RESULT " + json.dumps(run_child(json.loads(args.child))), flush=True)
         return 0

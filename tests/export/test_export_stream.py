@@ -30,9 +30,21 @@ GiB = 2**30
 
 @pytest.fixture(scope="module")
 def qlora_run(tiny_model_dir, tiny_data, tmp_path_factory) -> Path:
+    """Plain QLoRA (B = 0 at the start): the merge paths' own formulas."""
     out = tmp_path_factory.mktemp("stream") / "qlora"
+    r = run_cli(["train", "recipe=qlora", *tiny_args(tiny_model_dir, tiny_data, out, "trainer.max_steps=2",
+                                                     "method.init=default")], out.parent)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def loftq_run(tiny_model_dir, tiny_data, tmp_path_factory) -> Path:
+    """The qlora recipe's own start on a small run (method.init=auto resolves to LoftQ, one alternation)."""
+    out = tmp_path_factory.mktemp("stream") / "loftq"
     r = run_cli(["train", "recipe=qlora", *tiny_args(tiny_model_dir, tiny_data, out, "trainer.max_steps=2")], out.parent)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "method.init=auto -> loftq" in r.stderr and (out / "adapter" / "loftq_init.safetensors").is_file()
     return out
 
 
@@ -93,8 +105,12 @@ def _check_merged(merged: dict, reference: dict, dtype: torch.dtype) -> None:
 
 
 # ---------------------------------------------------------------- the merged weights
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_streamed_nf4_merge_equals_fresh_4bit_load_plus_peft_delta(qlora_run, tiny_model_dir, tmp_path, dtype):
+@pytest.mark.parametrize("run_name,dtype", [("qlora_run", torch.bfloat16), ("qlora_run", torch.float32),
+                                            ("loftq_run", torch.bfloat16)])
+def test_streamed_nf4_merge_equals_fresh_4bit_load_plus_peft_delta(run_name, tiny_model_dir, tmp_path, dtype, request):
+    """A LoftQ start of one alternation trained over the loader's own 4-bit base, quant(W): its merge
+    into the dequantized weights streams as a plain run's does, and peft's fresh load is its reference."""
+    qlora_run = request.getfixturevalue(run_name)
     src = _source(qlora_run)
     plan, why = stream.plan_stream(src, "dequantized")
     assert plan is not None, why

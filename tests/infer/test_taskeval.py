@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 import torch
 
 from _helpers import read_jsonl, run_cli, scaled_tiny_model
@@ -185,7 +186,9 @@ def test_every_recipe_evaluates_and_generates(recipe, runs, capsys):
     report = json.loads(capsys.readouterr().out)
     summary = json.loads((run / "summary.json").read_text())
     assert report["trained"]["loss"] == pytest.approx(summary["last_val_loss"], abs=1e-4)
-    if recipe != "prompt_tuning":  # every other method is the identity at step 0; a soft prompt is not
+    started = yaml.safe_load((run / "config.yaml").read_text())["method"].get("init")
+    assert (started == "loftq") == (recipe == "qlora")  # the qlora recipe's auto start, on this small run
+    if recipe != "prompt_tuning" and started != "loftq":  # the identity at step 0; a soft prompt and LoftQ are not
         assert report["base"]["loss"] == pytest.approx(summary["first_val_loss"], abs=1e-4)
 
     prompt = "Item 7 is green. Which colour is item 7?"

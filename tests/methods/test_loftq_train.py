@@ -169,7 +169,7 @@ def test_refusals(tiny_model_dir):
         method.check_config(loftq_cfg(), None, "none")
     with pytest.raises(TunekitError, match=r"^method.use_dora: not with method.init=loftq"):
         method.check_config(MethodConfig(name="lora", init="loftq", use_dora=True), None, "nf4")
-    with pytest.raises(TunekitError, match=r"^method.loftq_iters=2: applies to method.init=loftq only"):
+    with pytest.raises(TunekitError, match=r"^method.loftq_iters=2: applies to method.init=loftq \(or auto\) only"):
         method.check_config(MethodConfig(name="lora", loftq_iters=2), None, "nf4")
     with pytest.raises(TunekitError, match=r"^method.loftq_iters: must be in \[1, 10\]"):
         method.check_config(MethodConfig(name="lora", init="loftq", loftq_iters=0), None, "nf4")

@@ -174,8 +174,10 @@ def test_streamed_qlora_on_two_ranks_matches_one_process_and_resumes(tiny_model_
 
     from safetensors.torch import load_file
 
+    # the plain start on both sides: method.init=auto picks LoftQ for one process, the plain start for
+    # FSDP's ranks (whose base streams only without one)
     common = ["recipe=qlora", "model.dtype=fp32", "method.dropout=0", "trainer.micro_batch_size=1",
-              "trainer.max_steps=4", "data.max_val_examples=1", "trainer.strategy=fsdp"]
+              "trainer.max_steps=4", "data.max_val_examples=1", "trainer.strategy=fsdp", "method.init=default"]
     two = tmp_path / "two"
     r = launch_two_ranks(tiny_args(tiny_model_dir, tiny_data, two, *common), tmp_path, 29531)
     assert r.returncode == 0, r.stderr[-3000:]

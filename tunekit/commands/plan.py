@@ -219,7 +219,7 @@ def resolve_auto(cfg, facts, memory_gib: Optional[float], ranks: int) -> dict:
                            ("model.gradient_checkpointing", cfg.model.gradient_checkpointing),
                            ("model.offload_activations", cfg.model.offload_activations)) if is_auto(v)]
     if not keys:
-        return {}
+        return resolve_start(cfg, facts, ranks)
     if memory_gib is not None:
         spent = 0.5 * GiB if facts.type == "cuda" else 0.65 * GiB  # CUDA context / CPU runtime, as the plan states
         available = int(memory_gib * GiB - spent)
@@ -238,5 +238,25 @@ def resolve_auto(cfg, facts, memory_gib: Optional[float], ranks: int) -> dict:
     values = {"trainer.micro_batch_size": b, "model.gradient_checkpointing": "on" if c else "off",
               "model.offload_activations": "on" if o else "off"}
     # offloading is a choice only where it can run (a GPU, with checkpointing)
-    return {k: values[k] for k in keys if k != "model.offload_activations" or (c and facts.type == "cuda")}
+    return {**{k: values[k] for k in keys if k != "model.offload_activations" or (c and facts.type == "cuda")},
+            **resolve_start(cfg, facts, ranks)}
+
+
+def resolve_start(cfg, facts, ranks: int) -> dict:
+    """The method's `auto` start as `tunekit train` resolves it (LoRA's method.init=auto), where the run's
+    steps are a number here (trainer.epochs counts them from the rows, at train time)."""
+    from tunekit.methods import get_method
+    from tunekit.plan.choose import plan_for
+
+    from tunekit.config import DEFAULT_MAX_STEPS
+
+    if getattr(cfg.trainer, "epochs", None) is not None:
+        return {}
+    steps = cfg.trainer.max_steps if isinstance(cfg.trainer.max_steps, int) else DEFAULT_MAX_STEPS
+    try:
+        plan = plan_for(cfg, facts, ranks, cfg.trainer.micro_batch_size, bool(cfg.model.gradient_checkpointing))
+    except TunekitError:
+        plan = None
+    note = get_method(cfg.method.name).resolve_start(cfg, facts, plan, steps)
+    return {"method.init": note.split("-> ", 1)[1]} if note else {}
 

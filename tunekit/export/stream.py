@@ -26,7 +26,9 @@ for the largest adapted projection; a tensor that is only cast, such as a 128k-v
 embedding, costs its stored and output bytes: tunekit.export.memory.merge_tensor_bytes). plan_stream returns None and the reason for
 what it does not stream, and the export falls back to the in-memory merge: methods other than
 LoRA, DoRA (its magnitude rescales rows by the merged weight's norms: the in-memory merge is the
-checked implementation), a LoftQ start (its base is rebuilt, or its start subtracted), a 4-bit run
+checked implementation), a LoftQ start of more than one alternation or merged into the original
+weights (its base is rebuilt, or its start subtracted; one alternation trained over the loader's own
+4-bit base and streams into the dequantized weights like any QLoRA run), a 4-bit run
 merged into the original weights (the gate then compares with the exact fp32 merge, which only
 the in-memory path holds), peft features tunekit does not train with, and bases whose tensors
 are not stored under the model's own names.
@@ -77,7 +79,7 @@ class StreamPlan:
 
 def plan_stream(src, target: Optional[str]) -> tuple[Optional[StreamPlan], str]:
     """(the plan, "") for a merge that streams; (None, why not) for one the in-memory path does."""
-    from tunekit.methods.lora.loftq_io import LOFTQ_INIT_FILE
+    from tunekit.methods.lora.loftq_io import LOFTQ_INIT_FILE, saved_iters
 
     if src.method != "lora":
         return None, f"method {src.method}: its merge is computed on the loaded model"
@@ -90,7 +92,11 @@ def plan_stream(src, target: Optional[str]) -> tuple[Optional[StreamPlan], str]:
         used.append("trained biases")
     if used:
         return None, f"the adapter uses {', '.join(used)}"
-    if (folder / LOFTQ_INIT_FILE).is_file():
+    # A LoftQ start of one alternation trained over quant(W), the loader's own 4-bit base: merged into
+    # the dequantized weights it streams as a plain QLoRA run. More alternations rebuilt the base, and
+    # a merge into the original weights subtracts the start: both on the loaded model.
+    if (folder / LOFTQ_INIT_FILE).is_file() and (saved_iters(folder) != 1 or src.quantize != "nf4"
+                                                  or target == "original"):
         return None, "a LoftQ start (its base is rebuilt, or the start subtracted, on the loaded model)"
     if src.quantize == "nf4" and target == "original":
         return None, "--merge-into original over a 4-bit base is checked against the exact fp32 merge"

@@ -128,6 +128,13 @@ class Method:
         0's GPU computes the start). Evaluating and exporting never call this: `read` restores what
         they need from the adapter folder. Nothing by default."""
 
+    def resolve_start(self, cfg, facts, plan, steps: int, kept: Optional[str] = None) -> Optional[str]:
+        """Training only, before the model loads, once the run's steps are known: resolve the method's
+        own `auto` start settings in cfg (the whole training config, not its method node) (LoRA's method.init=auto) from the device facts and the run's
+        plan (None where the planner cannot model it); kept: the value a resumed run's first start
+        chose. Returns the line to log, or None (nothing to resolve, the default)."""
+        return None
+
     # ------------------------------------------------------------ a start computed once, on rank 0
     # With several ranks a computed start (LoRA's LoftQ, PiSSA, OLoRA: SVDs of every target) runs on
     # rank 0 alone; the others apply the method with compute_start=False (`apply`'s keyword, only

@@ -123,7 +123,8 @@ def choose(cfg, facts: DeviceFacts, available: Optional[int], ranks: int = 1) ->
 
 
 def saved_settings(output_dir: Path) -> dict:
-    """micro_batch_size and gradient_checkpointing of the run saved in output_dir (config.yaml)."""
+    """micro_batch_size, gradient_checkpointing and the method's start (method.init) of the run saved in
+    output_dir (config.yaml)."""
     import yaml
 
     try:
@@ -131,7 +132,8 @@ def saved_settings(output_dir: Path) -> dict:
     except (OSError, yaml.YAMLError):
         return {}
     return {"micro_batch_size": saved.get("trainer", {}).get("micro_batch_size"),
-            "gradient_checkpointing": saved.get("model", {}).get("gradient_checkpointing")}
+            "gradient_checkpointing": saved.get("model", {}).get("gradient_checkpointing"),
+            "method_init": (saved.get("method") or {}).get("init")}
 
 
 def resolve_memory_settings(cfg, device: torch.device, ranks: int = 1, local_rank: int = 0,

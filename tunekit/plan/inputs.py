@@ -36,6 +36,14 @@ def runs_sharded(cfg, ranks: int) -> bool:
     return _value(cfg.trainer.strategy) == "fsdp" and ranks > 1
 
 
+def reference_is_base(cfg) -> bool:
+    """Whether the run's loss scores against the base with the trained part switched off (a preference
+    loss with a reference): a start that moves the base away from the model it starts from cannot."""
+    from tunekit.losses.preference import REFERENCE_FREE
+
+    return getattr(cfg, "objective", "sft") == "preference" and _value(cfg.preference.loss) not in REFERENCE_FREE
+
+
 def preference_setup(p) -> dict:
     """What a preference node decides for memory: a pair is two rows in one forward (KTO's unpaired
     rows one), and a loss with a reference runs it each step unless precompute_ref computed it once."""

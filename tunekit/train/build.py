@@ -205,6 +205,23 @@ class RecipeSetup:
             self._info(note)
         self.resume_from, self.resume_state = ckpt, state
 
+    def _choose_start(self) -> None:
+        """The method's `auto` start (LoRA's method.init=auto: LoftQ where its cost is small against the
+        run), once the run's steps are known and before the model loads; a resumed run keeps its first
+        start's choice. Every rank decides from the same plan and steps, so they agree."""
+        from tunekit.plan.choose import saved_settings
+
+        kept = saved_settings(self.output_dir).get("method_init") if self.cfg.trainer.resume else None
+        note = get_method(self.cfg.method.name).resolve_start(self.cfg, self.facts, self.planned,
+                                                              int(self.cfg.trainer.max_steps), kept)
+        if note:
+            self._info(note)
+            if self.planned is not None:  # the plan of what will run (a LoftQ start's own phase)
+                from tunekit.plan.choose import plan_for
+
+                self.planned = plan_for(self.cfg, self.facts, self.strategy.world_size,
+                                        self.cfg.trainer.micro_batch_size, bool(self.cfg.model.gradient_checkpointing))
+
     def _resolve_steps(self) -> None:
         """trainer.max_steps from trainer.epochs, once the training rows and the global batch are known
         (the same count on every rank); max_steps=auto without epochs (a config built without the

@@ -64,6 +64,7 @@ class TrainRecipe(RecipeSetup):
         self._plan_memory()
         self._find_checkpoint()
         self._resolve_steps()
+        self._choose_start()
         self._choose_precision()
         self._load_model()
         self._build_objective()

@@ -68,7 +68,7 @@ def check_preference_config(cfg) -> None:
                                "part); use a LoRA-family method, ia3, adapter or bitfit, or preference.loss=orpo or "
                                "simpo (no reference)")
         init = getattr(cfg.method, "init", None)
-        if init not in (None, "default"):
+        if init not in (None, "default", "auto"):  # auto resolves to the plain start here
             raise TunekitError(f"method.init: {init} starts the adapter away from zero and rewrites the base, so the "
                                f"base with the adapter off is not the model the run starts from (the reference of "
                                f"preference.loss={kind}); use method.init=default, or preference.loss=orpo or simpo")

@@ -20,7 +20,8 @@ class LoRAConfig:
     # rsLoRA: scale the update by alpha / sqrt(r) instead of alpha / r (stable at large r).
     use_rslora: bool = False
     # How B A starts: default (B = 0) | pissa | olora (W's principal part; bf16 base only) |
-    # loftq (a low-rank fit of what 4-bit rounding lost; 4-bit base only).
+    # loftq (a low-rank fit of what 4-bit rounding lost; 4-bit base only) | auto (loftq where its
+    # cost is small against the run, else default: tunekit.methods.lora.start_choice; qlora's default).
     init: str = "default"
     # LoftQ's alternations (quantize, fit, requantize...); 1 keeps the loader's 4-bit base as it is.
     loftq_iters: int = 1

@@ -130,6 +130,21 @@ def save_loftq_init(folder: str | Path, init: LoftqInit) -> Path:
     return path
 
 
+def saved_iters(folder: str | Path) -> Optional[int]:
+    """The alternations of the LoftQ start saved in `folder` (its file's metadata alone), or None where
+    there is none or it cannot be read (load_loftq_init then says why)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(folder) / LOFTQ_INIT_FILE
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return int((f.metadata() or {})["iters"])
+    except (SafetensorError, OSError, ValueError, KeyError):
+        return None
+
+
 def load_loftq_init(folder: str | Path) -> Optional[LoftqInit]:
     """The LoftqInit saved in `folder`; None when the folder has no LOFTQ_INIT_FILE (a plain start)."""
     from safetensors import SafetensorError, safe_open

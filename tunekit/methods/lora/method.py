@@ -176,6 +176,31 @@ class LoRA(Method):
             variants.keep_start(peft_model, self.saved_key)
         return peft_model
 
+    def resolve_start(self, cfg, facts, plan, steps: int, kept: Optional[str] = None) -> Optional[str]:
+        """method.init=auto -> loftq or default (tunekit.methods.lora.start_choice), in place (cfg: the
+        whole training config; the other hooks take its method node)."""
+        c = self.settings(cfg.method)
+        if c.init != "auto":
+            return None
+        if kept in variants.PEFT_INIT and kept != "auto":
+            cfg.method.init = kept
+            return f"method.init=auto -> {kept} (the start this run's first start chose)"
+        from tunekit.methods.lora.start_choice import choose_init
+        from tunekit.plan.inputs import reference_is_base, runs_sharded
+
+        if c.use_dora:
+            init, why = "default", "DoRA sets its magnitude from the layer, which a LoftQ start would move"
+        elif plan is not None and runs_sharded(cfg, plan.ranks):
+            init, why = "default", ("under FSDP the base streams from one process to every rank's shards, which a "
+                                    "LoftQ start (computed from the whole original weights) would stop")
+        else:
+            quantize = getattr(getattr(cfg.model, "quantize", None), "value", getattr(cfg.model, "quantize", "none"))
+            init, why = choose_init(plan.shape if plan else None, planned_projections(c.target_modules), c.loftq_iters,
+                                    facts.type, plan.flops["total"] if plan else None, steps, quantize,
+                                    reference_is_base(cfg))
+        cfg.method.init = init
+        return f"method.init=auto -> {init}: {why}"
+
     def start(self, model: nn.Module, cfg, model_dir: str, resume_dir: Optional[Path], log=None,
               compute_device=None) -> None:
         """method.init=loftq: the LoftQ start, computed layer by layer from model_dir's original weights

@@ -37,7 +37,9 @@ if TYPE_CHECKING:
 # paper's fast variant: minutes instead of hours of full SVDs on a 7B model; B0 A0 is then close to,
 # not exactly, W's top-r part, and W_res = W - s B0 A0 exactly whatever B0 A0 is).
 # LoftQ builds peft's default layers (B = 0), then tunekit.methods.lora.loftq_io.start_loftq sets its start.
-PEFT_INIT = {"default": True, "pissa": "pissa_niter_4", "olora": "olora", "loftq": True}
+# "auto" is resolved to loftq or default before training (tunekit.methods.lora.start_choice); where a
+# config is applied unresolved (a test, a script building the model itself) it is the plain start
+PEFT_INIT = {"default": True, "pissa": "pissa_niter_4", "olora": "olora", "loftq": True, "auto": True}
 REWRITES_BASE = ("pissa", "olora")  # inits that rewrite the base as W - s B0 A0 at apply time
 # method.loftq_iters' upper bound: each alternation requantizes every target once more, and the
 # weight error had stopped falling by 5 on the default model (benchmarks/quantization/).
@@ -67,8 +69,8 @@ def check_combination(c, quantize: str, training: bool = True) -> None:
     if c.init == "loftq" and c.use_dora:
         raise TunekitError("method.use_dora: not with method.init=loftq (DoRA's magnitude is set from the layer "
                            "before the LoftQ start changes it); choose one")
-    if c.init != "loftq" and c.loftq_iters != 1:
-        raise TunekitError(f"method.loftq_iters={c.loftq_iters}: applies to method.init=loftq only "
+    if c.init not in ("loftq", "auto") and c.loftq_iters != 1:
+        raise TunekitError(f"method.loftq_iters={c.loftq_iters}: applies to method.init=loftq (or auto) only "
                            f"(method.init={c.init})")
 
 
