@@ -114,6 +114,7 @@ class RecipeSetup:
         """model_path (the student: model.path, or distill.student_keep_every's cut of the teacher) and
         teacher_path. Rank 0 first: it converts the default model once, the others find it done."""
         cfg = self.cfg
+        self.start_adapter = None
         with self.acc.main_process_first():
             self.model_path = resolve_model_path(cfg.model.path)
             if cfg.objective == "distill":
@@ -121,6 +122,13 @@ class RecipeSetup:
                 if cfg.distill.student_keep_every:
                     self.model_path = str(make_student(self.teacher_path, cfg.distill.student_keep_every,
                                                        self.output_dir / "student_base"))
+        if cfg.model.adapter is not None:  # the frozen start (model.adapter): checked again, its hash kept
+            from tunekit.model.start_adapter import check_start_base, open_start
+
+            self.start_adapter = open_start(cfg.model.adapter)
+            check_start_base(self.start_adapter, cfg.model.path)
+            self._info(f"model.adapter: {self.start_adapter.folder} loaded frozen under the new adapter "
+                       f"(sha256 {self.start_adapter.sha256[:12]}...)")
 
     def _load_data(self) -> None:
         """The tokenizer, the train / held-out splits, and the collate function (padded or packed)."""
@@ -312,7 +320,8 @@ class RecipeSetup:
         stream = getattr(self, "stream", None)
         with stream.applying() if stream is not None else contextlib.nullcontext():
             self.model = apply_method(self.method, self.model, cfg.method, self.model_path, resume_dir,
-                                      self.strategy, self._info)
+                                      self.strategy, self._info,
+                                      self.start_adapter.folder if self.start_adapter is not None else None)
         trains = {n for n, p in self.model.named_parameters() if p.requires_grad}
         saves = {n for n, _ in self.model.named_parameters() if self.method.owns(n)}
         if trains != saves:  # a parameter that trains but is not saved would be lost at the end

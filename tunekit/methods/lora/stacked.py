@@ -1,0 +1,81 @@
+"""A new LoRA trained over a frozen one (`model.adapter`): two named peft adapters on the same layers.
+
+    y = W x + s_start B_start A_start x + s B A dropout(x)
+
+The start adapter is peft's adapter `start`, loaded with peft's own loader and frozen; the adapter
+the run trains is peft's `default`, so that everything that saves, loads and counts the trained
+part (its file keys, tunekit.methods.registry's save/load checks, the optimizer) sees it alone.
+Both are active in every layer; peft's `active_adapter` stays `default` (its config is the one
+peft's model-level code reads). Layers the start targets but the new one does not keep the start
+alone, and the other way round.
+
+The reference of a preference objective is base + start: `start_only` makes `start` the only active
+adapter of every layer for the length of the context, without touching requires_grad (peft's own
+set_adapter would mark the start trainable and the new adapter frozen). Merging folds both in
+(tunekit.methods.lora.method.LoRA.merge merges every active adapter of a layer).
+
+The fused kernel and the compute-dtype path over a 4-bit base compute one adapter; a layer with two
+active adapters runs peft's own forward (tunekit.methods.lora.backend), the start alone (the
+reference forward) runs the chosen path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tunekit import TunekitError
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+START = "start"  # the frozen adapter's peft name
+TRAINED = "default"  # the adapter the run trains
+
+
+def is_start_param(name: str) -> bool:
+    """A parameter of the frozen start adapter (`...lora_A.start.weight`)."""
+    return f".{START}." in name
+
+
+def has_start(model: nn.Module) -> bool:
+    return START in (getattr(model, "peft_config", None) or {})
+
+
+def stack(model: nn.Module, peft_cfg, folder: Path, key: str = "model.adapter") -> nn.Module:
+    """`model` (the prepared base) with the adapter in `folder` loaded frozen as `start` and a new
+    adapter `default` of `peft_cfg` beside it, both active; only `default` trains."""
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import set_adapter
+
+    try:
+        peft_model = PeftModel.from_pretrained(model, str(folder), adapter_name=START, is_trainable=False)
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise TunekitError(f"{key}: the LoRA adapter in {folder} does not fit the base model "
+                           f"({str(e).splitlines()[0][:160]})") from None
+    try:
+        peft_model.add_adapter(TRAINED, peft_cfg)
+    except ValueError as e:
+        raise TunekitError(f"method: peft refuses this LoRA config: {str(e).splitlines()[0]}") from None
+    set_adapter(peft_model.base_model.model, [START, TRAINED])
+    peft_model.base_model.active_adapter = TRAINED
+    for name, p in peft_model.named_parameters():
+        p.requires_grad_(not is_start_param(name) and (f".{TRAINED}." in name))
+    return peft_model
+
+
+@contextlib.contextmanager
+def start_only(model: nn.Module):
+    """While open, every LoRA layer computes base + start (the new adapter switched off)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._active_adapter for m in layers]
+    for m in layers:
+        m._active_adapter = [START]
+    try:
+        yield
+    finally:
+        for m, active in zip(layers, before):
+            m._active_adapter = active
