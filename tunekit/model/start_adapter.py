@@ -137,12 +137,18 @@ def check_fits(start: StartAdapter, skeleton, key: str = KEY) -> None:
 
     shapes = _safetensors_header(start.folder / WEIGHTS, key)
     modules = dict(skeleton.named_modules())
+    head = skeleton.get_output_embeddings() if hasattr(skeleton, "get_output_embeddings") else None
+    head_name = next((n for n, m in modules.items() if head is not None and m is head), None)
     for name, shape in sorted(shapes.items()):
         part = ".lora_A." if ".lora_A." in name else ".lora_B." if ".lora_B." in name else None
         if part is None:
             continue
         path = name.split(part)[0].removeprefix("base_model.model.")
         layer = modules.get(path)
+        if head_name is not None and path == head_name:
+            raise TunekitError(f"{key}: {start.folder} has a LoRA on the output head ({path}), which tunekit's loss "
+                               "reads as a plain weight (the LoRA would be ignored); export it merged and train on "
+                               "the merged folder instead")
         if not isinstance(layer, nn.Linear):
             raise TunekitError(f"{key}: {start.folder}'s tensor {name} names no Linear layer {path!r} in "
                                f"{type(skeleton).__name__} (model.path): the adapter is of another architecture")

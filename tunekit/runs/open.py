@@ -253,6 +253,10 @@ def open_source(path: str | Path, model: Optional[str] = None, quantize: Optiona
     if (p / "adapter_config.json").is_file():
         cfg = _read_json(p / "adapter_config.json")
         method = adapter_kind(cfg, p, what)
+        if (p / "start_adapter.json").is_file():  # tunekit.methods.lora.stacked.RECORD
+            raise TunekitError(f"{what}: {p} was trained over a frozen start adapter (model.adapter; see "
+                               f"{p / 'start_adapter.json'}), so it is not the trained model alone; open its run "
+                               "folder, or use the run's merged export")
         if not (p / "adapter_model.safetensors").is_file():
             raise TunekitError(f"{what}: {p} has no adapter_model.safetensors")
         from tunekit.model.folder import _safetensors_header

@@ -298,8 +298,10 @@ class RecipeSetup:
             p = self.cfg.preference
             self.objective = PreferenceObjective(p)
             self._info(f"preference: {plain(p.loss)}, beta {p.beta}"
-                       + (", reference: the base with the trained part switched off" if self.objective.needs_reference
-                          else ", no reference model"))
+                       + ((", reference: base + the frozen model.adapter, the new adapter switched off"
+                           if self.cfg.model.adapter is not None else
+                           ", reference: the base with the trained part switched off")
+                          if self.objective.needs_reference else ", no reference model"))
             return
         d = self.cfg.distill
         check_same_vocabulary(self.tokenizer, load_tokenizer(self.teacher_path, key="distill.teacher"),
@@ -340,6 +342,9 @@ class RecipeSetup:
         self.lora_backend = self.strategy.choose_lora_backend(self.model, setting, self.facts, self.dtype)
         if self.lora_backend.layers or setting != "auto" or self.lora_backend.checks:
             self._info(f"kernels: LoRA layers use {self.lora_backend.path} ({self.lora_backend.reason})")
+        if self.lora_backend.layers and self.start_adapter is not None:
+            self._info("kernels: a layer with both adapters active (model.adapter) runs peft's forward; "
+                       f"{self.lora_backend.path} runs the layers that hold one of them")
         self.model.train()
         self.compiled = compiled.CompileDecision(False, "kernels.compile=false")
         if cfg.kernels.compile:  # config checks keep it from FSDP

@@ -237,7 +237,10 @@ class LoRA(Method):
         return variants.converted(super().expected_tensors(model), model)
 
     def write(self, model: PeftModel, out_dir: Path) -> None:
+        from tunekit.methods.lora import stacked
+
         variants.save_peft(model, Path(out_dir))
+        stacked.write_record(model, Path(out_dir))  # over a frozen start (model.adapter): which one
         from tunekit.methods.lora import loftq_io  # torch is loaded already: there is a model
 
         loftq_io.save_attached(model, Path(out_dir))  # a LoftQ start, for the merge into the original weights

@@ -9,14 +9,15 @@ Both are active in every layer; peft's `active_adapter` stays `default` (its con
 peft's model-level code reads). Layers the start targets but the new one does not keep the start
 alone, and the other way round.
 
-The reference of a preference objective is base + start: `start_only` makes `start` the only active
-adapter of every layer for the length of the context, without touching requires_grad (peft's own
-set_adapter would mark the start trainable and the new adapter frozen). Merging folds both in
-(tunekit.methods.lora.method.LoRA.merge merges every active adapter of a layer).
+The reference of a preference objective is base + start: `start_only` scales the new adapter by 0
+for the length of the context (its output adds an exact zero), without touching which adapters are
+active nor requires_grad (peft's own set_adapter would mark the start trainable and the new adapter
+frozen). Merging folds both in (tunekit.methods.lora.method.LoRA.merge merges every active adapter
+of a layer).
 
 The fused kernel and the compute-dtype path over a 4-bit base compute one adapter; a layer with two
-active adapters runs peft's own forward (tunekit.methods.lora.backend), the start alone (the
-reference forward) runs the chosen path.
+active adapters runs peft's own forward (tunekit.methods.lora.backend), in the reference forward as
+in the trained model's, so both round alike.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
 
 START = "start"  # the frozen adapter's peft name
 TRAINED = "default"  # the adapter the run trains
+# Written beside every adapter the run saves: a copy of the folder alone is not the trained model, and
+# tunekit.runs.open refuses to load it without its run (which reloads the start, its hash checked).
+RECORD = "start_adapter.json"
 
 
 def is_start_param(name: str) -> bool:
@@ -58,6 +62,7 @@ def stack(model: nn.Module, peft_cfg, folder: Path, key: str = "model.adapter") 
         peft_model.add_adapter(TRAINED, peft_cfg)
     except ValueError as e:
         raise TunekitError(f"method: peft refuses this LoRA config: {str(e).splitlines()[0]}") from None
+    object.__setattr__(peft_model, "_tunekit_start", Path(folder).resolve())
     set_adapter(peft_model.base_model.model, [START, TRAINED])
     peft_model.base_model.active_adapter = TRAINED
     for name, p in peft_model.named_parameters():
@@ -67,15 +72,31 @@ def stack(model: nn.Module, peft_cfg, folder: Path, key: str = "model.adapter") 
 
 @contextlib.contextmanager
 def start_only(model: nn.Module):
-    """While open, every LoRA layer computes base + start (the new adapter switched off)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    """While open, every LoRA layer computes base + start: the new adapter stays active but scaled by 0,
+    so that each layer runs the very code path (and rounding) of the trained model's forward, which
+    differs from its one-adapter path over a 4-bit base (tunekit.methods.lora.backend); adding the
+    exact zero leaves base + start bit for bit, and the first step's policy equals the reference."""
+    from peft.tuners.lora import LoraLayer
 
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-    before = [m._active_adapter for m in layers]
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer) and TRAINED in m.scaling]
+    before = [m.scaling[TRAINED] for m in layers]
     for m in layers:
-        m._active_adapter = [START]
+        m.scaling[TRAINED] = 0.0
     try:
         yield
     finally:
-        for m, active in zip(layers, before):
-            m._active_adapter = active
+        for m, scale in zip(layers, before):
+            m.scaling[TRAINED] = scale
+
+def write_record(model: nn.Module, out_dir: Path) -> None:
+    """RECORD in an adapter folder saved from a stacked model: the start's folder and sha256."""
+    import json
+
+    from tunekit.owned import sha256_file
+
+    folder = getattr(model, "_tunekit_start", None)
+    if folder is None:
+        return
+    (Path(out_dir) / RECORD).write_text(json.dumps(
+        {"start_adapter": str(folder), "sha256": sha256_file(folder / "adapter_model.safetensors"),
+         "note": "trained over this frozen LoRA (model.adapter): load the run folder, or export it merged"}, indent=2))
