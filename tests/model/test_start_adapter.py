@@ -35,6 +35,14 @@ def _run(folder: Path, base, adapter=None) -> Path:
     return folder
 
 
+def _rename(folder: Path, old: str, new: str) -> Path:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    save_file({k.replace(old, new): v for k, v in tensors.items()}, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
 @pytest.fixture(scope="module")
 def skeleton(tiny_model_dir):
     return model_skeleton(str(tiny_model_dir), "model.path")
@@ -48,8 +56,10 @@ def test_a_run_and_a_peft_folder_that_fit_are_accepted(tiny_model_dir, skeleton,
     peft = open_start(str(_adapter(tmp_path / "peft", str(tiny_model_dir))))
     check_start_base(peft, str(tiny_model_dir), skeleton)
     unrecorded = open_start(str(_adapter(tmp_path / "bare", None)))  # no base recorded: its shapes decide
-    check_start_base(unrecorded, str(tiny_model_dir), skeleton)
+    assert check_start_base(unrecorded, str(tiny_model_dir), skeleton) is None
     assert unrecorded.record()["base"] == "(not recorded)"
+    far = open_start(str(_adapter(tmp_path / "far", "org/tiny-llama")))  # a hub id: its shapes decide, and a note says so
+    assert "org/tiny-llama, which is not a folder on this machine" in check_start_base(far, str(tiny_model_dir), skeleton)
 
 
 @pytest.mark.parametrize("make, message", [
@@ -69,10 +79,11 @@ def test_what_is_not_a_start_adapter_is_refused_in_one_line(make, message, tiny_
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda t: _run(t / "other", "/models/other-base"),
-     "model.adapter: the run {t}/other trained over /models/other-base, but model.path is {m}"),
-    (lambda t: _adapter(t / "peft", "/models/other-base"),
-     "model.adapter: {t}/peft was trained over /models/other-base, but model.path is {m}"),
+    (lambda t: _run(t / "other", t),  # another folder on this machine
+     "model.adapter: the run {t}/other trained over {t}, but model.path is {m}"),
+    (lambda t: _adapter(t / "peft", str(t)),
+     "model.adapter: {t}/peft was trained over {t}, but model.path is {m}"),
+    (lambda t: _run(t / "default", None), "model.adapter: the run {t}/default trained over the default model"),
     (lambda t: _adapter(t / "wide", None, shapes=((4, 96), (96, 4))),
      "tensor base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight has shape [4, 96], but "
      "model.layers.0.self_attn.q_proj of model.path is Linear(64 -> 64)"),
@@ -80,6 +91,8 @@ def test_what_is_not_a_start_adapter_is_refused_in_one_line(make, message, tiny_
      "names no Linear layer 'transformer.h.0.attn.c_attn' in LlamaForCausalLM"),
     (lambda t: _adapter(t / "head", None, shapes=((4, 64), (49152, 4)), module="base_model.model.lm_head"),
      "has a LoRA on the output head (lm_head)"),
+    (lambda t: _adapter(t / "embed", None, module="base_model.model.model.embed_tokens", shapes=((4, 64), (64, 4)))
+     and _rename(t / "embed", ".lora_", ".lora_embedding_"), "is not a Linear layer's lora_A/lora_B"),
 ])
 def test_an_adapter_of_another_base_is_refused_naming_both(make, message, skeleton, tiny_model_dir, tmp_path):
     start = open_start(str(make(tmp_path)))

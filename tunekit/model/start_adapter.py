@@ -98,34 +98,42 @@ def open_start(path: str, key: str = KEY) -> StartAdapter:
     return StartAdapter(str(path), folder, run_dir, base, recorded, cfg, sha256_file(folder / WEIGHTS))
 
 
-def _same_folder(a: Optional[str], b: Optional[str]) -> bool:
-    """Two model.path values name the same base: both the default model, equal hub ids, or one folder."""
-    if a is None or b is None:
-        return a is None and b is None
-    pa, pb = Path(a).expanduser(), Path(b).expanduser()
-    if pa.exists() and pb.exists():
-        return pa.resolve() == pb.resolve()
-    return a == b
+def _local(path: Optional[str]) -> Optional[Path]:
+    """The folder a model.path value names on this machine (the default model once converted), or None
+    (a hub id, or a path recorded on another machine)."""
+    if path is None:
+        from tunekit.model.default import converted_default_dir
+
+        return converted_default_dir()
+    p = Path(str(path)).expanduser()
+    return p.resolve() if p.is_dir() else None
 
 
-def check_start_base(start: StartAdapter, model_path: Optional[str], skeleton=None, key: str = KEY) -> None:
-    """`start` trained over the base model.path names: the same recorded base (a run's model.path, a peft
-    folder's base_model_name_or_path; a peft folder recording none is checked by shape only), and every
-    tensor of it fits a module of `skeleton` (the base built on the meta device), in shape."""
-    if start.recorded:
-        recorded = start.base
-        given = model_path
-        if start.run_dir is None and model_path is None:  # a peft folder records a resolved path
-            from tunekit.model.default import converted_default_dir
-
-            given = str(converted_default_dir() or "")
-        if not _same_folder(recorded, given):
-            where = f"the run {start.run_dir} trained over" if start.run_dir else f"{start.folder} was trained over"
-            raise TunekitError(f"{key}: {where} {recorded or 'the default model'}, but model.path is "
+def check_start_base(start: StartAdapter, model_path: Optional[str], skeleton=None, key: str = KEY) -> Optional[str]:
+    """`start` trained over the base model.path names, and every tensor of it fits a Linear of `skeleton`
+    (the base built on the meta device) in shape. The recorded base (a run's model.path, a peft folder's
+    base_model_name_or_path) and model.path are compared as folders where both are on this machine
+    (the same folder, or refused naming both), as names otherwise; a base recorded as a name that is
+    not on this machine (a hub id, another machine's path) and differs from model.path leaves the shapes
+    to decide: the note that says so is returned (None otherwise)."""
+    note = None
+    if start.recorded and start.base != model_path:
+        recorded, given = _local(start.base), _local(model_path)
+        where = f"the run {start.run_dir} trained over" if start.run_dir else f"{start.folder} was trained over"
+        if recorded is not None and given is not None:
+            same = recorded == given
+        elif recorded is not None or start.base is None:
+            same = False  # a local (or the default) base against a name: not the same folder
+        else:
+            same, note = True, (f"{key}: {where} {start.base}, which is not a folder on this machine; model.path "
+                                f"{model_path or '(the default model)'} is taken for it, checked by the tensors' shapes")
+        if not same:
+            raise TunekitError(f"{key}: {where} {start.base or 'the default model'}, but model.path is "
                                f"{model_path or 'the default model'}; a frozen start adapter needs the base it "
                                "trained over (set model.path to it)")
     if skeleton is not None:
         check_fits(start, skeleton, key)
+    return note
 
 
 def check_fits(start: StartAdapter, skeleton, key: str = KEY) -> None:
@@ -141,8 +149,9 @@ def check_fits(start: StartAdapter, skeleton, key: str = KEY) -> None:
     head_name = next((n for n, m in modules.items() if head is not None and m is head), None)
     for name, shape in sorted(shapes.items()):
         part = ".lora_A." if ".lora_A." in name else ".lora_B." if ".lora_B." in name else None
-        if part is None:
-            continue
+        if part is None:  # an embedding's LoRA (lora_embedding_A/B), a trained bias...: not a start tunekit stacks
+            raise TunekitError(f"{key}: {start.folder}'s tensor {name} is not a Linear layer's lora_A/lora_B; a frozen "
+                               "start supports LoRA on Linear layers only: export it merged and train on that folder")
         path = name.split(part)[0].removeprefix("base_model.model.")
         layer = modules.get(path)
         if head_name is not None and path == head_name:

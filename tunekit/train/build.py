@@ -126,7 +126,9 @@ class RecipeSetup:
             from tunekit.model.start_adapter import check_start_base, open_start
 
             self.start_adapter = open_start(cfg.model.adapter)
-            check_start_base(self.start_adapter, cfg.model.path)
+            note = check_start_base(self.start_adapter, cfg.model.path)
+            if note and self.main:
+                log.warning("%s", note)
             self._info(f"model.adapter: {self.start_adapter.folder} loaded frozen under the new adapter "
                        f"(sha256 {self.start_adapter.sha256[:12]}...)")
 
