@@ -33,10 +33,11 @@ def _logits(model, ids):
 
 @pytest.fixture(scope="module")
 def start_dir(tiny_model_dir, tmp_path_factory):
-    """A peft LoRA on q_proj and v_proj whose B is far from 0 (a trained start)."""
+    """A peft LoRA on q_proj and v_proj whose B is far from 0 (a trained start), saved with a dropout."""
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(_base(tiny_model_dir), LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    config = LoraConfig(r=2, lora_alpha=4, lora_dropout=0.5, target_modules=["q_proj", "v_proj"])  # a dropout to drop
+    model = get_peft_model(_base(tiny_model_dir), config)
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -61,7 +62,8 @@ def test_only_the_new_adapter_trains_and_the_start_stays_exact(start_dir, tiny_m
     assert {n for n in trained} == {n for n, _ in model.named_parameters() if lora.owns(n)}
     torch.testing.assert_close(_logits(model, ids), want, atol=0, rtol=0)  # B = 0: the model starts at base + start
 
-    model.train()
+    model.train()  # the start's own dropout is not applied: it is part of the model, as in evaluation
+    torch.testing.assert_close(_logits(model, ids), want, atol=0, rtol=0)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     for _ in range(2):
         out = model(input_ids=ids, labels=ids)

@@ -2,7 +2,8 @@
 
     y = W x + s_start B_start A_start x + s B A dropout(x)
 
-The start adapter is peft's adapter `start`, loaded with peft's own loader and frozen; the adapter
+The start adapter is peft's adapter `start`, loaded with peft's own loader and frozen, its dropout
+(whatever its adapter_config.json says) removed: it is part of the model trained over; the adapter
 the run trains is peft's `default`, so that everything that saves, loads and counts the trained
 part (its file keys, tunekit.methods.registry's save/load checks, the optimizer) sees it alone.
 Both are active in every layer; peft's `active_adapter` stays `default` (its config is the one
@@ -62,6 +63,12 @@ def stack(model: nn.Module, peft_cfg, folder: Path, key: str = "model.adapter") 
         peft_model.add_adapter(TRAINED, peft_cfg)
     except ValueError as e:
         raise TunekitError(f"method: peft refuses this LoRA config: {str(e).splitlines()[0]}") from None
+    import torch.nn as nn
+    from peft.tuners.lora import LoraLayer
+
+    for m in peft_model.modules():  # the start is part of the model: no dropout of its own in training mode
+        if isinstance(m, LoraLayer) and START in m.lora_dropout:
+            m.lora_dropout[START] = nn.Identity()
     object.__setattr__(peft_model, "_tunekit_start", Path(folder).resolve())
     set_adapter(peft_model.base_model.model, [START, TRAINED])
     peft_model.base_model.active_adapter = TRAINED
