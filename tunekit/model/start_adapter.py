@@ -69,14 +69,16 @@ def open_start(path: str, key: str = KEY) -> StartAdapter:
             saved = yaml.safe_load((p / "config.yaml").read_text()) or {}
             model = saved.get("model") or {}
         except (OSError, ValueError, yaml.YAMLError, AttributeError) as e:
-            raise TunekitError(f"{key}: {p / 'config.yaml'} is not a readable tunekit config ({type(e).__name__})") from None
+            raise TunekitError(f"{key}: {p / 'config.yaml'} is not a readable tunekit config "
+                               f"({type(e).__name__})") from None
         base, recorded = model.get("path"), True
         if model.get("adapter"):
             raise TunekitError(f"{key}: the run {p} itself started from the adapter {model['adapter']}; stacking a "
                                "third adapter is not supported: export that run merged (tunekit export RUN --format "
                                "merged) and train on the merged folder (model.path=...) instead")
         if not (folder / WEIGHTS).is_file():
-            raise TunekitError(f"{key}: the run {p} has no finished adapter ({folder / WEIGHTS}); finish or resume it first")
+            raise TunekitError(f"{key}: the run {p} has no finished adapter ({folder / WEIGHTS}); finish or resume "
+                               "it first")
     if not (folder / "adapter_config.json").is_file() or not (folder / WEIGHTS).is_file():
         raise TunekitError(f"{key}: {p} holds no adapter (neither a tunekit run folder with adapter/ nor a peft "
                            f"adapter folder with adapter_config.json and {WEIGHTS})")
@@ -126,7 +128,8 @@ def check_start_base(start: StartAdapter, model_path: Optional[str], skeleton=No
             same = False  # a local (or the default) base against a name: not the same folder
         else:
             same, note = True, (f"{key}: {where} {start.base}, which is not a folder on this machine; model.path "
-                                f"{model_path or '(the default model)'} is taken for it, checked by the tensors' shapes")
+                                f"{model_path or '(the default model)'} is taken for it, checked by the tensors' "
+                                "shapes")
         if not same:
             raise TunekitError(f"{key}: {where} {start.base or 'the default model'}, but model.path is "
                                f"{model_path or 'the default model'}; a frozen start adapter needs the base it "
