@@ -51,7 +51,9 @@ def has_start(model: nn.Module) -> bool:
 def stack(model: nn.Module, peft_cfg, folder: Path, key: str = "model.adapter") -> nn.Module:
     """`model` (the prepared base) with the adapter in `folder` loaded frozen as `start` and a new
     adapter `default` of `peft_cfg` beside it, both active; only `default` trains."""
+    import torch.nn as nn
     from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
     from peft.tuners.tuners_utils import set_adapter
 
     try:
@@ -63,9 +65,6 @@ def stack(model: nn.Module, peft_cfg, folder: Path, key: str = "model.adapter") 
         peft_model.add_adapter(TRAINED, peft_cfg)
     except ValueError as e:
         raise TunekitError(f"method: peft refuses this LoRA config: {str(e).splitlines()[0]}") from None
-    import torch.nn as nn
-    from peft.tuners.lora import LoraLayer
-
     for m in peft_model.modules():  # the start is part of the model: no dropout of its own in training mode
         if isinstance(m, LoraLayer) and START in m.lora_dropout:
             m.lora_dropout[START] = nn.Identity()
