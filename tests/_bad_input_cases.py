@@ -275,6 +275,24 @@ CASES = [
     train("data-hub-unreachable", "data.path=tunekit-tests/no-such-dataset",
           "data.path: 'tunekit-tests/no-such-dataset' is not a local file or folder (no {cwd}/tunekit-tests/"
           "no-such-dataset), and the Hugging Face hub could not be reached to load it as a dataset id"),
+    # ---- model.adapter: the frozen start adapter
+    train("start-adapter-missing", "model.adapter={w}/nope", "model.adapter: no such folder: {w}/nope"),
+    train("start-adapter-no-adapter", "model.adapter={w}/userfiles", "model.adapter: {w}/userfiles holds no adapter"),
+    train("start-adapter-other-base", "model.adapter={w}/adapters/other_base",
+          "model.adapter: {w}/adapters/other_base was trained over {w}/models/wider, but model.path is {tiny}"),
+    train("start-adapter-other-size", "model.adapter={w}/adapters/wide_start",
+          "model.adapter: {w}/adapters/wide_start's tensor base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight "
+          "has shape [4, 96], but model.layers.0.self_attn.q_proj of model.path is Linear(64 -> 64)"),
+    train("start-adapter-ia3", "model.adapter={w}/adapters/ia3_start",
+          "model.adapter: {w}/adapters/ia3_start holds a IA3 adapter; model.adapter takes a LoRA adapter"),
+    train("start-adapter-method-ia3", "recipe=ia3 model.adapter={w}/adapters/lora_ok",
+          "model.adapter: a frozen start adapter trains a new LoRA beside it, not method ia3"),
+    export("start-adapter-export-adapter", "{w}/stackedrun --format adapter --out {out}",
+           "--format adapter: {w}/stackedrun trained a new adapter over the frozen start adapter {w}/adapters/lora_ok"),
+    export("start-adapter-changed", "{w}/stackedchanged --format merged --out {out}",
+           "{w}/stackedchanged/config.yaml: model.adapter: {w}/adapters/lora_ok/adapter_model.safetensors changed since"),
+    generate("start-adapter-copied-out", "--adapter {w}/adapters/over_start --prompt hi",
+             "--adapter: {w}/adapters/over_start was trained over a frozen start adapter"),
     # ---- model folders
     train("model-missing", "model.path={w}/nope", "model.path: no model folder at {w}/nope"),
     train("model-is-file", f"model.path={D}/alpaca.jsonl", "model.path: {w}/data/alpaca.jsonl is a file"),

@@ -227,6 +227,7 @@ def _bad_runs_and_adapters(w: Path, tiny: Path, hidden: int, run_fingerprint: di
     (a / "binary" / "adapter_model.safetensors").write_bytes(b"")
     _jsonl(w / "data" / "mixed_rows.jsonl", [{"prompt": "hi", "adapter": str(a / "soft_ok")},
                                              {"prompt": "hi", "adapter": str(a / "soft_bad")}])
+    _start_adapters(w, a, tiny)
     # a killed run: config.yaml and a checkpoint, no adapter/ and no summary.json
     ckpt = w / "killed" / "checkpoints" / "step-000002" / "adapter"
     ckpt.mkdir(parents=True)
@@ -234,6 +235,31 @@ def _bad_runs_and_adapters(w: Path, tiny: Path, hidden: int, run_fingerprint: di
     (ckpt / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": str(tiny)}))
     save_file({"base_model.model.x.lora_A.weight": torch.zeros(8, 64)}, ckpt / "adapter_model.safetensors")
     build_resume_world(w, run_fingerprint)
+
+
+def _start_adapters(w: Path, a: Path, tiny: Path) -> None:
+    """model.adapter's folders (a LoRA start, of another base, of another size, of another method), and runs
+    that trained over a start: one whole, one whose start changed since."""
+    import torch
+    from safetensors.torch import save_file
+
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    for name, kind, base, width in (("lora_ok", "LORA", str(tiny), 64), ("other_base", "LORA", str(w / "models" / "wider"), 64),
+                                    ("wide_start", "LORA", None, 96), ("ia3_start", "IA3", str(tiny), 64),
+                                    ("over_start", "LORA", str(tiny), 64)):
+        (a / name).mkdir(parents=True)
+        (a / name / "adapter_config.json").write_text(json.dumps(
+            {"peft_type": kind, "base_model_name_or_path": base, "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}))
+        save_file({f"{q}.lora_A.weight": torch.zeros(4, width), f"{q}.lora_B.weight": torch.zeros(width, 4)},
+                  a / name / "adapter_model.safetensors")
+    # an adapter saved by a run over a start (tunekit.methods.lora.stacked.RECORD), copied out of its run
+    (a / "over_start" / "start_adapter.json").write_text(json.dumps({"start_adapter": str(a / "lora_ok")}))
+    for run, sha in (("stackedrun", sha256_file(a / "lora_ok" / "adapter_model.safetensors")), ("stackedchanged", "0" * 64)):
+        (w / run / "adapter").mkdir(parents=True)
+        (w / run / "config.yaml").write_text(f"recipe: lora\nmodel:\n  path: {tiny}\n  adapter: {a / 'lora_ok'}\n"
+                                             f"data:\n  path: {w}/data/alpaca.jsonl\n")
+        (w / run / "adapter" / "adapter_model.safetensors").write_bytes(b"")
+        (w / run / "data.sha256.json").write_text(json.dumps({"model.adapter:sha256": sha}))
 
 
 def build_resume_world(w: Path, run_fingerprint: dict) -> None:

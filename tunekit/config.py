@@ -70,6 +70,9 @@ class ModelConfig:
     offload_activations: Any = "auto"
     # `tunekit plan` only: the config.json of a common size (llama-3-8b, llama-3-70b, ...), no weights
     preset: Optional[str] = None
+    # A LoRA adapter to start from, loaded frozen (a tunekit run folder, or a peft adapter folder):
+    # the run trains a new adapter beside it, and a preference reference is base + this adapter.
+    adapter: Optional[str] = None
 
 
 @dataclass

@@ -141,3 +141,90 @@ def test_eval_and_export_score_the_held_out_pairs_as_the_trainer_did(dpo_run, tm
     assert task["metric"] == "preference_accuracy" and task["rows"] == 4
     assert (task["base"], task["trained"], task["exported"]) == (0.0, trained["preference_accuracy"],
                                                                  trained["preference_accuracy"])
+
+
+# ---------------------------------------------------------------- a new adapter over a frozen start
+# The run above is the start (model.adapter=RUN): DPO again, 2 steps, its reference precomputed.
+# Step 1's reference and policy are the same function: the new adapter's B is 0 in the policy and scaled
+# by 0 in the reference, both through the same layers (tunekit.methods.lora.stacked), so their log-probs
+# agree to the summation-order bound of the module docstring at worst (~1e-4 per summed sequence, were
+# the grad and no-grad forwards to sum in another order), and the DPO loss to beta/4 times twice that:
+# 1e-5. A reference without the start (the base alone) would move it by beta/4 times the start's reward
+# margins over beta (> 10 * ATOL / beta, asserted by the test above): > 5e-4.
+STEP1_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def stacked_run(dpo_run, tmp_path_factory):
+    from pathlib import Path
+
+    start, _ = dpo_run
+    tmp = tmp_path_factory.mktemp("stacked")
+    pairs = Path(__file__).parents[1] / "data" / "pairs.jsonl"
+    out = tmp / "run"
+    config = (start / "config.yaml").read_text()
+    model_path = next(line.split(": ", 1)[1] for line in config.splitlines() if line.startswith("  path: "))
+    args = ["train", "recipe=dpo", f"model.path={model_path}", f"data.path={pairs}", f"model.adapter={start}",
+            f"output_dir={out}", "model.quantize=none", "model.dtype=fp32", "trainer.max_steps=2",
+            "trainer.micro_batch_size=4", "trainer.grad_accum=1", "trainer.eval_every=2", "trainer.save_every=2",
+            "trainer.warmup_steps=0", "trainer.lr=1e-3", "trainer.eval_samples=0", "data.max_seq_len=64",
+            "preference.precompute_ref=true", "data.max_val_examples=4"]
+    done = run_cli(args, tmp)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, read_jsonl(out / "metrics.jsonl")
+
+
+def test_dpo_over_a_frozen_start_adapter(stacked_run, dpo_run):
+    """The reference is base + start (step 1's loss is ln 2, the step-0 rewards 0), only the new adapter
+    trains (the same count as the start's run), and the run records which start it trained over."""
+    from safetensors.torch import load_file
+
+    from tunekit.owned import sha256_file
+
+    out, rows = stacked_run
+    start, _ = dpo_run
+    train = [r for r in rows if "loss" in r]
+    first_eval = next(r for r in rows if r.get("step") == 0 and "val_loss" in r)
+    assert train[0]["loss"] == pytest.approx(math.log(2), abs=STEP1_ATOL)
+    assert first_eval["val_rewards/margins"] == pytest.approx(0, abs=STEP1_ATOL / BETA)
+    assert train[1]["rewards/margins"] != 0  # the new adapter did train
+    summary = json.loads((out / "summary.json").read_text())
+    sha = sha256_file(start / "adapter" / "adapter_model.safetensors")
+    assert summary["start_adapter"]["sha256"] == sha and summary["start_adapter"]["path"] == str(start)
+    assert summary["trainable_params"] == json.loads((start / "summary.json").read_text())["trainable_params"]
+    assert json.loads((out / "adapter" / "start_adapter.json").read_text())["sha256"] == sha
+    saved = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert saved and not any(".start." in k for k in saved)
+
+
+# The merge export's route for such a run (tunekit.export.job: the in-memory merge of apply_and_load over
+# the fp32 original base) against the stacked model, both fp32 over the same bf16-exact base weights.
+# merged: W' = W + s_A B_A A_A + s_B B_B A_B, each entry rounded at most r + 2 = 18 times at 2^-24
+# relative; stacked: W x + s_A B_A (A_A x) + s_B B_B (B_A x), summed in another order. Per projection
+# output the two differ by at most K 2^-24 sum_k |W'_jk x_k| <= 128 * 6e-8 * (128 * 0.02 * 3) ~ 6e-5
+# (K <= 128 inputs, |W| ~ 0.02 the init scale, |x| <= ~3 after RMSNorm), through two residual blocks
+# and the 64-wide tied head: atol 1e-4 on the logits. Leaving out the start would move them by more
+# than 100x that (asserted).
+MERGE_ATOL = 1e-4
+
+
+def test_merged_export_route_equals_base_plus_start_plus_new(stacked_run):
+    from tunekit.export.stream import plan_stream
+    from tunekit.methods import get_method
+    from tunekit.runs.load import apply_and_load, load_base, load_original_base
+    from tunekit.runs.open import open_source
+
+    out, _ = stacked_run
+    src = open_source(out)
+    assert src.start is not None and src.dtype == torch.float32
+    assert plan_stream(src, "original")[0] is None  # not streamed: both adapters merge on the loaded model
+    lora = get_method("lora")
+    ids = torch.randint(10, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        stacked = apply_and_load(src, load_base(src))(input_ids=ids).logits
+        merged = lora.merge(apply_and_load(src, load_original_base(src))).eval()(input_ids=ids).logits
+        alone = lora.apply(load_base(src), src.run.cfg.method)  # the new adapter without its start
+        lora.load(alone, out / "adapter")
+        without_start = alone.eval()(input_ids=ids).logits
+    torch.testing.assert_close(merged, stacked, atol=MERGE_ATOL, rtol=0)
+    assert (without_start - stacked).abs().max() > 100 * MERGE_ATOL

@@ -267,3 +267,26 @@ def test_another_number_of_ranks_resumes_data_parallel_and_is_refused_under_fsdp
         with pytest.raises(TunekitError, match=re.escape(f"in {tmp_path} was written by {said}")) as e:
             world_size_change(saved, now, tmp_path)
         assert f"resume with --num_processes {saved['world_size']}, or start a new output_dir" in str(e.value)
+
+
+def test_resume_refuses_a_start_adapter_whose_content_changed(tmp_path):
+    """model.adapter: the start's sha256 is part of the run's fingerprint, so a resume reloads the very
+    adapter the run started over (its path is a config key like any other)."""
+    from safetensors.torch import save_file
+
+    from tunekit import TunekitError
+    from tunekit.config import TrainConfig
+    from tunekit.train.resume import check_same_run, fingerprint
+
+    start = tmp_path / "start"
+    start.mkdir()
+    (start / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2}))
+    save_file({"base_model.model.x.lora_A.weight": torch.zeros(2, 4)}, str(start / "adapter_model.safetensors"))
+    cfg = TrainConfig()
+    cfg.model.adapter = str(start)
+    saved = fingerprint(cfg, 1, hashes={})
+    assert check_same_run(saved, fingerprint(cfg, 1, hashes={}), tmp_path) is None
+    save_file({"base_model.model.x.lora_A.weight": torch.ones(2, 4)}, str(start / "adapter_model.safetensors"))
+    with pytest.raises(TunekitError, match=r"trainer.resume: this config differs from the run saved in .* in "
+                                           r"model.adapter \(file content changed\)"):
+        check_same_run(saved, fingerprint(cfg, 1, hashes={}), tmp_path)

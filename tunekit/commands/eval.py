@@ -254,7 +254,8 @@ def _evaluate_preference(args, src, tokenizer, start: float) -> dict:
     timings["wall_s"] = time.perf_counter() - start
     unit = "pairs" if scorer.paired else "unpaired rows"
     head = (f"held-out: {where}: {len(examples)} {unit}, scored by preference.loss={scorer.kind} (beta {scorer.beta:g}"
-            + (", reference: the base)" if scorer.needs_reference else ", no reference)"))
+            + ((", reference: base + its start adapter)" if src.start is not None else ", reference: the base)")
+               if scorer.needs_reference else ", no reference)"))
     per_row = [{"value": v, **({"correct": c} if trained.correct is not None else {})}
                for v, c in zip(trained.values, trained.correct or [None] * len(trained.values))]
     return {

@@ -123,6 +123,10 @@ def _check_arguments(fmt: str, requantize: Optional[str], merge_into: Optional[s
 def _refuse_early(src, fmt: str, candidates: tuple) -> tuple[Optional[str], bool]:
     """What this run cannot export in this format, refused before anything loads; else (the program
     that checks the export, whether llama.cpp may repack its weights)."""
+    if fmt in ("adapter", "gguf-adapter") and src.start is not None:
+        raise TunekitError(f"--format {fmt}: {src.run.run_dir} trained a new adapter over the frozen start adapter "
+                           f"{src.start.given} (model.adapter), and its adapter alone is not the trained model; use "
+                           "--format merged or gguf (both adapters merged into the base)")
     if fmt == "gguf-adapter":  # what llama.cpp cannot apply, and llama.cpp itself
         gguf_adapter.refuse_early(src)
         why = llamacpp.unavailable()

@@ -141,11 +141,14 @@ class Export:
         src, task, tok = self.reference_source(), self.task, self.tokenizer
         with HalfLinearsInFp32(self.emulated), UpcastHalfWeights():
             base = load_base(src)
-            if task is not None:
+            if task is not None and src.start is None:
                 task.base = task.score_base(base, tok)
             self.ref, self.trained = measure_reference(base, lambda b: apply_and_load(src, b), self.batches)
             del base  # its storage is the trained model's now
             if task is not None:
+                if src.start is not None:  # over a frozen start (model.adapter): the task's base, and a preference
+                    with src.method_impl.switched_off(self.trained):  # loss's reference, is base + start
+                        task.base = task.score_base(self.trained, tok)
                 task.trained = task.score(self.trained, tok)
         self.lap("load_and_measure_trained")
         self._hand_over()

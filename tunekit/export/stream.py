@@ -83,6 +83,8 @@ def plan_stream(src, target: Optional[str]) -> tuple[Optional[StreamPlan], str]:
 
     if src.method != "lora":
         return None, f"method {src.method}: its merge is computed on the loaded model"
+    if getattr(src, "start", None) is not None:
+        return None, "the run trained over a frozen start adapter (model.adapter): both merge on the loaded model"
     from tunekit.model.folder import read_json
 
     folder = Path(src.adapter_dir)

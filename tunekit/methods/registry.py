@@ -119,6 +119,10 @@ class Method:
         """Freeze the base, add the method's trainable parameters; return the model to train."""
         raise NotImplementedError
 
+    def apply_over_start(self, model: nn.Module, cfg, folder: Path) -> nn.Module:
+        """`apply` over a frozen start adapter loaded from `folder` (model.adapter): the LoRA family only."""
+        raise TunekitError(f"model.adapter: method {self.name} cannot train over a frozen start adapter; use lora")
+
     def start(self, model: nn.Module, cfg, model_dir: str, resume_dir: Optional[Path], log=None,
               compute_device: Optional[torch.device] = None) -> None:
         """Training only, after `apply` and before the compute path is chosen: a start computed from

@@ -12,3 +12,4 @@ def check_model_values(m: ModelConfig) -> None:
     text("model.path", m.path, "a model folder, or null for the default model")
     one_of("model.quantize", plain(m.quantize), [q.value for q in Quantize])
     one_of("model.dtype", plain(m.dtype), [x.value for x in DType])
+    text("model.adapter", m.adapter, "a tunekit run folder or a LoRA adapter folder, or null")

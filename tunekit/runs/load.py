@@ -72,7 +72,10 @@ def apply_and_load(src: Source, base: nn.Module, adapter_dir: Optional[Path] = N
     method = src.method_impl
     if src.run is None:  # a standalone folder: the method rebuilds its structure from the folder itself
         return method.open_adapter(base, folder)
-    model = method.apply(base, src.run.cfg.method)
+    if src.start is not None:  # over its frozen start adapter (model.adapter), as it trained
+        model = method.apply_over_start(base, src.run.cfg.method, src.start.folder)
+    else:
+        model = method.apply(base, src.run.cfg.method)
     method.load(model, folder)
     model.requires_grad_(False)
     return model.eval()

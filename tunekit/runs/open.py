@@ -34,6 +34,7 @@ from tunekit import TunekitError
 from tunekit.config import TrainConfig
 from tunekit.device import facts as dev
 from tunekit.device.facts import DeviceFacts
+from tunekit.model.start_adapter import StartAdapter
 
 # adapter_config.json "peft_type" (peft) or "method" (tunekit) -> tunekit method name
 GGUF_MAGIC = b"GGUF"
@@ -69,6 +70,8 @@ class Source:
     # what the user typed to name base_path, for errors about that folder (a misfit model given as
     # --model must not be blamed on a config key the user never wrote)
     base_key: str = "model.path"
+    # a run trained over a frozen start adapter (model.adapter): loaded under the run's adapter
+    start: Optional[StartAdapter] = None
 
     @property
     def device(self) -> torch.device:
@@ -183,6 +186,28 @@ def _open_run(run_dir: Path, adapter: Optional[Path], what: str) -> Run:
     return Run(run_dir, read_run_config(run_dir / "config.yaml"))
 
 
+def _start_of(run: Run) -> Optional[StartAdapter]:
+    """The frozen start adapter a run trained over (model.adapter), as it was: the file whose sha256 the
+    run recorded at its start (tunekit.train.resume.DATA_FINGERPRINT); one line where it is gone or changed."""
+    from tunekit.model.start_adapter import open_start
+    from tunekit.train.resume import DATA_FINGERPRINT
+
+    if run.cfg.model.adapter is None:
+        return None
+    key = f"{run.run_dir / 'config.yaml'}: model.adapter"
+    start = open_start(run.cfg.model.adapter, key=key)
+    record = run.run_dir / DATA_FINGERPRINT
+    want = _read_json(record).get("model.adapter:sha256") if record.is_file() else None
+    if want is None:
+        raise TunekitError(f"{key}: {run.run_dir} does not record which content of {start.folder} it trained over "
+                           f"({record}); the run and its start adapter cannot be matched")
+    if want != start.sha256:
+        raise TunekitError(f"{key}: {start.folder / 'adapter_model.safetensors'} changed since the run {run.run_dir} "
+                           "trained over it (its sha256 differs from the one recorded at the start of training); "
+                           "restore that adapter to use this run")
+    return start
+
+
 def open_source(path: str | Path, model: Optional[str] = None, quantize: Optional[str] = None, dtype: str = "auto",
                 base_model: Optional[str] = None, what: str = "RUN", facts: Optional[DeviceFacts] = None,
                 runs_only: bool = False) -> Source:
@@ -222,11 +247,16 @@ def open_source(path: str | Path, model: Optional[str] = None, quantize: Optiona
         # the compute dtype: the run's model.dtype decided for this device, as training decides it
         return Source(p, "run", run.cfg.method.name, base, run_quantize,
                       dev.compute_dtype(plain(run.cfg.model.dtype), facts), run=run,
-                      adapter_dir=chosen or run.adapter_dir, base_override=base_model, facts=facts)
+                      adapter_dir=chosen or run.adapter_dir, base_override=base_model, facts=facts,
+                      start=_start_of(run))
     dt = dev.compute_dtype(dtype, facts)
     if (p / "adapter_config.json").is_file():
         cfg = _read_json(p / "adapter_config.json")
         method = adapter_kind(cfg, p, what)
+        if (p / "start_adapter.json").is_file():  # tunekit.methods.lora.stacked.RECORD
+            raise TunekitError(f"{what}: {p} was trained over a frozen start adapter (model.adapter; see "
+                               f"{p / 'start_adapter.json'}), so it is not the trained model alone; open its run "
+                               "folder, or use the run's merged export")
         if not (p / "adapter_model.safetensors").is_file():
             raise TunekitError(f"{what}: {p} has no adapter_model.safetensors")
         from tunekit.model.folder import _safetensors_header

@@ -114,6 +114,7 @@ class RecipeSetup:
         """model_path (the student: model.path, or distill.student_keep_every's cut of the teacher) and
         teacher_path. Rank 0 first: it converts the default model once, the others find it done."""
         cfg = self.cfg
+        self.start_adapter = None
         with self.acc.main_process_first():
             self.model_path = resolve_model_path(cfg.model.path)
             if cfg.objective == "distill":
@@ -121,6 +122,15 @@ class RecipeSetup:
                 if cfg.distill.student_keep_every:
                     self.model_path = str(make_student(self.teacher_path, cfg.distill.student_keep_every,
                                                        self.output_dir / "student_base"))
+        if cfg.model.adapter is not None:  # the frozen start (model.adapter): checked again, its hash kept
+            from tunekit.model.start_adapter import check_start_base, open_start
+
+            self.start_adapter = open_start(cfg.model.adapter)
+            note = check_start_base(self.start_adapter, cfg.model.path)
+            if note and self.main:
+                log.warning("%s", note)
+            self._info(f"model.adapter: {self.start_adapter.folder} loaded frozen under the new adapter "
+                       f"(sha256 {self.start_adapter.sha256[:12]}...)")
 
     def _load_data(self) -> None:
         """The tokenizer, the train / held-out splits, and the collate function (padded or packed)."""
@@ -307,8 +317,10 @@ class RecipeSetup:
             p = self.cfg.preference
             self.objective = PreferenceObjective(p)
             self._info(f"preference: {plain(p.loss)}, beta {p.beta}"
-                       + (", reference: the base with the trained part switched off" if self.objective.needs_reference
-                          else ", no reference model"))
+                       + ((", reference: base + the frozen model.adapter, the new adapter switched off"
+                           if self.cfg.model.adapter is not None else
+                           ", reference: the base with the trained part switched off")
+                          if self.objective.needs_reference else ", no reference model"))
             return
         d = self.cfg.distill
         check_same_vocabulary(self.tokenizer, load_tokenizer(self.teacher_path, key="distill.teacher"),
@@ -329,7 +341,8 @@ class RecipeSetup:
         stream = getattr(self, "stream", None)
         with stream.applying() if stream is not None else contextlib.nullcontext():
             self.model = apply_method(self.method, self.model, cfg.method, self.model_path, resume_dir,
-                                      self.strategy, self._info)
+                                      self.strategy, self._info,
+                                      self.start_adapter.folder if self.start_adapter is not None else None)
         trains = {n for n, p in self.model.named_parameters() if p.requires_grad}
         saves = {n for n, _ in self.model.named_parameters() if self.method.owns(n)}
         if trains != saves:  # a parameter that trains but is not saved would be lost at the end
@@ -348,6 +361,9 @@ class RecipeSetup:
         self.lora_backend = self.strategy.choose_lora_backend(self.model, setting, self.facts, self.dtype)
         if self.lora_backend.layers or setting != "auto" or self.lora_backend.checks:
             self._info(f"kernels: LoRA layers use {self.lora_backend.path} ({self.lora_backend.reason})")
+        if self.lora_backend.layers and self.start_adapter is not None:
+            self._info("kernels: a layer with both adapters active (model.adapter) runs peft's forward; "
+                       f"{self.lora_backend.path} runs the layers that hold one of them")
         self.model.train()
         self.compiled = compiled.CompileDecision(False, "kernels.compile=false")
         if cfg.kernels.compile:  # config checks keep it from FSDP

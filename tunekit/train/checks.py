@@ -169,6 +169,27 @@ def check_values(cfg: TrainConfig) -> None:
         check_config(plain(cfg.kernels.fused_lora), cfg.objective)
     one_of("tracker.name", cfg.tracker.name, TRACKERS)
     text("tracker.project", cfg.tracker.project, "a project name", allow_none=False)
+    check_start_settings(cfg)
+
+
+def check_start_settings(cfg: TrainConfig) -> None:
+    """model.adapter (a frozen LoRA start under a new LoRA): what it can run with, before any file is read."""
+    if cfg.model.adapter is None:
+        return
+    m = cfg.method
+    if m.name != "lora":
+        raise TunekitError(f"model.adapter: a frozen start adapter trains a new LoRA beside it, not method {m.name}; "
+                           "use recipe=lora, qlora or dpo (or export the start merged and train on that folder)")
+    for key, off, what in (("use_dora", False, "DoRA"), ("init", "default", f"method.init={m.init}")):
+        if getattr(m, key, off) not in (off, None) and not (key == "init" and m.init == "auto"):  # auto: default here
+            raise TunekitError(f"model.adapter: not with {what} (the new adapter must start at zero over base + start "
+                               f"adapter); set method.{key}={str(off).lower()}")
+    if plain(cfg.trainer.strategy) == "fsdp":
+        raise TunekitError("model.adapter: not with trainer.strategy=fsdp yet (only the DDP and single-process runs "
+                           "stack a frozen adapter); set trainer.strategy=ddp")
+    if cfg.objective == "distill" and cfg.distill.student_keep_every:
+        raise TunekitError("model.adapter: not with distill.student_keep_every (the cut student is not the base the "
+                           "adapter trained over); set distill.student_keep_every=0")
 
 
 def check_writable_dir(path: str, key: str = "output_dir") -> None:
@@ -278,7 +299,14 @@ def check_model_folders(cfg: TrainConfig) -> None:
                                    f"{student} {sizes[0]}; distillation needs the same vocabulary")
         if teacher is not None and student != teacher:
             check_weights_match(teacher, model_skeleton(str(teacher), "distill.teacher"), "distill.teacher")
+    start = None
+    if cfg.model.adapter is not None:
+        from tunekit.model.start_adapter import check_start_base, open_start
+
+        start = open_start(cfg.model.adapter)
     if student is None:
+        if start is not None:
+            check_start_base(start, cfg.model.path)
         return
     limit = max_positions(read_json(student / "config.json", student_key))
     if limit is not None and cfg.data.max_seq_len > limit:
@@ -290,6 +318,8 @@ def check_model_folders(cfg: TrainConfig) -> None:
     check_weights_match(student, skeleton, student_key)
     check_method_config(cfg.method, skeleton, plain(cfg.model.quantize))
     get_method(cfg.method.name).check_training(cfg.method, skeleton)  # what a run cannot train (LoRA on the head)
+    if start is not None:  # the frozen start: the base it trained over, tensors that fit its layers
+        check_start_base(start, cfg.model.path, skeleton)
 
 
 def check_trainable(cfg: TrainConfig) -> None:

@@ -348,6 +348,7 @@ class TrainRecipe(RecipeSetup):
                 "epochs": self.cfg.trainer.epochs, "epochs_trained": self.schedule.epoch_of(self.cfg.trainer.max_steps),
                 "resumed_from_step": self.start_step or None,
                 "wall_s": wall_s, "trainable_params": self.trainable_params,
+                **({"start_adapter": self.start_adapter.record()} if self.start_adapter is not None else {}),
                 "bits_per_param": self.bits_per_param, "world_size": self.strategy.world_size,
                 "device": self.facts.describe(), "compute_dtype": str(self.dtype).removeprefix("torch."),
                 "precision": self._precision_report(), "memory": self._memory_report(), "data": self.data_report,

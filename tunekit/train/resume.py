@@ -76,6 +76,10 @@ def fingerprint(cfg, world_size: int, hashes: Optional[dict] = None) -> dict[str
     else:
         kept["data.path:sha256"] = data_fingerprint(train)
         kept["data.val_path:sha256"] = data_fingerprint(val, "data.val_path") if val is not None else None
+    if cfg.model.adapter is not None and "model.adapter:sha256" not in kept:  # the frozen start's content
+        from tunekit.model.start_adapter import open_start
+
+        kept["model.adapter:sha256"] = open_start(cfg.model.adapter).sha256
     kept["world_size"] = world_size
     if kept.get("objective") != "preference":
         # the preference node shapes nothing else: checkpoints written before it existed still resume

@@ -18,8 +18,12 @@ import torch.nn as nn
 
 
 def apply_method(method, model: nn.Module, cfg, model_dir: str, resume_dir: Optional[Path], strategy,
-                 log: Callable[[str], None]) -> nn.Module:
-    """`method` applied to `model` (cfg: the method node) and started, the same on every rank."""
+                 log: Callable[[str], None], start_dir: Optional[Path] = None) -> nn.Module:
+    """`method` applied to `model` (cfg: the method node) and started, the same on every rank.
+    start_dir: model.adapter's folder, loaded frozen under the new adapter (every rank reads it; a
+    new LoRA starts at B = 0, nothing computed)."""
+    if start_dir is not None:
+        return method.apply_over_start(model, cfg, start_dir)
     shared = strategy.world_size > 1 and resume_dir is None and method.computes_start(cfg)
     # FSDP keeps the base in host memory until it shards; the start's SVDs run on this rank's device
     compute = strategy.device if torch.device(strategy.load_device) != torch.device(strategy.device) else None

@@ -134,8 +134,11 @@ class LoRA(Method):
     plan_aliases = {"lora_r": "r", "lora_targets": "targets", "lora_dropout": "dropout"}
 
     def switched_off(self, model: nn.Module):
-        """peft's own switch: every LoRA layer (peft's and the fused kernel's) computes the base alone."""
-        return model.disable_adapter()
+        """peft's own switch: every LoRA layer (peft's and the fused kernel's) computes the base alone;
+        over a frozen start adapter (model.adapter), base + start (tunekit.methods.lora.stacked)."""
+        from tunekit.methods.lora import stacked
+
+        return stacked.start_only(model) if stacked.has_start(model) else model.disable_adapter()
 
     def check_config(self, cfg, model: nn.Module | None = None, quantize: str = "none") -> None:
         c = self.settings(cfg)
@@ -190,6 +193,8 @@ class LoRA(Method):
 
         if c.use_dora:
             init, why = "default", "DoRA sets its magnitude from the layer, which a LoftQ start would move"
+        elif getattr(cfg.model, "adapter", None) is not None:
+            init, why = "default", "model.adapter: the new adapter trains over a frozen start, and starts at zero"
         elif plan is not None and runs_sharded(cfg, plan.ranks):
             init, why = "default", ("under FSDP the base streams from one process to every rank's shards, which a "
                                     "LoftQ start (computed from the whole original weights) would stop")
@@ -200,6 +205,13 @@ class LoRA(Method):
                                     reference_is_base(cfg))
         cfg.method.init = init
         return f"method.init=auto -> {init}: {why}"
+
+    def apply_over_start(self, model: nn.Module, cfg, folder: Path) -> nn.Module:
+        """model.adapter: the LoRA in `folder` frozen under a new LoRA of `cfg` (tunekit.methods.lora.stacked)."""
+        from tunekit.methods.lora import stacked
+
+        self.check_config(cfg, model)
+        return stacked.stack(model, peft_config(self.settings(cfg)), Path(folder))
 
     def start(self, model: nn.Module, cfg, model_dir: str, resume_dir: Optional[Path], log=None,
               compute_device=None) -> None:
@@ -236,6 +248,8 @@ class LoRA(Method):
             variants.keep_start(model, self.saved_key)  # A0, B0 as rank 0 kept them
 
     def owns(self, param_name: str) -> bool:
+        if ".start." in param_name:  # a frozen start adapter's (tunekit.methods.lora.stacked.START)
+            return False
         return ".lora_A." in param_name or ".lora_B." in param_name or ".lora_magnitude_vector." in param_name
 
     def saved_key(self, param_name: str) -> str:
@@ -250,7 +264,10 @@ class LoRA(Method):
         return variants.converted(super().expected_tensors(model), model)
 
     def write(self, model: PeftModel, out_dir: Path) -> None:
+        from tunekit.methods.lora import stacked
+
         variants.save_peft(model, Path(out_dir))
+        stacked.write_record(model, Path(out_dir))  # over a frozen start (model.adapter): which one
         from tunekit.methods.lora import loftq_io  # torch is loaded already: there is a model
 
         loftq_io.save_attached(model, Path(out_dir))  # a LoftQ start, for the merge into the original weights
@@ -286,7 +303,7 @@ class LoRA(Method):
                 merged = layer.get_base_layer()
             else:
                 with torch.no_grad():
-                    for adapter in layer.active_adapters:
+                    for adapter in [a for a in layer.active_adapters if a in layer.lora_A]:  # a start, the new
                         merged.weight += layer.get_delta_weight(adapter).float()  # (out, in)
                         if layer.use_dora.get(adapter):  # DoRA: m * (W + s B A) / ||W + s B A|| (rows)
                             m = layer.lora_magnitude_vector[adapter].weight.float()  # (out,)

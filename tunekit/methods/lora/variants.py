@@ -167,7 +167,8 @@ def save_peft(model: nn.Module, out_dir: Path) -> None:
     so that saving a checkpoint changes nothing about the training that goes on."""
     start = start_of(model)
     if start is None:
-        model.save_pretrained(out_dir, safe_serialization=True)
+        # the trained adapter only: a frozen start (model.adapter) is recorded by the run, not saved again
+        model.save_pretrained(out_dir, safe_serialization=True, selected_adapters=["default"])
         return
     from safetensors.torch import save_file
 
