@@ -68,6 +68,9 @@ class Method:
     # Whether `switched_off` can run the model as the base alone (the reference model of preference
     # objectives, tunekit.train.preference): peft's disable_adapter, or the hooks' switch below.
     can_switch_off: bool = False
+    # Whether the method trains the embedding rows of tokens a run adds to the tokenizer
+    # (data.chat_template; tunekit.model.vocab): LoRA, through peft's trainable tokens.
+    trains_new_tokens: bool = False
     # The method.* keys this method reads: a dataclass (defaults and comments), or None for none.
     config: Optional[type] = None
     # adapter_config.json's "peft_type" (peft formats) or "method" (tunekit's formats) it writes.

@@ -126,6 +126,7 @@ class RecipeSetup:
         """The tokenizer, the train / held-out splits, and the collate function (padded or packed)."""
         cfg = self.cfg
         self.tokenizer = load_tokenizer(self.model_path)
+        self._use_chat_template()
         if cfg.objective == "preference":
             return self._load_preference_data()
         # one rank per machine writes the tokenized cache; every rank reads it (docs/data.md#tokenized-cache)
@@ -149,6 +150,28 @@ class RecipeSetup:
                    + (", packed" if cfg.data.packing else "")
                    + f"; data.max_seq_len={cfg.data.max_seq_len}: {train.phrase('training')}, {val.phrase('held-out')}")
         self.collate = collate_packed if cfg.data.packing else collate
+
+    def _use_chat_template(self) -> None:
+        """data.chat_template: the tokenizer's template, the special tokens it lacked added
+        (`new_token_ids`, whose embedding rows _load_model makes and the method trains)."""
+        from tunekit.data.templates import use_template
+
+        self.vocab_before, self.new_token_ids = len(self.tokenizer), ()
+        value = self.cfg.data.chat_template
+        if value is None:
+            return
+        setup = use_template(self.tokenizer, value)
+        self._info(setup.line(self.vocab_before))
+        if not setup.added:
+            return
+        tokens, name = ", ".join(setup.added), self.cfg.method.name
+        if not get_method(name).trains_new_tokens:
+            raise TunekitError(f"data.chat_template={value}: adds {tokens} to the tokenizer, whose new embedding rows "
+                               f"method {name} cannot train; use method.name=lora, or a base whose tokenizer has them")
+        if self.cfg.objective == "distill":
+            raise TunekitError(f"data.chat_template={value}: adds {tokens} to the student's tokenizer, which the "
+                               "teacher's vocabulary lacks; distillation needs one vocabulary")
+        self.new_token_ids = setup.added_ids
 
     def _load_preference_data(self) -> None:
         """objective=preference: pairs (or KTO's unpaired rows) as examples, a micro-batch of N pairs
@@ -257,6 +280,10 @@ class RecipeSetup:
         else:
             model = load_base_model(self.model_path, quantize, self.dtype, self.strategy.load_device,
                                     self.strategy.storage_dtype(quantize, self.dtype))
+        if self.new_token_ids:  # data.chat_template's added tokens: their rows (tunekit.model.vocab)
+            from tunekit.model.vocab import grow_embeddings
+
+            self._info(grow_embeddings(model, len(self.tokenizer), self.new_token_ids, self.vocab_before))
         bits = quantized_bits_per_param(model)
         where = f"on {self.facts.describe()}"
         if stream is not None and quantize == "nf4":
