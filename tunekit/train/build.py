@@ -161,17 +161,24 @@ class RecipeSetup:
         if value is None:
             return
         setup = use_template(self.tokenizer, value)
+        if setup.added:
+            self._check_new_tokens(value, setup.added)
+            self.new_token_ids = setup.added_ids
         self._info(setup.line(self.vocab_before))
-        if not setup.added:
-            return
-        tokens, name = ", ".join(setup.added), self.cfg.method.name
+
+    def _check_new_tokens(self, value: str, added: tuple) -> None:
+        """Tokens data.chat_template adds need rows the method trains, one vocabulary (distillation),
+        and a model that is not sharded as it loads (FSDP); else one line."""
+        tokens, name = ", ".join(added), self.cfg.method.name
         if not get_method(name).trains_new_tokens:
             raise TunekitError(f"data.chat_template={value}: adds {tokens} to the tokenizer, whose new embedding rows "
                                f"method {name} cannot train; use method.name=lora, or a base whose tokenizer has them")
         if self.cfg.objective == "distill":
             raise TunekitError(f"data.chat_template={value}: adds {tokens} to the student's tokenizer, which the "
                                "teacher's vocabulary lacks; distillation needs one vocabulary")
-        self.new_token_ids = setup.added_ids
+        if self.strategy.forwards_are_collective:
+            raise TunekitError(f"data.chat_template={value}: adds {tokens} to the tokenizer; training new embedding "
+                               "rows under FSDP is not supported: train on one device or with data parallel ranks")
 
     def _load_preference_data(self) -> None:
         """objective=preference: pairs (or KTO's unpaired rows) as examples, a micro-batch of N pairs
