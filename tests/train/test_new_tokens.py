@@ -79,3 +79,29 @@ def test_greedy_generation_stops_at_the_new_end_of_turn_token(chatml_run):
     assert prompts[0][-4:] == tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     out = generate_ids(model, prompts, [None, None], 8, stops, tok.pad_token_id)
     assert all(row and row[-1] == 49153 and len(row) < 8 for row in out), [tok.convert_ids_to_tokens(r) for r in out]
+
+
+def test_exports_merged_into_a_gguf_and_refuses_a_gguf_adapter(chatml_run, tmp_path):
+    """The merged model into a GGUF holds the grown vocabulary, which llama.cpp reads with the new
+    tokens as one token each and <|im_end|> as its EOS; a llama.cpp LoRA adapter cannot grow a
+    vocabulary, so gguf-adapter refuses in one line."""
+    from tunekit import TunekitError
+    from tunekit.export.gguf import write_gguf
+    from tunekit.export.gguf_adapter import refuse_early
+    from tunekit.runs.load import load_tokenizer_for, load_trained
+    from tunekit.runs.open import open_source
+
+    from _helpers import need_llama_cpp
+
+    src = open_source(str(chatml_run[0]))
+    with pytest.raises(TunekitError, match=r"^--format gguf-adapter: the run added 2 token\(s\) to the vocabulary"):
+        refuse_early(src)  # what export calls with the opened run, before anything loads
+    need_llama_cpp()
+    from llama_cpp import Llama
+
+    tok = load_tokenizer_for(src)
+    path = tmp_path / "merged.gguf"
+    write_gguf(src.method_impl.merge(load_trained(src)), tok, path, "fp16")
+    llm = Llama(model_path=str(path), vocab_only=True, verbose=False)
+    assert llm.n_vocab() == 49154 and llm.token_eos() == 49153
+    assert llm.tokenize(b"<|im_start|>user\nHi<|im_end|>", add_bos=False, special=True)[::4] == [49152, 49153]
