@@ -122,8 +122,9 @@ def sft_loss_from_hidden(hidden: torch.Tensor, head: nn.Module, labels: torch.Te
     """
     rows, targets = select_trained(hidden, labels)
     n = torch.tensor(targets.numel())
-    if not _sharded(head.weight):
-        return linear_cross_entropy(rows, head.weight, getattr(head, "bias", None), targets), n
+    weight = head.weight  # read once: a peft trainable-tokens head builds it anew on each read (a full copy)
+    if not _sharded(weight):
+        return linear_cross_entropy(rows, weight, getattr(head, "bias", None), targets), n
     # FSDP: an untied head is a unit of its own, its weight a shard outside the module's call. A frozen
     # head's slices come to every rank one at a time (tunekit.losses.sliced_head), never the whole
     # head; where its layout is not the one that expects (a bias, another mesh), it is gathered for
