@@ -134,6 +134,10 @@ CASES = [
     train("chat_template-new-tokens-ia3", "recipe=ia3 data.chat_template=llama3",
           "data.chat_template=llama3: adds <|start_header_id|>, <|end_header_id|>, <|eot_id|> to the tokenizer, "
           "whose new embedding rows method ia3 cannot train"),
+    train("chat_template-new-tokens-distill", "recipe=distill distill.teacher={tiny} distill.student_keep_every=0 "
+          "model.quantize=none data.chat_template=llama3",
+          "data.chat_template=llama3: adds <|start_header_id|>, <|end_header_id|>, <|eot_id|> to the student's "
+          "tokenizer, which the teacher's vocabulary lacks; distillation needs one vocabulary"),
     raw("data-prepare-cache-dir-is-file", f"data prepare model.path={{tiny}} data.path={{data}} data.cache_dir={D}/alpaca.jsonl",
         "data.cache_dir: {w}/data/alpaca.jsonl is a file; give a folder"),
     raw("data-unknown-action", "data tokenize", "data tokenize: unknown action; tunekit data prepare"),
