@@ -134,6 +134,8 @@ CASES = [
     train("chat_template-new-tokens-ia3", "recipe=ia3 data.chat_template=llama3",
           "data.chat_template=llama3: adds <|start_header_id|>, <|end_header_id|>, <|eot_id|> to the tokenizer, "
           "whose new embedding rows method ia3 cannot train"),
+    train("chat_template-new-tokens-pissa", "method.init=pissa data.chat_template=llama3",
+          "whose new embedding rows peft cannot save beside a method.init=pissa start; use method.init=default"),
     train("chat_template-new-tokens-distill", "recipe=distill distill.teacher={tiny} distill.student_keep_every=0 "
           "model.quantize=none data.chat_template=llama3",
           "data.chat_template=llama3: adds <|start_header_id|>, <|end_header_id|>, <|eot_id|> to the student's "

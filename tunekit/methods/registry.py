@@ -151,6 +151,13 @@ class Method:
     def received_start(self, model: nn.Module, cfg, extras: Any) -> None:
         """Ranks other than 0, after `start_tensors` arrived: rebuild what the start keeps on the model."""
 
+    def check_new_tokens(self, cfg, why: str) -> None:
+        """Refuse (one TunekitError starting with `why`, what adds the tokens) a run whose tokenizer
+        gains tokens whose embedding rows this method, so configured, cannot train."""
+        if not self.trains_new_tokens:
+            raise TunekitError(f"{why}, whose new embedding rows method {self.name} cannot train; use "
+                               "method.name=lora, or a base whose tokenizer has them")
+
     def write(self, model: nn.Module, out_dir: Path) -> None:
         """Write the trained part in its standard (PEFT, or tunekit adapter) format."""
         raise NotImplementedError

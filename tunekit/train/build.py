@@ -169,10 +169,9 @@ class RecipeSetup:
     def _check_new_tokens(self, value: str, added: tuple) -> None:
         """Tokens data.chat_template adds need rows the method trains, one vocabulary (distillation),
         and a model that is not sharded as it loads (FSDP); else one line."""
-        tokens, name = ", ".join(added), self.cfg.method.name
-        if not get_method(name).trains_new_tokens:
-            raise TunekitError(f"data.chat_template={value}: adds {tokens} to the tokenizer, whose new embedding rows "
-                               f"method {name} cannot train; use method.name=lora, or a base whose tokenizer has them")
+        tokens = ", ".join(added)
+        get_method(self.cfg.method.name).check_new_tokens(self.cfg.method,
+                                                          f"data.chat_template={value}: adds {tokens} to the tokenizer")
         if self.cfg.objective == "distill":
             raise TunekitError(f"data.chat_template={value}: adds {tokens} to the student's tokenizer, which the "
                                "teacher's vocabulary lacks; distillation needs one vocabulary")

@@ -161,6 +161,14 @@ class LoRA(Method):
         variants.check_combination(c, quantize if model is None else _quantize_of(model, quantize),
                                    training=model is None)
 
+    def check_new_tokens(self, cfg, why: str) -> None:
+        """peft saves a PiSSA/OLoRA adapter by converting it against its start, a LoRA without the new
+        tokens' rows, which it then fails to load (a KeyError on the rows): refused before training."""
+        init = self.settings(cfg).init
+        if init in variants.REWRITES_BASE:
+            raise TunekitError(f"{why}, whose new embedding rows peft cannot save beside a method.init={init} "
+                               "start; use method.init=default, or a base whose tokenizer has them")
+
     def check_training(self, cfg, model: nn.Module) -> None:
         check_not_head(list(self.settings(cfg).target_modules), model)
 
