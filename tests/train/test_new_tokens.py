@@ -105,3 +105,21 @@ def test_exports_merged_into_a_gguf_and_refuses_a_gguf_adapter(chatml_run, tmp_p
     llm = Llama(model_path=str(path), vocab_only=True, verbose=False)
     assert llm.n_vocab() == 49154 and llm.token_eos() == 49153
     assert llm.tokenize(b"<|im_start|>user\nHi<|im_end|>", add_bos=False, special=True)[::4] == [49152, 49153]
+
+
+def test_resuming_refuses_a_changed_template_file(tmp_path, tiny_data):
+    """The fingerprint a resume compares holds a template file's content, not only its path; a
+    built-in template is its name."""
+    from tunekit.config import TrainConfig
+    from tunekit.train.resume import fingerprint, run_changes
+
+    f = tmp_path / "mine.jinja"
+    f.write_text("{% for m in messages %}<|turn|>{{ m['content'] }}<|end|>{% endfor %}")
+    cfg = TrainConfig()
+    cfg.data.path, cfg.data.chat_template = str(tiny_data), str(f)
+    before = fingerprint(cfg, 1)
+    f.write_text("{% for m in messages %}<|turn|>{{ m['content'] }}<|stop|>{% endfor %}")
+    changes = run_changes(before, fingerprint(cfg, 1), tmp_path)
+    assert changes and "data.chat_template (file content changed)" in changes
+    cfg.data.chat_template = "chatml"
+    assert "data.chat_template:sha256" not in fingerprint(cfg, 1)
