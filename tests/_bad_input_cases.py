@@ -136,6 +136,9 @@ CASES = [
           "whose new embedding rows method ia3 cannot train"),
     train("chat_template-new-tokens-pissa", "method.init=pissa data.chat_template=llama3",
           "whose new embedding rows peft cannot save beside a method.init=pissa start; use method.init=default"),
+    train("chat_template-new-tokens-dpo", f"recipe=dpo data.path={D}/pairs.jsonl data.chat_template=llama3",
+          "data.chat_template=llama3: adds <|start_header_id|>, <|end_header_id|>, <|eot_id|> to the tokenizer, whose "
+          "trained rows the reference of preference.loss=dpo would read"),
     train("chat_template-new-tokens-distill", "recipe=distill distill.teacher={tiny} distill.student_keep_every=0 "
           "model.quantize=none data.chat_template=llama3",
           "data.chat_template=llama3: adds <|start_header_id|>, <|end_header_id|>, <|eot_id|> to the student's "

@@ -25,6 +25,7 @@ from tunekit.data import BatchSchedule, collate, collate_packed, load_splits
 from tunekit.data.batching import describe_epochs, steps_for_epochs
 from tunekit.data.cache import cache_for
 from tunekit.data.preference import example_length
+from tunekit.losses.preference import REFERENCE_FREE
 from tunekit.methods import get_method, in_train_schema, trainable_parameters
 from tunekit.model import (load_base_model, load_tokenizer, prepare_for_training, quantized_bits_per_param,
                            resolve_model_path)
@@ -175,6 +176,11 @@ class RecipeSetup:
         if self.cfg.objective == "distill":
             raise TunekitError(f"data.chat_template={value}: adds {tokens} to the student's tokenizer, which the "
                                "teacher's vocabulary lacks; distillation needs one vocabulary")
+        loss = plain(self.cfg.preference.loss)
+        if self.cfg.objective == "preference" and loss not in REFERENCE_FREE:
+            raise TunekitError(f"data.chat_template={value}: adds {tokens} to the tokenizer, whose trained rows the "
+                               f"reference of preference.loss={loss} would read (it applies the head outside the "
+                               "adapter's off-switch); use preference.loss=orpo or simpo, or a base whose tokenizer has them")
         if self.strategy.forwards_are_collective:
             raise TunekitError(f"data.chat_template={value}: adds {tokens} to the tokenizer; training new embedding "
                                "rows under FSDP is not supported: train on one device or with data parallel ranks")
