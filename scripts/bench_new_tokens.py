@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """Peak memory of a LoRA step that also trains added tokens' rows (data.chat_template), against the
-same step without them.
+same step without them, and against peft's own computation of them.
 
 A 1-layer Llama (hidden 512, bf16) with a large vocabulary, its embeddings resized by 2 rows, LoRA
 r=8 on q_proj and v_proj; one step = the decoder under bf16 autocast, tunekit's SFT loss on 4 x 256
 positions, backward. `lora`: the rows exist but do not train; `tokens`: peft's trainable tokens
-train them (tunekit.model.vocab). Each configuration runs in a fresh subprocess; the figure is its
+train them, computed as tunekit trains them (tunekit.model.vocab: the frozen matrix and the trained
+rows apart); `peft`: the same, computed as peft computes them (the whole matrix rebuilt around the
+trained rows on every read, a full-size gradient in the backward). Each configuration runs in a fresh subprocess; the figure is its
 peak RSS (ru_maxrss) over the second step, after a first step warmed the allocator. CPU only.
 
     python scripts/bench_new_tokens.py --out benchmarks/training/new-tokens-memory-2026-11-27
@@ -37,12 +39,17 @@ cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hi
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=head == "tied")
 torch.manual_seed(0)
 model = LlamaForCausalLM(cfg).to(torch.bfloat16).requires_grad_(False)
-if mode == "tokens":
+if mode in ("tokens", "peft"):
     grow_embeddings(model, vocab + 2, (vocab, vocab + 1), vocab)
 else:
     model.resize_token_embeddings(vocab + 2, mean_resizing=False)
 model = get_method("lora").apply(model, MethodConfig(name="lora", r=8, alpha=16.0, dropout=0.0,
                                                      target_modules=["q_proj", "v_proj"]))
+if mode == "peft":  # peft's own lookup and head (tunekit.model.vocab's left out)
+    import tunekit.model.vocab as vocab_room
+    for m in model.modules():
+        m.__dict__.pop("forward_adapters", None)
+    vocab_room.token_rows = lambda module: None
 ids = torch.randint(0, vocab + 2, (4, 256))
 
 def step():
@@ -79,11 +86,14 @@ def main(argv=None) -> None:
     rows = []
     for vocab in args.vocab:
         for head in ("tied", "untied"):
-            base, tokens = (measure(m, vocab, args.hidden, head) for m in ("lora", "tokens"))
-            extra = tokens["peak_rss_mib"] - base["peak_rss_mib"]
-            rows += [base, {**tokens, "extra_mib": round(extra, 1),
-                            "extra_in_matrices": round(extra / tokens["matrix_mib"], 2)}]
-            print(json.dumps(rows[-2]), json.dumps(rows[-1]), sep="\n", flush=True)
+            base = measure("lora", vocab, args.hidden, head)
+            rows.append(base)
+            print(json.dumps(base), flush=True)
+            for mode in ("tokens", "peft"):
+                r = measure(mode, vocab, args.hidden, head)
+                extra = r["peak_rss_mib"] - base["peak_rss_mib"]
+                rows.append({**r, "extra_mib": round(extra, 1), "extra_in_matrices": round(extra / r["matrix_mib"], 2)})
+                print(json.dumps(rows[-1]), flush=True)
     import peft
     import torch
     import transformers

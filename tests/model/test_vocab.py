@@ -98,3 +98,52 @@ def test_an_adapter_without_token_rows_grows_nothing(tmp_path):
     model = _llama(tied=True)
     assert grow_for_adapter(model, tmp_path) is None and model.get_input_embeddings().weight.shape[0] == VOCAB
     assert new_token_ids(model) == ()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_training_reads_the_rows_apart_and_computes_what_peft_computes(tied):
+    """The embeddings' lookup (lean_embeddings) and the loss's head (token_rows) without peft's copy
+    of the matrix: the same loss and gradients as peft's merged matrix gives.
+
+    Tolerance: fp32 throughout; a logit is a 32-term dot product, computed in another matmul (its own
+    block for the added rows) and so summed in another order: ~32 x 2^-24 relative, summed over 5
+    positions of CE ~5.6 each; rtol 1e-5 leaves ~10x room. The lookup is a copy: bit-equal."""
+    from tunekit.losses.sft import linear_cross_entropy, select_trained, sft_loss_from_hidden
+    from tunekit.model.vocab import token_rows
+
+    method, cfg = _lora()
+    model = _llama(tied)
+    grow_embeddings(model, VOCAB + 2, NEW, VOCAB)
+    peft_model = method.apply(model, cfg)
+    with torch.no_grad():  # trained rows away from their start, so that a wrong row would show
+        for n, p in peft_model.named_parameters():
+            if "trainable_tokens_delta" in n:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    base = peft_model.get_base_model()
+    layer = base.get_input_embeddings().token_adapter
+    ids = torch.tensor([[1, 256, 7, 257, 3, 256]])
+    assert torch.equal(layer(ids), type(layer).forward_adapters(layer, ids, layer.active_adapters))
+    labels = ids.clone()
+
+    def loss_and_grads(lean: bool):
+        peft_model.zero_grad()
+        embeds = layer if lean else (lambda x: type(layer).forward_adapters(layer, x, layer.active_adapters))
+        hidden = base.get_decoder()(inputs_embeds=embeds(ids)).last_hidden_state
+        head = base.get_output_embeddings()
+        if lean:
+            assert token_rows(head) is not None
+            loss, _ = sft_loss_from_hidden(hidden, head, labels)
+        else:  # peft's merged head: the whole matrix with the trained rows written in
+            rows, targets = select_trained(hidden, labels)
+            loss = linear_cross_entropy(rows, head.weight, None, targets)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+        return loss.detach(), grads
+
+    lean_loss, lean_grads = loss_and_grads(True)
+    peft_loss, peft_grads = loss_and_grads(False)
+    torch.testing.assert_close(lean_loss, peft_loss, rtol=1e-5, atol=0)
+    assert lean_grads.keys() == peft_grads.keys()
+    for name in lean_grads:
+        torch.testing.assert_close(lean_grads[name], peft_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert all(lean_grads[n].abs().sum() > 0 for n in lean_grads if "trainable_tokens_delta" in n)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import MethodType
 from typing import Optional, Sequence
 
 import torch
@@ -115,3 +116,57 @@ def grow_for_adapter(model: nn.Module, folder: Path, known: Optional[int] = None
         return None
     rows = embedding_rows(model)
     return grow_embeddings(model, max(rows, ids[-1] + 1), ids, min(known or rows, rows))
+
+
+# ---------------------------------------------------------------- computing with the trained rows
+# peft's trainable tokens compute with the whole matrix rebuilt around the trained rows (index_copy)
+# on every forward and every read of the head's weight, and their backward forms a full-size
+# gradient before it keeps the trained rows' part: 4 to 5 vocabulary x hidden matrices at a step's
+# peak (benchmarks/training/new-tokens-memory-2026-11-27.md). Training reads them instead: the
+# embeddings look the frozen rows up and put the trained rows in where the ids are new ones
+# (`lean_embeddings`), and the loss takes the head as (frozen weight, ids, trained rows)
+# (`token_rows`, tunekit.losses.sft). The same numbers (a row is a row), a (new tokens, hidden)
+# gradient.
+
+
+def token_rows(module: nn.Module):
+    """(the frozen weight, its bias or None, the trained ids (k,), their trained rows (k, hidden)) of a
+    peft trainable-tokens wrapper or layer with one active adapter, neither merged nor switched off;
+    None for anything else (a plain layer: its weight is all there is)."""
+    layer = getattr(module, "token_adapter", module)
+    deltas = getattr(layer, "trainable_tokens_delta", None)
+    if deltas is None or getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False):
+        return None
+    active = list(getattr(layer, "active_adapters", ()))
+    if len(active) != 1 or active[0] not in deltas:
+        return None
+    base = layer.get_base_layer()
+    index = torch.tensor(layer.token_indices[active[0]], device=base.weight.device)
+    return base.weight, getattr(base, "bias", None), index, deltas[active[0]]
+
+
+def _lean_forward_adapters(self, x: torch.Tensor, active_adapters, *args, **kwargs) -> torch.Tensor:
+    """peft's TrainableTokensLayer.forward_adapters for an Embedding in training, without the copy."""
+    rows = token_rows(self)
+    if rows is None or list(active_adapters) != list(self.active_adapters) \
+            or not isinstance(self.get_base_layer(), nn.Embedding):
+        return type(self).forward_adapters(self, x, active_adapters, *args, **kwargs)
+    _, _, index, delta = rows
+    out = self.get_base_layer()(x)  # the frozen rows, as the base computes them (its scale too)
+    match = x.unsqueeze(-1) == index  # (..., k)
+    new = delta[match.to(torch.int64).argmax(-1)].to(out.dtype)  # (..., hidden): a gather, not a matrix
+    scale = self._get_embed_scale()
+    if scale is not None:  # a scaled embedding (Gemma) scales the trained rows as peft does
+        new = new * scale.to(new.dtype)
+    return torch.where(match.any(-1, keepdim=True), new, out)
+
+
+def lean_embeddings(model: nn.Module) -> int:
+    """Give every peft trainable-tokens layer over an Embedding the lookup above; how many."""
+    n = 0
+    for m in model.modules():
+        if token_rows(m) is not None and m is getattr(m, "token_adapter", m) \
+                and isinstance(m.get_base_layer(), nn.Embedding):
+            object.__setattr__(m, "forward_adapters", MethodType(_lean_forward_adapters, m))
+            n += 1
+    return n

@@ -177,7 +177,7 @@ class LoRA(Method):
         built with peft's plain start, no SVD; their A, B and base weights are overwritten."""
         from peft import get_peft_model
 
-        from tunekit.model.vocab import peft_token_indices
+        from tunekit.model.vocab import lean_embeddings, peft_token_indices
 
         self.check_config(cfg, model)
         c = self.settings(cfg)
@@ -190,6 +190,7 @@ class LoRA(Method):
         for name, p in peft_model.named_parameters():  # the added tokens' rows train in fp32, as LoRA's A and B
             if TOKEN_ROWS in name:
                 p.data = p.data.float()
+        lean_embeddings(peft_model)  # their lookup without a copy of the matrix (tunekit.model.vocab)
         if c.init in variants.REWRITES_BASE:
             variants.keep_start(peft_model, self.saved_key)
         return peft_model
