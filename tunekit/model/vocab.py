@@ -15,7 +15,9 @@ What trains: those rows only. The method wraps the embeddings (and an untied hea
 trainable tokens (LoraConfig.trainable_token_indices), whose trained rows are saved in the
 adapter and written over the base's rows when it loads; the ids are recorded on the model as
 NEW_TOKENS_ATTR for the method to read. A reloaded adapter names its ids in its
-adapter_config.json, and the base grows the same way before it loads (`grow_for_adapter`).
+adapter_config.json, and the base grows the same way before it loads (`grow_for_adapter`). In
+training the rows are computed apart from the frozen matrix (`lean_embeddings`, `token_rows`,
+below), not through peft's full-size copies of it.
 """
 
 from __future__ import annotations
