@@ -118,6 +118,31 @@ CASES = [
     train("cache-dir-read-only", "data.cache_dir={w}/ro/tokenized",
           "data.cache_dir: cannot create {w}/ro/tokenized in {w}/ro (Permission denied)", user="nobody"),
     train("num_proc-0", "data.num_proc=0", "data.num_proc: must be >= 1, got 0"),
+    train("chat_template-unknown", "data.chat_template=vicuna",
+          "data.chat_template: 'vicuna' is neither a template name (chatml, llama3) nor a .jinja file"),
+    train("chat_template-not-jinja", f"data.chat_template={D}/template.txt",
+          "data.chat_template: '{w}/data/template.txt' is neither a template name"),
+    train("chat_template-missing", f"data.chat_template={D}/nothing.jinja",
+          "data.chat_template: {w}/data/nothing.jinja: no such file"),
+    train("chat_template-broken", f"data.chat_template={D}/broken.jinja",
+          "data.chat_template: {w}/data/broken.jinja: not a valid chat template (line "),
+    train("chat_template-escape", f"data.chat_template={D}/escape.jinja",
+          "data.chat_template: {w}/data/escape.jinja: the chat template reaches '__class__' (line 1)"),
+    train("chat_template-no-messages", f"data.chat_template={D}/no_messages.jinja",
+          "data.chat_template: {w}/data/no_messages.jinja: the template never reads `messages`"),
+    # the tiny model's tokenizer (SmolLM2's) lacks Llama-3's tokens: added, and their rows only LoRA trains
+    train("chat_template-new-tokens-ia3", "recipe=ia3 data.chat_template=llama3",
+          "data.chat_template=llama3: adds <|start_header_id|>, <|end_header_id|>, <|eot_id|> to the tokenizer, "
+          "whose new embedding rows method ia3 cannot train"),
+    train("chat_template-new-tokens-pissa", "method.init=pissa data.chat_template=llama3",
+          "whose new embedding rows peft cannot save beside a method.init=pissa start; use method.init=default"),
+    train("chat_template-new-tokens-dpo", f"recipe=dpo data.path={D}/pairs.jsonl data.chat_template=llama3",
+          "data.chat_template=llama3: adds <|start_header_id|>, <|end_header_id|>, <|eot_id|> to the tokenizer, whose "
+          "trained rows the reference of preference.loss=dpo would read"),
+    train("chat_template-new-tokens-distill", "recipe=distill distill.teacher={tiny} distill.student_keep_every=0 "
+          "model.quantize=none data.chat_template=llama3",
+          "data.chat_template=llama3: adds <|start_header_id|>, <|end_header_id|>, <|eot_id|> to the student's "
+          "tokenizer, which the teacher's vocabulary lacks; distillation needs one vocabulary"),
     raw("data-prepare-cache-dir-is-file", f"data prepare model.path={{tiny}} data.path={{data}} data.cache_dir={D}/alpaca.jsonl",
         "data.cache_dir: {w}/data/alpaca.jsonl is a file; give a folder"),
     raw("data-unknown-action", "data tokenize", "data tokenize: unknown action; tunekit data prepare"),

@@ -68,6 +68,10 @@ def build_world(w: Path, tiny: Path, run_fingerprint: dict) -> None:
     os.mkfifo(d / "pipe.jsonl")
     _jsonl(d / "secret.jsonl", [qa] * 6)
     (d / "secret.jsonl").chmod(0)
+    (d / "broken.jinja").write_text("{% for m in messages %}{{ m['content'] }}\n")  # no endfor
+    (d / "escape.jinja").write_text("{{ messages.__class__.__init__.__globals__ }}")
+    (d / "no_messages.jinja").write_text("{{ bos_token }}")
+    (d / "template.txt").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
     config = json.loads((tiny / "config.json").read_text())
     tok_files = [p for p in tiny.iterdir() if p.name.startswith(("tokenizer", "special_tokens", "chat_template"))]

@@ -452,3 +452,28 @@ def trl_dpo_loss(per_token, ref_sums, completion_mask, beta: float, loss_type: s
               "ref_rejected_logps": ref_sums[pairs:]}
     loss = DPOTrainer._compute_loss(trainer, model, inputs, False)
     return float(loss), {k: v for k, v in trainer._metrics["train"].items()}
+
+
+def template_less_base(tiny_model_dir: Path, out: Path) -> Path:
+    """The tiny model (weights linked, not copied) with a base model's tokenizer: no chat template,
+    and no ChatML tokens (SmolLM2's <|im_start|> and <|im_end|>, ids 1 and 2, renamed to reserved
+    tokens that no text spells); BOS, EOS and pad are <|endoftext|>, as in SmolLM2's base model."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(tiny_model_dir).iterdir():
+        if f.suffix == ".safetensors" or f.name in ("config.json", "generation_config.json"):
+            (out / f.name).symlink_to(f)
+    renamed = {"<|im_start|>": "<|reserved_1|>", "<|im_end|>": "<|reserved_2|>"}
+    tok = json.loads((Path(tiny_model_dir) / "tokenizer.json").read_text())
+    for added in tok["added_tokens"]:
+        added["content"] = renamed.get(added["content"], added["content"])
+    vocab = tok["model"]["vocab"]
+    for old, new in renamed.items():
+        vocab[new] = vocab.pop(old)
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+    config = json.loads((Path(tiny_model_dir) / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    config.update(bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    for added in (config.get("added_tokens_decoder") or {}).values():
+        added["content"] = renamed.get(added["content"], added["content"])
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out

@@ -128,6 +128,15 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def template_less_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    """The tiny model with a base model's tokenizer: no chat template, no ChatML tokens
+    (tests/_helpers.template_less_base)."""
+    from _helpers import template_less_base
+
+    return template_less_base(tiny_model_dir, tmp_path_factory.mktemp("template-less"))
+
+
+@pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """48 short alpaca rows: enough for a few steps and a held-out split."""
     out = tmp_path_factory.mktemp("data") / "tiny.jsonl"

@@ -85,6 +85,10 @@ class DataConfig:
     val_path: Optional[str] = None
     val_fraction: float = 0.05
     format: DataFormat = DataFormat.auto
+    # The run's chat format: chatml | llama3 | a .jinja file; null: the tokenizer's own template.
+    # Special tokens it names that the tokenizer lacks are added, and their embedding rows train
+    # (docs/data.md#chat-templates-and-new-tokens).
+    chat_template: Optional[str] = None
     max_seq_len: int = 512
     max_val_examples: Optional[int] = 256  # >= 1; null = the whole held-out split
     # Concatenate each micro-batch into one row with per-example positions and attention

@@ -90,6 +90,10 @@ def prepare(cfg) -> str:
     folder, key = tokenizer_source(cfg)
     tokenizer = load_tokenizer(folder, key)
     d = cfg.data
+    if d.chat_template is not None:  # the run's tokenizer: its template and tokens (the cache keys on both)
+        from tunekit.data.templates import use_template
+
+        use_template(tokenizer, d.chat_template)
     cache = cache_for(d.cache, d.cache_dir)
     splits = load_splits(d.path, d.val_path, plain(d.format), tokenizer, d.max_seq_len, d.val_fraction,
                          d.max_val_examples, cfg.seed, cache=cache, num_proc=d.num_proc)

@@ -21,6 +21,10 @@ def check_data_values(d: DataConfig) -> None:
     text("data.val_path", d.val_path, "a data file, or null to hold out data.val_fraction")
     number("data.val_fraction", d.val_fraction, gt=0, lt=1)
     one_of("data.format", plain(d.format), [f.value for f in DataFormat])
+    if d.chat_template is not None:
+        from tunekit.data.templates import template_text
+
+        template_text(d.chat_template)
     number("data.max_seq_len", d.max_seq_len, ge=8, integer=True)
     if d.max_val_examples is not None:
         number("data.max_val_examples", d.max_val_examples, ge=1, integer=True)

@@ -98,7 +98,24 @@ def write_merged(merged: nn.Module, tokenizer, out_dir: Path, dtype: str) -> Non
         from transformers import GenerationConfig
 
         GenerationConfig.from_model_config(cfg).save_pretrained(out_dir)
+    stop_at_turn_end(out_dir, tokenizer)
     tokenizer.save_pretrained(out_dir)
+
+
+def stop_at_turn_end(out_dir: Path, tokenizer) -> None:
+    """generation_config.json's eos_token_id gains the tokenizer's EOS and the token its chat template
+    ends a reply with, where it lacks them (a base's config names the base's EOS; a run with
+    data.chat_template ends replies with a token it added): transformers' generate stops there."""
+    from transformers import GenerationConfig
+
+    from tunekit.data.tokenize import turn_end_id
+
+    gen = GenerationConfig.from_pretrained(out_dir)
+    have = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
+    stops = [i for i in dict.fromkeys([*have, tokenizer.eos_token_id, turn_end_id(tokenizer)]) if i is not None]
+    if stops != [i for i in have if i is not None]:
+        gen.eos_token_id = stops if len(stops) > 1 else stops[0]
+        gen.save_pretrained(out_dir)
 
 
 def reload_merged(folder: Path, device: torch.device) -> nn.Module:

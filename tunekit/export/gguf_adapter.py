@@ -104,6 +104,13 @@ def refuse_early(run) -> None:
             instead = "use --format adapter (it cannot be merged either, so no GGUF can hold it)"
         raise TunekitError(f"{FMT}: method {name!r} has no llama.cpp adapter form (llama.cpp applies LoRA "
                            f"adapters only); {instead}")
+    from tunekit.model.vocab import adapter_token_ids
+
+    added = adapter_token_ids(run.adapter_dir)
+    if added:
+        raise TunekitError(f"{FMT}: the run added {len(added)} token(s) to the vocabulary (data.chat_template) and "
+                           "trained their embedding rows; a llama.cpp LoRA adapter cannot grow its base's vocabulary: "
+                           "use --format gguf (the fine-tune merged into one GGUF, with the new tokens) or merged")
     config = read_config_json(run.base_path)
     if config.get("model_type") != "llama":
         raise TunekitError(f"{FMT}: only Llama-architecture bases are supported, this run's base "

@@ -325,4 +325,7 @@ def _write_configs(base: Path, tokenizer, out_dir: Path, dtype: torch.dtype) -> 
     gen = (GenerationConfig.from_pretrained(base) if (base / "generation_config.json").is_file()
            else GenerationConfig.from_model_config(cfg))
     gen.save_pretrained(out_dir)
+    from tunekit.export.artifacts import stop_at_turn_end
+
+    stop_at_turn_end(out_dir, tokenizer)
     tokenizer.save_pretrained(out_dir)

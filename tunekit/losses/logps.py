@@ -78,7 +78,10 @@ def token_logps(rows: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> t
     if sharded:  # FSDP, a frozen head not laid out in slices (a bias): gathered for the loss, let go after
         head.unshard()
     try:
-        weight, bias = head.weight, head.bias
+        from tunekit.model.vocab import token_rows
+
+        added = token_rows(head)  # a run's added tokens: peft's rebuilt matrix (a full copy), its base's bias
+        weight, bias = head.weight, (added[1] if added is not None else head.bias)
         if torch.is_autocast_enabled(rows.device.type) and weight.dtype == torch.float32:
             dtype = torch.get_autocast_dtype(rows.device.type)
             weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)

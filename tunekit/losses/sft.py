@@ -64,54 +64,76 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rows, weight, bias, targets, chunk: int):
+    def forward(ctx, rows, weight, bias, targets, chunk: int, index=None, extra=None):
         need_rows, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
+        need_extra = extra is not None and ctx.needs_input_grad[6]
         grad_rows = torch.empty_like(rows) if need_rows else None
         acc = torch.float64 if rows.dtype == torch.float64 else torch.float32  # accumulators
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+        grad_extra = torch.zeros(extra.shape, dtype=acc, device=extra.device) if need_extra else None
+        extra_bias = None if bias is None or extra is None else bias[index]
         total = torch.zeros((), dtype=acc, device=rows.device)
         for i in range(0, rows.shape[0], chunk):
             x, t = rows[i : i + chunk], targets[i : i + chunk]
             z = F.linear(x, weight, bias)
             z = z if z.dtype == torch.float64 else z.float()  # (c, V) fp32 (fp64 stays: gradcheck)
+            if extra is not None:  # rows `index` of the head are `extra`'s (the run's added tokens)
+                z[:, index] = F.linear(x, extra, extra_bias).to(z.dtype)
             lse = torch.logsumexp(z, dim=-1)
             total += (lse - z.gather(1, t[:, None]).squeeze(1)).sum()
-            if need_rows or need_w or need_b:
+            if need_rows or need_w or need_b or need_extra:
                 g = z.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
                 g[torch.arange(t.shape[0], device=t.device), t] -= 1.0  # d CE / d z = softmax - onehot
                 if need_b:
                     grad_b += g.sum(0)
                 g = g.to(weight.dtype)
+                g_extra = None
+                if extra is not None:  # the replaced rows' columns go through `extra`, not `weight`
+                    g_extra = g[:, index].clone()
+                    g[:, index] = 0
+                    if need_extra:
+                        grad_extra += g_extra.t() @ x
                 if need_rows:
                     grad_rows[i : i + chunk] = g @ weight
+                    if g_extra is not None:
+                        grad_rows[i : i + chunk] += g_extra @ extra
                 if need_w:
                     grad_w += g.t() @ x
-        ctx.save_for_backward(grad_rows, grad_w, grad_b)
-        ctx.dtypes = (rows.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.save_for_backward(grad_rows, grad_w, grad_b, grad_extra)
+        ctx.dtypes = (rows.dtype, weight.dtype, None if bias is None else bias.dtype,
+                      None if extra is None else extra.dtype)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
         grads = [None if g is None else (g * grad_total).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)]
-        return (*grads, None, None)
+        return (*grads[:3], None, None, None, grads[3])
 
 
 def linear_cross_entropy(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         targets: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+                         targets: torch.Tensor, chunk: int | None = None,
+                         replaced: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Summed cross-entropy of head(rows) against targets without forming all logits at once.
 
     rows (n, d), weight (V, d), bias (V,) or None, targets (n,) -> fp32 scalar. The rows are cast to
     the weight's dtype (the head computes in its own dtype; for a trained fp32 head under autocast,
     the autocast dtype). Gradients flow to rows, weight and bias as autograd would give them.
+    replaced=(index (k,), extra (k, d)): the head's rows `index` are `extra`'s instead of `weight`'s
+    (a run's added tokens, trained apart from the frozen head: tunekit.model.vocab.token_rows); extra is
+    cast to the weight's dtype and gets its gradient, a (k, d) one, never a (V, d) one.
     """
     if torch.is_autocast_enabled(rows.device.type) and weight.dtype == torch.float32:
         dtype = torch.get_autocast_dtype(rows.device.type)
         weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
     rows = rows.to(weight.dtype)
+    index, extra = replaced if replaced is not None else (None, None)
+    if extra is not None:
+        extra = extra.to(weight.dtype)
     with torch.autocast(rows.device.type, enabled=False):
-        return _LinearCrossEntropy.apply(rows, weight, bias, targets, chunk or chunk_rows(weight.shape[0]))
+        return _LinearCrossEntropy.apply(rows, weight, bias, targets, chunk or chunk_rows(weight.shape[0]), index,
+                                         extra)
 
 
 def sft_loss_from_hidden(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,10 +142,17 @@ def sft_loss_from_hidden(hidden: torch.Tensor, head: nn.Module, labels: torch.Te
     The head runs only on the positions that predict a trained token (on chat data about a third of
     all positions), chunk by chunk (module docstring).
     """
+    from tunekit.model.vocab import token_rows
+
     rows, targets = select_trained(hidden, labels)
     n = torch.tensor(targets.numel())
-    if not _sharded(head.weight):
-        return linear_cross_entropy(rows, head.weight, head.bias, targets), n
+    added = token_rows(head)  # a run's added tokens: the frozen head and their trained rows, apart
+    if added is not None and not _sharded(added[0]):
+        weight, bias, index, extra = added
+        return linear_cross_entropy(rows, weight, bias, targets, replaced=(index, extra)), n
+    weight = head.weight
+    if not _sharded(weight):
+        return linear_cross_entropy(rows, weight, getattr(head, "bias", None), targets), n
     # FSDP: an untied head is a unit of its own, its weight a shard outside the module's call. A frozen
     # head's slices come to every rank one at a time (tunekit.losses.sliced_head), never the whole
     # head; where its layout is not the one that expects (a bias, another mesh), it is gathered for
@@ -138,7 +167,7 @@ def sft_loss_from_hidden(hidden: torch.Tensor, head: nn.Module, labels: torch.Te
         return sliced_cross_entropy(rows, targets, slices, head.weight.dtype), n
     head.unshard()
     try:
-        return linear_cross_entropy(rows, head.weight, head.bias, targets), n
+        return linear_cross_entropy(rows, head.weight, getattr(head, "bias", None), targets), n
     finally:
         head.reshard()
 

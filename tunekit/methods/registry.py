@@ -68,6 +68,9 @@ class Method:
     # Whether `switched_off` can run the model as the base alone (the reference model of preference
     # objectives, tunekit.train.preference): peft's disable_adapter, or the hooks' switch below.
     can_switch_off: bool = False
+    # Whether the method trains the embedding rows of tokens a run adds to the tokenizer
+    # (data.chat_template; tunekit.model.vocab): LoRA, through peft's trainable tokens.
+    trains_new_tokens: bool = False
     # The method.* keys this method reads: a dataclass (defaults and comments), or None for none.
     config: Optional[type] = None
     # adapter_config.json's "peft_type" (peft formats) or "method" (tunekit's formats) it writes.
@@ -158,6 +161,13 @@ class Method:
 
     def received_start(self, model: nn.Module, cfg, extras: Any) -> None:
         """Ranks other than 0, after `start_tensors` arrived: rebuild what the start keeps on the model."""
+
+    def check_new_tokens(self, cfg, why: str) -> None:
+        """Refuse (one TunekitError starting with `why`, what adds the tokens) a run whose tokenizer
+        gains tokens whose embedding rows this method, so configured, cannot train."""
+        if not self.trains_new_tokens:
+            raise TunekitError(f"{why}, whose new embedding rows method {self.name} cannot train; use "
+                               "method.name=lora, or a base whose tokenizer has them")
 
     def write(self, model: nn.Module, out_dir: Path) -> None:
         """Write the trained part in its standard (PEFT, or tunekit adapter) format."""

@@ -50,8 +50,8 @@ def load_base(src: Source) -> nn.Module:
     if src.base_override is not None:
         from tunekit.model import resolve_model_path
 
-        return _prepared_base(resolve_model_path(src.base_override, key="--base-model"), src.quantize, src.dtype,
-                              src.device, "--base-model")
+        return _with_added_tokens(_prepared_base(resolve_model_path(src.base_override, key="--base-model"),
+                                                 src.quantize, src.dtype, src.device, "--base-model"), src)
     if src.kind == "model":
         raise TunekitError(f"--base: the base of the model folder {src.path} is unknown; name it with --base-model DIR")
     if src.kind == "gguf":
@@ -61,15 +61,28 @@ def load_base(src: Source) -> nn.Module:
 
 
 def _own_base(src: Source) -> nn.Module:
-    return _prepared_base(src.base_path, src.quantize, src.dtype, src.device, src.base_key)
+    return _with_added_tokens(_prepared_base(src.base_path, src.quantize, src.dtype, src.device, src.base_key), src)
+
+
+def _with_added_tokens(base: nn.Module, src: Source) -> nn.Module:
+    """A base whose trained part adds tokens (data.chat_template) gets their rows, at the mean of its
+    rows, as training started them: its tokenizer is the run's, whose rows hold those ids."""
+    from tunekit.model.vocab import grow_for_adapter
+
+    if src.adapter_dir is not None and Path(src.adapter_dir).is_dir():
+        grow_for_adapter(base, Path(src.adapter_dir))
+    return base
 
 
 def apply_and_load(src: Source, base: nn.Module, adapter_dir: Optional[Path] = None) -> nn.Module:
     """The trained part (from adapter_dir, default the source's) on `base`, whose storage it reuses:
     the trained model, frozen, eval mode. A standalone peft LoRA folder (tunekit's, TRL's, ...)
     loads with peft's own loader; everything else with the tunekit method that wrote it."""
+    from tunekit.model.vocab import grow_for_adapter
+
     folder = Path(adapter_dir or src.adapter_dir)
     method = src.method_impl
+    grow_for_adapter(base, folder)  # rows for the tokens the run added (data.chat_template), before they load
     if src.run is None:  # a standalone folder: the method rebuilds its structure from the folder itself
         return method.open_adapter(base, folder)
     if src.start is not None:  # over its frozen start adapter (model.adapter), as it trained

@@ -25,6 +25,7 @@ from tunekit.data import BatchSchedule, collate, collate_packed, load_splits
 from tunekit.data.batching import describe_epochs, steps_for_epochs
 from tunekit.data.cache import cache_for
 from tunekit.data.preference import example_length
+from tunekit.losses.preference import REFERENCE_FREE
 from tunekit.methods import get_method, in_train_schema, trainable_parameters
 from tunekit.model import (load_base_model, load_tokenizer, prepare_for_training, quantized_bits_per_param,
                            resolve_model_path)
@@ -136,6 +137,7 @@ class RecipeSetup:
         """The tokenizer, the train / held-out splits, and the collate function (padded or packed)."""
         cfg = self.cfg
         self.tokenizer = load_tokenizer(self.model_path)
+        self._use_chat_template()
         if cfg.objective == "preference":
             return self._load_preference_data()
         # one rank per machine writes the tokenized cache; every rank reads it (docs/data.md#tokenized-cache)
@@ -159,6 +161,39 @@ class RecipeSetup:
                    + (", packed" if cfg.data.packing else "")
                    + f"; data.max_seq_len={cfg.data.max_seq_len}: {train.phrase('training')}, {val.phrase('held-out')}")
         self.collate = collate_packed if cfg.data.packing else collate
+
+    def _use_chat_template(self) -> None:
+        """data.chat_template: the tokenizer's template, the special tokens it lacked added
+        (`new_token_ids`, whose embedding rows _load_model makes and the method trains)."""
+        from tunekit.data.templates import use_template
+
+        self.vocab_before, self.new_token_ids = len(self.tokenizer), ()
+        value = self.cfg.data.chat_template
+        if value is None:
+            return
+        setup = use_template(self.tokenizer, value)
+        if setup.added:
+            self._check_new_tokens(value, setup.added)
+            self.new_token_ids = setup.added_ids
+        self._info(setup.line(self.vocab_before))
+
+    def _check_new_tokens(self, value: str, added: tuple) -> None:
+        """Tokens data.chat_template adds need rows the method trains, one vocabulary (distillation),
+        and a model that is not sharded as it loads (FSDP); else one line."""
+        tokens = ", ".join(added)
+        get_method(self.cfg.method.name).check_new_tokens(self.cfg.method,
+                                                          f"data.chat_template={value}: adds {tokens} to the tokenizer")
+        if self.cfg.objective == "distill":
+            raise TunekitError(f"data.chat_template={value}: adds {tokens} to the student's tokenizer, which the "
+                               "teacher's vocabulary lacks; distillation needs one vocabulary")
+        loss = plain(self.cfg.preference.loss)
+        if self.cfg.objective == "preference" and loss not in REFERENCE_FREE:
+            raise TunekitError(f"data.chat_template={value}: adds {tokens} to the tokenizer, whose trained rows the "
+                               f"reference of preference.loss={loss} would read (it applies the head outside the "
+                               "adapter's off-switch); use preference.loss=orpo or simpo, or a base whose tokenizer has them")
+        if self.strategy.forwards_are_collective:
+            raise TunekitError(f"data.chat_template={value}: adds {tokens} to the tokenizer; training new embedding "
+                               "rows under FSDP is not supported: train on one device or with data parallel ranks")
 
     def _load_preference_data(self) -> None:
         """objective=preference: pairs (or KTO's unpaired rows) as examples, a micro-batch of N pairs
@@ -284,6 +319,10 @@ class RecipeSetup:
         else:
             model = load_base_model(self.model_path, quantize, self.dtype, self.strategy.load_device,
                                     self.strategy.storage_dtype(quantize, self.dtype))
+        if self.new_token_ids:  # data.chat_template's added tokens: their rows (tunekit.model.vocab)
+            from tunekit.model.vocab import grow_embeddings
+
+            self._info(grow_embeddings(model, len(self.tokenizer), self.new_token_ids, self.vocab_before))
         bits = quantized_bits_per_param(model)
         where = f"on {self.facts.describe()}"
         if stream is not None and quantize == "nf4":

@@ -184,6 +184,9 @@ def check_start_settings(cfg: TrainConfig) -> None:
         if getattr(m, key, off) not in (off, None) and not (key == "init" and m.init == "auto"):  # auto: default here
             raise TunekitError(f"model.adapter: not with {what} (the new adapter must start at zero over base + start "
                                f"adapter); set method.{key}={str(off).lower()}")
+    if getattr(cfg.data, "chat_template", None) is not None:
+        raise TunekitError("model.adapter: not with data.chat_template yet (new token rows over a frozen start are "
+                           "untested); train the template's tokens in the start's own run")
     if plain(cfg.trainer.strategy) == "fsdp":
         raise TunekitError("model.adapter: not with trainer.strategy=fsdp yet (only the DDP and single-process runs "
                            "stack a frozen adapter); set trainer.strategy=ddp")

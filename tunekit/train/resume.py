@@ -13,6 +13,7 @@ change: `MAY_CHANGE` below.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from dataclasses import asdict
@@ -76,6 +77,9 @@ def fingerprint(cfg, world_size: int, hashes: Optional[dict] = None) -> dict[str
     else:
         kept["data.path:sha256"] = data_fingerprint(train)
         kept["data.val_path:sha256"] = data_fingerprint(val, "data.val_path") if val is not None else None
+        template = _template_file(data.chat_template)
+        if template is not None:  # a .jinja file: its text shapes every row (a name of a built-in: the key)
+            kept["data.chat_template:sha256"] = hashlib.sha256(template.read_bytes()).hexdigest()
     if cfg.model.adapter is not None and "model.adapter:sha256" not in kept:  # the frozen start's content
         from tunekit.model.start_adapter import open_start
 
@@ -88,6 +92,15 @@ def fingerprint(cfg, world_size: int, hashes: Optional[dict] = None) -> dict[str
         # the default, as before the key existed: checkpoints written then still resume
         del kept["trainer.strategy"]
     return kept
+
+
+def _template_file(value) -> Optional[Path]:
+    """data.chat_template's file, where it names one that exists."""
+    from tunekit.data.templates import TEMPLATES
+
+    if not isinstance(value, str) or value in TEMPLATES or not Path(value).expanduser().is_file():
+        return None
+    return Path(value).expanduser()
 
 
 def _shards(fp: dict) -> bool:

@@ -112,8 +112,9 @@ def check_not_head(targets: list[str], model: nn.Module) -> None:
                        f"would not train (tunekit's loss reads the head's weight, not a layer wrapped around it); {todo}")
 
 
-def peft_config(c: LoRAConfig):
-    """peft's LoraConfig of tunekit's LoRA keys."""
+def peft_config(c: LoRAConfig, token_indices=None):
+    """peft's LoraConfig of tunekit's LoRA keys; token_indices: the rows of tokens the run added
+    (tunekit.model.vocab.peft_token_indices), trained as peft's trainable tokens."""
     from peft import LoraConfig
 
     targets = list(c.target_modules)
@@ -121,13 +122,17 @@ def peft_config(c: LoRAConfig):
                       # peft's own shorthand: every Linear but the output head
                       target_modules="all-linear" if targets == ["all-linear"] else targets,
                       use_dora=bool(c.use_dora), use_rslora=bool(c.use_rslora),
-                      init_lora_weights=variants.PEFT_INIT[c.init])
+                      init_lora_weights=variants.PEFT_INIT[c.init], trainable_token_indices=token_indices)
+
+
+TOKEN_ROWS = ".token_adapter.trainable_tokens_delta"  # peft's trained rows of added tokens
 
 
 @register("lora")
 class LoRA(Method):
     can_merge = True
     can_switch_off = True
+    trains_new_tokens = True
     config = LoRAConfig
     adapter_kinds = ("LORA",)
     plan_options_type = LoRAPlan
@@ -159,6 +164,14 @@ class LoRA(Method):
         variants.check_combination(c, quantize if model is None else _quantize_of(model, quantize),
                                    training=model is None)
 
+    def check_new_tokens(self, cfg, why: str) -> None:
+        """peft saves a PiSSA/OLoRA adapter by converting it against its start, a LoRA without the new
+        tokens' rows, which it then fails to load (a KeyError on the rows): refused before training."""
+        init = self.settings(cfg).init
+        if init in variants.REWRITES_BASE:
+            raise TunekitError(f"{why}, whose new embedding rows peft cannot save beside a method.init={init} "
+                               "start; use method.init=default, or a base whose tokenizer has them")
+
     def check_training(self, cfg, model: nn.Module) -> None:
         check_not_head(list(self.settings(cfg).target_modules), model)
 
@@ -167,14 +180,20 @@ class LoRA(Method):
         built with peft's plain start, no SVD; their A, B and base weights are overwritten."""
         from peft import get_peft_model
 
+        from tunekit.model.vocab import lean_embeddings, peft_token_indices
+
         self.check_config(cfg, model)
         c = self.settings(cfg)
         built = c if compute_start or c.init not in variants.REWRITES_BASE else replace(c, init="default")
         try:
             with variants.seeded(c.init in variants.REWRITES_BASE):  # PiSSA's randomized SVD: the same start on resume
-                peft_model = get_peft_model(model, peft_config(built))
+                peft_model = get_peft_model(model, peft_config(built, peft_token_indices(model)))
         except ValueError as e:  # what check_config cannot see (a module type peft does not wrap)
             raise TunekitError(f"method: peft refuses this LoRA config: {str(e).splitlines()[0]}") from None
+        for name, p in peft_model.named_parameters():  # the added tokens' rows train in fp32, as LoRA's A and B
+            if TOKEN_ROWS in name:
+                p.data = p.data.float()
+        lean_embeddings(peft_model)  # their lookup without a copy of the matrix (tunekit.model.vocab)
         if c.init in variants.REWRITES_BASE:
             variants.keep_start(peft_model, self.saved_key)
         return peft_model
@@ -250,13 +269,15 @@ class LoRA(Method):
     def owns(self, param_name: str) -> bool:
         if ".start." in param_name:  # a frozen start adapter's (tunekit.methods.lora.stacked.START)
             return False
-        return ".lora_A." in param_name or ".lora_B." in param_name or ".lora_magnitude_vector." in param_name
+        return (".lora_A." in param_name or ".lora_B." in param_name or ".lora_magnitude_vector." in param_name
+                or TOKEN_ROWS + "." in param_name)
 
     def saved_key(self, param_name: str) -> str:
         """peft's file keys drop the adapter name: ...lora_A.default.weight -> ...lora_A.weight, and
         DoRA's ...lora_magnitude_vector.default.weight -> ...lora_magnitude_vector."""
         return (param_name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
-                .replace(".lora_magnitude_vector.default.weight", ".lora_magnitude_vector"))
+                .replace(".lora_magnitude_vector.default.weight", ".lora_magnitude_vector")
+                .replace(TOKEN_ROWS + ".default", TOKEN_ROWS))
 
     def expected_tensors(self, model: nn.Module) -> dict:
         """A PiSSA/OLoRA model saves the standard LoRA of rank 2r its training amounts to over the
@@ -309,6 +330,7 @@ class LoRA(Method):
                             m = layer.lora_magnitude_vector[adapter].weight.float()  # (out,)
                             merged.weight *= (m / torch.linalg.norm(merged.weight, dim=1)).view(-1, 1)
             replace_module(base, name.removeprefix(prefix), merged)
+        _merge_token_rows(base)
         return to_plain_model(base)
 
     # ------------------------------------------------------------ adapter folders
@@ -405,6 +427,18 @@ def _after_load(model: nn.Module, folder: Path) -> None:
     from tunekit.methods.lora import loftq_io  # torch is loaded already: there is a model
 
     loftq_io.after_load(model, folder)
+
+
+def _merge_token_rows(base: nn.Module) -> None:
+    """The added tokens' trained rows written into the embeddings (and an untied head), their
+    wrappers removed (what peft's merge_and_unload does on a high-precision base)."""
+    from peft.utils.other import TrainableTokensWrapper
+
+    wrapped = [name for name, m in base.named_modules() if isinstance(m, TrainableTokensWrapper)]
+    for name in wrapped:
+        module = base.get_submodule(name)
+        replace_module(base, name, module.unload_and_optionally_merge_module(merge=True, safe_merge=False,
+                                                                            adapter_names=None))
 
 
 def _quantize_of(model: nn.Module, quantize: str) -> str:

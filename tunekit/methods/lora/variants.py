@@ -166,9 +166,12 @@ def save_peft(model: nn.Module, out_dir: Path) -> None:
     and putting the model in eval mode): under fork_rng, and each module's train/eval mode put back,
     so that saving a checkpoint changes nothing about the training that goes on."""
     start = start_of(model)
+    # save_embedding_layers=False: where a run added tokens (data.chat_template) the adapter holds their
+    # trained rows only; peft's "auto" would add the whole resized embedding matrix (and the head)
     if start is None:
         # the trained adapter only: a frozen start (model.adapter) is recorded by the run, not saved again
-        model.save_pretrained(out_dir, safe_serialization=True, selected_adapters=["default"])
+        model.save_pretrained(out_dir, safe_serialization=True, selected_adapters=["default"],
+                              save_embedding_layers=False)
         return
     from safetensors.torch import save_file
 
@@ -179,7 +182,7 @@ def save_peft(model: nn.Module, out_dir: Path) -> None:
                   str(initial / "adapter_model.safetensors"))
         modes = [(m, m.training) for m in model.modules()]
         try:
-            model.save_pretrained(out_dir, safe_serialization=True,
+            model.save_pretrained(out_dir, safe_serialization=True, save_embedding_layers=False,
                                   path_initial_model_for_weight_conversion=str(initial))
         finally:
             for m, training in modes:
