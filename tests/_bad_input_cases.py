@@ -312,6 +312,8 @@ CASES = [
           "model.adapter: {w}/adapters/ia3_start holds a IA3 adapter; model.adapter takes a LoRA adapter"),
     train("start-adapter-method-ia3", "recipe=ia3 model.adapter={w}/adapters/lora_ok",
           "model.adapter: a frozen start adapter trains a new LoRA beside it, not method ia3"),
+    train("start-adapter-chat-template", "model.adapter={w}/adapters/lora_ok data.chat_template=chatml",
+          "model.adapter: not with data.chat_template yet"),
     export("start-adapter-export-adapter", "{w}/stackedrun --format adapter --out {out}",
            "--format adapter: {w}/stackedrun trained a new adapter over the frozen start adapter {w}/adapters/lora_ok"),
     export("start-adapter-changed", "{w}/stackedchanged --format merged --out {out}",
