@@ -230,6 +230,10 @@ class Check:
 
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "scripts"),
                                                                               os.environ.get("PYTHONPATH")]))}
+            # On a CPU the fused kernel runs only under Triton's interpreter, which triton reads when it is
+            # imported: the server imports it (through bitsandbytes) for every child it forks, the doctor
+            # included, whose kernel check runs in its own process
+            env["TRITON_INTERPRET"] = "1"
             self.forks = Launcher(env, start_method(0))
 
     def left(self, cap: float) -> float:
