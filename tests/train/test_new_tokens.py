@@ -102,9 +102,14 @@ def test_exports_merged_into_a_gguf_and_refuses_a_gguf_adapter(chatml_run, tmp_p
     tok = load_tokenizer_for(src)
     path = tmp_path / "merged.gguf"
     write_gguf(src.method_impl.merge(load_trained(src)), tok, path, "fp16")
-    llm = Llama(model_path=str(path), vocab_only=True, verbose=False)
+    llm = Llama(model_path=str(path), n_ctx=64, n_threads=1, verbose=False)
     assert llm.n_vocab() == 49154 and llm.token_eos() == 49153
     assert llm.tokenize(b"<|im_start|>user\nHi<|im_end|>", add_bos=False, special=True)[::4] == [49152, 49153]
+    # llama.cpp's own greedy decoding stops at the new end-of-turn token, as tunekit's does above
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Question 3?"}], tokenize=False,
+                                     add_generation_prompt=True)
+    out = llm.create_completion(prompt, max_tokens=8, temperature=0.0)
+    assert out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] < 8, out
 
 
 def test_resuming_refuses_a_changed_template_file(tmp_path, tiny_data):
