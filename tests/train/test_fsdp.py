@@ -166,26 +166,33 @@ def test_lora_over_an_untied_model_two_fsdp_ranks_match_one_process(untied_model
     _same_run(two, one)  # the last checkpoints (adapter/ is the best evaluation's)
 
 
-def test_dpo_over_an_untied_model_two_fsdp_ranks_match_one_process(untied_model_dir, tmp_path):
-    """DPO under FSDP: each rank's micro-batch of pairs is its chosen and rejected rows in one forward,
-    the reference the same model with the adapter switched off, and the per-token log-probabilities
-    come from the frozen head's vocabulary slices, never gathered (tunekit.losses.sliced_head), each
-    token's gradient scaled by its own sequence's. Two ranks of one pair each == one process of two
-    pairs (G = 1 above, fp32: only the online sums' order differs, the untied SFT test's bound). The
-    first step's loss is ln 2 on both: the reference is the policy before any step."""
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_dpo_over_an_untied_model_two_ranks_match_one_process(untied_model_dir, tmp_path, strategy):
+    """DPO on two ranks: each rank's micro-batch of pairs is its chosen and rejected rows in one
+    forward, the reference the same model with the adapter switched off. Under FSDP the per-token
+    log-probabilities come from the frozen head's vocabulary slices, never gathered
+    (tunekit.losses.sliced_head), each token's gradient scaled by its own sequence's; under DDP every
+    rank holds the whole model and the gradients are averaged. Two ranks of one pair each == one
+    process of two pairs (G = 1 above, fp32: only the sums' order differs, the untied SFT test's
+    bound). The first step's loss is ln 2 on both: the reference is the policy before any step."""
     pairs = Path(__file__).parents[1] / "data" / "pairs.jsonl"
     common = [f"model.path={untied_model_dir}", f"data.path={pairs}", "recipe=dpo", "model.quantize=none",
               "model.dtype=fp32", "method.dropout=0", "trainer.micro_batch_size=1", "trainer.max_steps=2",
               "trainer.eval_every=1000", "trainer.save_every=2", "trainer.warmup_steps=0", "trainer.lr=1e-3",
               "trainer.eval_samples=0", "trainer.max_grad_norm=inf", "data.max_seq_len=64", "data.val_fraction=0.2"]
     two = tmp_path / "two"
-    r = launch_two_ranks([*common, f"output_dir={two}", "trainer.grad_accum=1", "trainer.strategy=fsdp"], tmp_path,
-                         29524)
+    r = launch_two_ranks([*common, f"output_dir={two}", "trainer.grad_accum=1", f"trainer.strategy={strategy}"],
+                         tmp_path, 29524 if strategy == "fsdp" else 29525)
     assert r.returncode == 0, r.stderr[-3000:]
     one = tmp_path / "one"
     r1 = run_cli(["train", *common, f"output_dir={one}", "trainer.grad_accum=2"], tmp_path)
     assert r1.returncode == 0, r1.stderr[-3000:]
-    assert _holds_half(two)["head_in_loss"] == "slices"
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["ranks_in_sync"]
+    if strategy == "fsdp":
+        assert _holds_half(two)["head_in_loss"] == "slices"
+    else:
+        assert "fsdp" not in summary
     rows_two, rows_one = _steps(two), _steps(one)
     assert [r["step"] for r in rows_two] == [r["step"] for r in rows_one] == [1, 2]
     assert rows_two[0]["loss"] == pytest.approx(math.log(2), rel=RTOL_LOSS)
