@@ -245,10 +245,9 @@ def resolve_auto(cfg, facts, memory_gib: Optional[float], ranks: int) -> dict:
 def resolve_start(cfg, facts, ranks: int) -> dict:
     """The method's `auto` start as `tunekit train` resolves it (LoRA's method.init=auto), where the run's
     steps are a number here (trainer.epochs counts them from the rows, at train time)."""
+    from tunekit.config import DEFAULT_MAX_STEPS
     from tunekit.methods import get_method
     from tunekit.plan.choose import plan_for
-
-    from tunekit.config import DEFAULT_MAX_STEPS
 
     if getattr(cfg.trainer, "epochs", None) is not None:
         return {}
