@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from tunekit.config import plain
-from tunekit.losses.preference import REFERENCE_FREE, kto_loss, pair_losses
+from tunekit.losses.preference import has_reference, kto_loss, pair_losses
 
 
 @dataclass
@@ -77,7 +77,7 @@ class PairScorer:
 
     @property
     def needs_reference(self) -> bool:
-        return self.kind not in REFERENCE_FREE
+        return has_reference(self.kind)
 
     @property
     def paired(self) -> bool:

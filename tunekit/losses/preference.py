@@ -43,6 +43,11 @@ LOSSES = ("dpo", "ipo", "orpo", "simpo", "kto")
 REFERENCE_FREE = ("orpo", "simpo")
 
 
+def has_reference(loss: str) -> bool:
+    """Whether a preference loss scores against a reference model (dpo, ipo, kto); orpo and simpo need none."""
+    return loss not in REFERENCE_FREE
+
+
 class Losses(NamedTuple):
     """per_pair: (pairs,) the loss of each pair (KTO: of each row); chosen / rejected rewards: (pairs,)
     the implicit rewards TRL logs as rewards/chosen and rewards/rejected (detached). For KTO,

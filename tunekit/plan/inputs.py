@@ -39,19 +39,19 @@ def runs_sharded(cfg, ranks: int) -> bool:
 def reference_is_base(cfg) -> bool:
     """Whether the run's loss scores against the base with the trained part switched off (a preference
     loss with a reference): a start that moves the base away from the model it starts from cannot."""
-    from tunekit.losses.preference import REFERENCE_FREE
+    from tunekit.losses.preference import has_reference
 
-    return getattr(cfg, "objective", "sft") == "preference" and _value(cfg.preference.loss) not in REFERENCE_FREE
+    return getattr(cfg, "objective", "sft") == "preference" and has_reference(_value(cfg.preference.loss))
 
 
 def preference_setup(p) -> dict:
     """What a preference node decides for memory: a pair is two rows in one forward (KTO's unpaired
     rows one), and a loss with a reference runs it each step unless precompute_ref computed it once."""
-    from tunekit.losses.preference import REFERENCE_FREE
+    from tunekit.losses.preference import has_reference
 
     loss = _value(p.loss)
     return {"rows_per_example": 1 if loss == "kto" else 2,
-            "reference_forward": loss not in REFERENCE_FREE and not p.precompute_ref}
+            "reference_forward": has_reference(loss) and not p.precompute_ref}
 
 
 def planner_inputs(cfg, facts: DeviceFacts, teacher_shape: Optional[ModelShape] = None,

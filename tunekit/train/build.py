@@ -25,12 +25,12 @@ from tunekit.data import BatchSchedule, collate, collate_packed, load_splits
 from tunekit.data.batching import describe_epochs, steps_for_epochs
 from tunekit.data.cache import cache_for
 from tunekit.data.preference import example_length
-from tunekit.losses.preference import REFERENCE_FREE
 from tunekit.methods import get_method, in_train_schema, trainable_parameters
 from tunekit.model import (load_base_model, load_tokenizer, prepare_for_training, quantized_bits_per_param,
                            resolve_model_path)
 from tunekit.model.student import make_student
 from tunekit.plan.choose import resolve_memory_settings
+from tunekit.plan.inputs import reference_is_base
 from tunekit.device import facts as dev
 from tunekit.device import precision, threads
 from tunekit.speed import packed_attention
@@ -187,7 +187,7 @@ class RecipeSetup:
             raise TunekitError(f"data.chat_template={value}: adds {tokens} to the student's tokenizer, which the "
                                "teacher's vocabulary lacks; distillation needs one vocabulary")
         loss = plain(self.cfg.preference.loss)
-        if self.cfg.objective == "preference" and loss not in REFERENCE_FREE:
+        if reference_is_base(self.cfg):
             raise TunekitError(f"data.chat_template={value}: adds {tokens} to the tokenizer, whose trained rows the "
                                f"reference of preference.loss={loss} would read (it applies the head outside the "
                                "adapter's off-switch); use preference.loss=orpo or simpo, or a base whose tokenizer has them")

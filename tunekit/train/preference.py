@@ -24,7 +24,7 @@ from tunekit import TunekitError
 from tunekit.checks import number, one_of
 from tunekit.config import PreferenceLoss, plain
 from tunekit.losses.logps import sequence_logps
-from tunekit.losses.preference import REFERENCE_FREE, kto_loss, pair_losses
+from tunekit.losses.preference import has_reference, kto_loss, pair_losses
 
 PAIR_STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 KTO_STATS = ("rewards/chosen", "rewards/rejected", "desirable", "undesirable")
@@ -59,7 +59,7 @@ def check_preference_config(cfg) -> None:
     if cfg.data.path is None:
         raise TunekitError("data.path: objective=preference needs a file of preference rows (the default data is "
                            "SFT rows); give data.path=pairs.jsonl")
-    if kind not in REFERENCE_FREE:
+    if has_reference(kind):
         from tunekit.methods import get_method
 
         if not get_method(cfg.method.name).can_switch_off:
@@ -92,7 +92,7 @@ class PreferenceObjective:
 
     @property
     def needs_reference(self) -> bool:
-        return self.kind not in REFERENCE_FREE
+        return has_reference(self.kind)
 
     def count(self, batch: dict) -> int:
         """Pairs (KTO: rows) of a collated micro-batch: what the loss is averaged over."""

@@ -207,6 +207,7 @@ class LoRA(Method):
         if kept in variants.PEFT_INIT and kept != "auto":
             cfg.method.init = kept
             return f"method.init=auto -> {kept} (the start this run's first start chose)"
+        from tunekit.config import plain
         from tunekit.methods.lora.start_choice import choose_init
         from tunekit.plan.inputs import reference_is_base, runs_sharded
 
@@ -218,9 +219,8 @@ class LoRA(Method):
             init, why = "default", ("under FSDP the base streams from one process to every rank's shards, which a "
                                     "LoftQ start (computed from the whole original weights) would stop")
         else:
-            quantize = getattr(getattr(cfg.model, "quantize", None), "value", getattr(cfg.model, "quantize", "none"))
             init, why = choose_init(plan.shape if plan else None, planned_projections(c.target_modules), c.loftq_iters,
-                                    facts.type, plan.flops["total"] if plan else None, steps, quantize,
+                                    facts.type, plan.flops["total"] if plan else None, steps, plain(cfg.model.quantize),
                                     reference_is_base(cfg))
         cfg.method.init = init
         return f"method.init=auto -> {init}: {why}"
