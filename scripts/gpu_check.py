@@ -45,7 +45,8 @@ import threading
 import time
 from pathlib import Path
 
-from gpu_check_report import markdown  # scripts/ is on the path: this script's own folder
+from gpu_check_data import long_rows, pairs_rows  # scripts/ is on the path: this script's own folder
+from gpu_check_report import markdown
 
 CLI = "tunekit.commands.main"  # the module a `tunekit` command runs
 
@@ -344,7 +345,7 @@ class Check:
             [(i, v) for i, v in enumerate(VARIANTS) if i in self.args.variants]
         for i, (label, overrides) in chosen:
             preference = "objective=preference" in overrides
-            overrides = overrides.replace("{pairs}", str(self.pairs_rows()))
+            overrides = overrides.replace("{pairs}", str(pairs_rows(self.work)))
             run_dir = self.work / f"run-variant-{i}"
             r = self.child(f"variant-{i}", self.cli("train", *self.s["variants_base"], *([] if preference else data),
                                                     *overrides.split(),
@@ -408,7 +409,7 @@ class Check:
         for i, (label, model, overrides) in enumerate(self.s["plan"]):
             run_dir = self.work / f"run-plan-{i}"
             args = ["train", *overrides.split(), f"model.path={self.model_dirs[model]}", "data.packing=false",
-                    f"data.path={self.long_rows()}",
+                    f"data.path={long_rows(self.work)}",
                     "trainer.grad_accum=1", f"trainer.max_steps={self.s['plan_steps']}", f"output_dir={run_dir}",
                     *QUIET]
             r = self.child(f"plan-{i}", self.cli(*args), 120)
@@ -439,28 +440,6 @@ class Check:
             if self.deadline - time.monotonic() < 10:
                 break
         return {"ok": all(r["ok"] for r in rows) and len(rows) == len(self.s["plan"]), "rows": rows}
-
-    def long_rows(self) -> Path:
-        """Plain-text rows longer than any max_seq_len here: truncated, every micro-batch is
-        micro_batch_size full rows, the worst case the planner sizes."""
-        path = self.work / "long-rows.jsonl"
-        if not path.is_file():
-            text = " ".join(f"The number {i} follows {i - 1} and comes before {i + 1}." for i in range(600))
-            path.write_text("".join(json.dumps({"text": f"Row {r}. {text}"}) + "\n" for r in range(64)))
-        return path
-
-    def pairs_rows(self) -> Path:
-        """Preference pairs for the DPO variant: a question, the right count as chosen, a wrong one
-        as rejected (the rows only need to differ; nothing here judges what was learned)."""
-        path = self.work / "pairs.jsonl"
-        if not path.is_file():
-            rows = []
-            for r in range(64):
-                words = " ".join(["apple", "pear", "plum", "fig"][(r + k) % 4] for k in range(5 + r % 7))
-                rows.append({"prompt": f"How many words are in this list: {words}?",
-                             "chosen": f"There are {5 + r % 7} words.", "rejected": f"There are {6 + r % 7 + r % 3} words."})
-            path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-        return path
 
     # export ---------------------------------------------------------------------------------
     def export(self) -> dict:

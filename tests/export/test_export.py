@@ -42,9 +42,7 @@ def _train(recipe: str, model_dir: Path, data: Path, out: Path, *extra: str) -> 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tiny_data, tmp_path_factory) -> dict[str, Path]:
-    """A plain QLoRA run (B = 0 at the start, whose merges these tests check by their formulas; the
-    recipe's LoftQ start is exported in test_export_stream.py and tests/methods/test_loftq_train.py)
-    and a LoRA run."""
+    """Plain QLoRA (B = 0 at the start: the merge formulas below) and LoRA; LoftQ's: test_export_stream.py."""
     root = tmp_path_factory.mktemp("export-runs")
     return {"qlora": _train("qlora", tiny_model_dir, tiny_data, root / "qlora", "method.init=default"),
             "lora": _train("lora", tiny_model_dir, tiny_data, root / "lora")}
