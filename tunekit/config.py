@@ -195,7 +195,7 @@ class PreferenceLoss(str, Enum):
     ipo = "ipo"  # Azar et al. 2023; needs the reference
     orpo = "orpo"  # Hong et al. 2024; reference-free, with the chosen side's NLL
     simpo = "simpo"  # Meng et al. 2024; reference-free, length-normalised
-    kto = "kto"  # Ethayarajh et al. 2024; unpaired rows (prompt, completion, label); zero-KL form
+    kto = "kto"  # Ethayarajh et al. 2024; unpaired rows (prompt, completion, label)
 
 
 @dataclass
@@ -210,6 +210,10 @@ class PreferenceConfig:
     gamma: float = 0.5  # simpo only: the target reward margin
     desirable_weight: float = 1.0  # kto only
     undesirable_weight: float = 1.0  # kto only
+    # kto only: its reference point z, KL(policy || reference) estimated per micro-batch from each
+    # prompt paired with the previous row's completion (`batch`, TRL's `kto`: two more no-grad
+    # forwards), or 0 (`zero`, TRL's `apo_zero_unpaired`)
+    kto_kl: str = "batch"
     # dpo/ipo/kto: compute every row's reference log-probs once before training (one forward over the
     # data) instead of a reference forward in every micro-batch (TRL's precompute_ref_log_probs)
     precompute_ref: bool = False

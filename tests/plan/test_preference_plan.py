@@ -32,17 +32,35 @@ def _setup(pairs, *overrides):
     return cfg, *planner_inputs(cfg, H100_24)
 
 
-@pytest.mark.parametrize("overrides,rows,reference", [
-    ((), 2, True),  # dpo, the recipe's loss
-    (("preference.loss=ipo",), 2, True),
-    (("preference.loss=simpo",), 2, False),  # reference-free
-    (("preference.loss=orpo",), 2, False),
-    (("preference.loss=kto",), 1, True),  # unpaired rows: one row per example
-    (("preference.precompute_ref=true",), 2, False),  # the reference computed once, before training
+@pytest.mark.parametrize("overrides,rows,reference,kl", [
+    ((), 2, True, 0),  # dpo, the recipe's loss
+    (("preference.loss=ipo",), 2, True, 0),
+    (("preference.loss=simpo",), 2, False, 0),  # reference-free
+    (("preference.loss=orpo",), 2, False, 0),
+    (("preference.loss=kto",), 1, True, 2),  # unpaired rows, and the KL rows through policy and reference
+    (("preference.loss=kto", "preference.kto_kl=zero"), 1, True, 0),
+    (("preference.loss=kto", "preference.precompute_ref=true"), 1, False, 2),  # the KL rows change each epoch
+    (("preference.precompute_ref=true",), 2, False, 0),  # the reference computed once, before training
 ])
-def test_the_setup_follows_the_preference_node(pairs, overrides, rows, reference):
+def test_the_setup_follows_the_preference_node(pairs, overrides, rows, reference, kl):
     _, _, setup = _setup(pairs, *overrides)
-    assert (setup.rows_per_example, setup.reference_forward) == (rows, reference)
+    assert (setup.rows_per_example, setup.reference_forward, setup.kl_forwards) == (rows, reference, kl)
+
+
+def test_ktos_kl_rows_cost_two_frozen_forwards_where_the_reference_runs(pairs):
+    _, shape, kto = _setup(pairs, "preference.loss=kto", "model.gradient_checkpointing=false")
+    zero = replace(kto, kl_forwards=0)
+    flops, flops0 = step_flops(shape, kto), step_flops(shape, zero)
+    # each KL forward is the reference's work over the same number of rows (their lengths are capped
+    # by the same data.max_seq_len the plan's worst rows fill)
+    assert flops["KTO KL"] == 2 * flops["reference"] and flops["total"] - flops0["total"] == flops["KTO KL"]
+    # the same working set as the reference's, at the same point of the step: with the reference computed
+    # once (precompute_ref), the KL forwards alone still peak where the reference did
+    mem = step_memory(shape, kto)
+    assert mem.phase == "reference forward" and step_memory(shape, zero).total == mem.total
+    once = replace(kto, reference_forward=False)
+    assert step_memory(shape, once).phase == "KL forwards" and step_memory(shape, once).total == mem.total
+    assert step_memory(shape, replace(once, kl_forwards=0)).total < mem.total
 
 
 def test_n_pairs_plan_the_activations_of_2n_rows_and_the_reference_on_top(pairs):

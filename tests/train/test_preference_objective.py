@@ -61,7 +61,7 @@ def test_kto_rewards_are_means_over_desirable_and_undesirable_rows():
     desirable = torch.tensor([True, False, False, True, False])
     batch = _batch(5, desirable=desirable)
     hidden, ref_hidden = torch.randn(5, 7, 8), torch.randn(5, 7, 8)
-    obj = PreferenceObjective(PreferenceConfig(loss="kto"), reference=lambda b: ref_hidden)
+    obj = PreferenceObjective(PreferenceConfig(loss="kto", kto_kl="zero"), reference=lambda b: ref_hidden)
     total, n = obj.loss(hidden, head, batch)
     assert int(n) == 5
     logps, _ = sequence_logps(hidden, head, batch["labels"])
@@ -71,6 +71,56 @@ def test_kto_rewards_are_means_over_desirable_and_undesirable_rows():
     means = obj.finish(dict(zip(obj.stat_names, obj.take_stats("cpu").tolist())), 5)
     assert means["rewards/chosen"] == pytest.approx(float(want.chosen_rewards.mean()), abs=1e-6)  # over 2 rows
     assert means["rewards/rejected"] == pytest.approx(float(want.rejected_rewards.mean()), abs=1e-6)  # over 3
+
+
+def _rows(seed: int, trained: bool = False):
+    """A module-free model: each token's hidden state from a table of its own (so rows of other tokens get
+    other states), a callable over a batch; `trained`: the table takes gradients."""
+    table = torch.randn(40, 8, generator=torch.Generator().manual_seed(seed)).requires_grad_(trained)
+    model = lambda rows: table[rows["input_ids"]]  # noqa: E731
+    model.table = table
+    return model
+
+
+@pytest.mark.parametrize("policy_seed,clamped", [(1, False), (8, True)])
+def test_kto_scores_against_the_kl_of_each_prompt_with_the_previous_rows_completion(policy_seed, clamped):
+    """TRL's `kto`: the reference point is the mean log-ratio (policy over reference) of the micro-batch's
+    mismatched rows, clamped at 0 and without gradient; held-out sums use 0 (module docstring)."""
+    from tunekit.data.preference import collate_preference
+
+    examples = [{"input_ids": [1, 2, 3, 10 + i, 11 + i, 12], "labels": [-100, -100, -100, 10 + i, 11 + i, 12],
+                 "desirable": i % 2 == 0} for i in range(3)]
+    examples[1] = {"input_ids": [4, 5, 20, 21], "labels": [-100, -100, 20, 21], "desirable": False}
+    batch = collate_preference(examples, pad_id=0, kl_max_len=5)
+    # row i: prompt i, then row i-1's completion (row 0 takes the last row's), cut to 5 tokens
+    assert batch["kl_input_ids"].tolist() == [[1, 2, 3, 12, 13], [4, 5, 10, 11, 12], [1, 2, 3, 20, 21]]
+    assert batch["kl_labels"].tolist() == [[-100, -100, -100, 12, 13], [-100, -100, 10, 11, 12],
+                                           [-100, -100, -100, 20, 21]]
+    head, policy, reference = _head(), _rows(policy_seed, trained=True), _rows(2)
+    obj = PreferenceObjective(PreferenceConfig(loss="kto"), reference=reference)
+    obj.policy = policy
+    hidden = policy(batch)
+    total, n = obj.loss(hidden, head, batch)
+    kl_rows = {"input_ids": batch["kl_input_ids"]}
+    pol, _ = sequence_logps(policy(kl_rows), head, batch["kl_labels"])
+    ref, _ = sequence_logps(reference(kl_rows), head, batch["kl_labels"])
+    kl = (pol - ref).mean()
+    assert (kl < 0) == clamped  # both signs occur: seed 8's policy scores the mismatched rows below the reference
+    logps, _ = sequence_logps(hidden, head, batch["labels"])
+    ref_logps, _ = sequence_logps(reference(batch), head, batch["labels"])
+    want = kto_loss(logps, ref_logps, batch["desirable"], 0.1, kl.clamp(min=0).detach())
+    torch.testing.assert_close(total, want.per_pair.sum(), atol=1e-6, rtol=0)
+    if not clamped:  # a real reference point: the loss differs from the zero-KL form's
+        assert abs(float(total.detach() - kto_loss(logps, ref_logps, batch["desirable"], 0.1).per_pair.sum())) > 1e-4
+    # the KL rows carry no gradient into the trained part: only the matched rows' log-ratios do
+    (got,) = torch.autograd.grad(total, policy.table, retain_graph=True)
+    (expected,) = torch.autograd.grad(want.per_pair.sum(), policy.table)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    means = obj.finish(dict(zip(obj.stat_names, obj.take_stats("cpu").tolist())), 3)
+    assert means["kl"] == pytest.approx(max(float(kl), 0.0), abs=1e-6)
+    sums, _ = obj.eval_sums(hidden, head, batch)
+    zero = kto_loss(logps, ref_logps, batch["desirable"], 0.1)
+    assert "kl" not in sums and float(sums["loss"]) == pytest.approx(float(zero.per_pair.sum()), abs=1e-6)
 
 
 def _cfg(method="lora", init="default", loss="dpo", micro=4, **pref):
@@ -85,11 +135,24 @@ def _cfg(method="lora", init="default", loss="dpo", micro=4, **pref):
     (_cfg(loss="kto", label_smoothing=0.1), "preference.label_smoothing: 0.1 applies to preference.loss=dpo and simpo"),
     (_cfg(gamma=-1.0, loss="simpo"), "preference.gamma: must be >= 0, got -1"),
     (_cfg(undesirable_weight=0.0, loss="kto"), "preference.undesirable_weight: must be > 0, got 0"),
+    (_cfg(loss="kto", kto_kl="mean"), "preference.kto_kl: "),
+    (_cfg(loss="dpo", kto_kl="zero"), "preference.kto_kl: zero applies to preference.loss=kto only, not dpo"),
+    (_cfg(loss="kto", micro=1), "trainer.micro_batch_size: 1 with preference.loss=kto: KTO's KL estimate pairs"),
 ])
 def test_config_refusals_name_the_key(cfg, culprit):
     with pytest.raises(TunekitError) as e:
         check_preference_config(cfg)
     assert str(e.value).startswith(culprit)
+
+
+def test_a_one_row_micro_batch_chosen_by_auto_is_refused_for_ktos_kl_only():
+    from tunekit.train.preference import check_kto_micro_batch
+
+    with pytest.raises(TunekitError, match=r"^trainer.micro_batch_size=auto: only 1 row a micro-batch fits"):
+        check_kto_micro_batch(_cfg(loss="kto", micro=1), chosen_by_auto=True)
+    check_kto_micro_batch(_cfg(loss="kto", micro=2), chosen_by_auto=True)
+    check_kto_micro_batch(_cfg(loss="kto", micro=1, kto_kl="zero"), chosen_by_auto=True)
+    check_kto_micro_batch(_cfg(loss="dpo", micro=1), chosen_by_auto=True)
 
 
 def test_reference_free_losses_run_with_any_method():

@@ -228,3 +228,31 @@ def test_merged_export_route_equals_base_plus_start_plus_new(stacked_run):
         without_start = alone.eval()(input_ids=ids).logits
     torch.testing.assert_close(merged, stacked, atol=MERGE_ATOL, rtol=0)
     assert (without_start - stacked).abs().max() > 100 * MERGE_ATOL
+
+
+def test_kto_reference_point_is_the_batchs_mismatched_log_ratio(tiny_model_dir, tmp_path):
+    """KTO with its KL estimate (preference.kto_kl=batch) end to end. Every row shares one prompt, and a
+    micro-batch holds all four rows: the mismatched rows (each prompt with another row's completion) are
+    then the matched rows in another order, so the estimate must equal the mean log-ratio of the rows
+    the step trained on, max(0, (3 rewards/chosen + rewards/rejected) / (4 beta)), whatever order the
+    batch took. That holds only if the KL rows go through the trained model (not the reference) and the
+    reference (not the trained model). Tolerance: the same fp32 sums as the module docstring's (~1e-4
+    absolute per sequence, a policy and a reference sum per log-ratio, rows in other batch positions),
+    averaged over 4 rows, so 5e-4."""
+    rows = [{"prompt": "Name a colour.", "completion": c, "label": c != "Banana."}
+            for c in ("Red.", "Blue.", "Banana.", "Green.")]
+    data = tmp_path / "kto.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    r = run_cli(["train", "recipe=dpo", "preference.loss=kto", f"model.path={tiny_model_dir}", f"data.path={data}",
+                 f"data.val_path={data}", f"output_dir={out}", "model.quantize=none", "model.dtype=fp32",
+                 "method.dropout=0", "trainer.max_steps=2", "trainer.micro_batch_size=4", "trainer.grad_accum=1",
+                 "trainer.eval_every=2", "trainer.save_every=2", "trainer.warmup_steps=0", "trainer.lr=1e-2",
+                 "trainer.eval_samples=0", "data.max_seq_len=64"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps = [m for m in read_jsonl(out / "metrics.jsonl") if "loss" in m and "step" in m and "lr" in m]
+    assert len(steps) == 2 and steps[0]["loss"] == pytest.approx(0.5, abs=1e-6)  # step 1: policy = reference
+    for m in steps:
+        mean_ratio = (3 * m["rewards/chosen"] + m["rewards/rejected"]) / (4 * BETA)
+        assert m["kl"] == pytest.approx(max(0.0, mean_ratio), abs=5e-4), m
+    assert max(m["kl"] for m in steps) > 5e-3  # the estimate moved: not a reference scored twice

@@ -177,7 +177,8 @@ def render(plan: Plan, memory_gib: Optional[float], cfg, source: str) -> str:
     lines.append(f"  compute: {f['total'] / 1e12:.2f} TFLOP per optimizer step per rank ({f['tokens']:,} positions; "
                  f"forward {f['forward'] / 1e12:.2f}, backward {f['backward'] / 1e12:.2f}, recompute "
                  f"{f['recompute'] / 1e12:.2f}, head and loss {f['head and loss'] / 1e12:.2f}"
-                 + (f", reference {f['reference'] / 1e12:.2f}" if "reference" in f else "") + ")")
+                 + (f", reference {f['reference'] / 1e12:.2f}" if "reference" in f else "")
+                 + (f", KTO KL {f['KTO KL'] / 1e12:.2f}" if "KTO KL" in f else "") + ")")
     return "\n".join(lines)
 
 

@@ -250,9 +250,23 @@ def example_length(e: dict) -> int:
 
 
 
-def collate_preference(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+def mismatched_rows(examples: list[dict], max_len: int) -> list[dict]:
+    """KTO's KL rows: row i's prompt followed by row i-1's completion (the first row takes the last
+    row's), as TRL cycles completions within a batch; each cut to max_len keeping its start. The
+    prompt is everything before a row's first trained token (its chat header included)."""
+    out = []
+    for e, prev in zip(examples, examples[-1:] + examples[:-1]):
+        start, cut = _first_trained(e["labels"]), _first_trained(prev["labels"])
+        ids = e["input_ids"][:start] + prev["input_ids"][cut:]
+        labels = [IGNORE] * start + prev["labels"][cut:]
+        out.append({"input_ids": ids[:max_len], "labels": labels[:max_len]})
+    return out
+
+
+def collate_preference(examples: list[dict], pad_id: int, kl_max_len: Optional[int] = None) -> dict[str, torch.Tensor]:
     """A micro-batch of N pairs as 2N rows, the chosen sides first then the rejected in the same order
-    (one forward for both); of N unpaired rows as N rows with their `desirable` flags.
+    (one forward for both); of N unpaired rows as N rows with their `desirable` flags, and with
+    `kl_max_len` their mismatched rows (`mismatched_rows`) as kl_input_ids, kl_attention_mask, kl_labels.
     Rows whose reference log-probs were computed once (preference.precompute_ref) carry them as
     `ref_logps`, (2N,) or (N,) in the rows' order."""
     if "rejected_input_ids" in examples[0]:
@@ -262,6 +276,8 @@ def collate_preference(examples: list[dict], pad_id: int) -> dict[str, torch.Ten
     else:
         batch = collate(examples, pad_id)
         batch["desirable"] = torch.tensor([bool(e["desirable"]) for e in examples])
+        if kl_max_len is not None:
+            batch.update({f"kl_{k}": v for k, v in collate(mismatched_rows(examples, kl_max_len), pad_id).items()})
     if all("ref_logps" in e for e in examples):
         batch["ref_logps"] = torch.tensor([e["ref_logps"][side] for side in range(len(examples[0]["ref_logps"]))
                                            for e in examples], dtype=torch.float32)
@@ -294,5 +310,6 @@ def load_preference_splits(path: str, val_path: Optional[str], tokenizer, max_le
         val = val[:max_val_examples]
     return train, val, kind, (train_cut, val_cut)
 
+
 __all__ = ["PAIRS", "UNPAIRED", "PreferenceCut", "check_rows", "collate_preference", "detect_kind", "example_length",
-           "iter_preference", "load_preference_splits", "row_kind", "tokenize_preference"]
+           "iter_preference", "load_preference_splits", "mismatched_rows", "row_kind", "tokenize_preference"]

@@ -27,9 +27,10 @@ defaults follow TRL 1.16 (tests/losses/test_preference_losses.py checks each aga
 - KTO (Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic Optimization",
   arXiv:2402.01306): unpaired rows, each desirable or undesirable. Desirable: 1 - sigmoid(beta (l - kl)),
   undesirable: 1 - sigmoid(beta (kl - l)), l the row's log-ratio to the reference, weighted by
-  desirable_weight / undesirable_weight (1.0 each). `kl` is TRL's batch estimate of KL(policy || ref)
-  from mismatched prompt/completion pairs; tunekit trains with kl = 0 (the zero-KL variant, the same loss
-  as TRL's `apo_zero_unpaired`), which saves the extra forwards over the mismatched pairs.
+  desirable_weight / undesirable_weight (1.0 each). `kl` is the reference point: TRL's estimate of
+  KL(policy || ref) from mismatched prompt/completion pairs, the mean of their log-ratios, clamped at 0
+  and detached (`kto_kl_estimate`; the trainer computes it per micro-batch, preference.kto_kl=batch),
+  or 0 (preference.kto_kl=zero: the same loss as TRL's `apo_zero_unpaired`).
 """
 
 from __future__ import annotations
@@ -119,6 +120,12 @@ def kto_loss(logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tens
     losses = torch.where(desirable, good, bad)
     rewards = beta * ratio.detach()
     return Losses(losses, rewards[desirable], rewards[~desirable])
+
+
+def kto_kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """KTO's reference point from the mismatched rows' summed log-probs under the policy and the reference
+    (each (rows,)): the mean log-ratio, clamped at 0, with no gradient (TRL's `kl`)."""
+    return (logps.detach().float() - ref_logps.detach().float()).mean().clamp(min=0)
 
 
 def pair_losses(kind: str, chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens,

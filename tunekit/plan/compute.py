@@ -48,10 +48,13 @@ def step_flops(shape: ModelShape, st: TrainSetup) -> dict:
         heads = 2 * n * V * (d + t.hidden_size)
         head = t_base + heads + heads + 2 * n * d * V  # teacher, both heads fwd, recomputed in bwd, grad
     # a preference loss's reference: the same rows through the frozen decoder and head, no backward
-    reference = _decoder_forward(shape, rows, seq) + 2 * n * d * V if st.reference_forward else 0
-    per_micro = forward + backward + recompute + head + reference
+    scored = _decoder_forward(shape, rows, seq) + 2 * n * d * V
+    reference = scored if st.reference_forward else 0
+    kl = st.kl_forwards * scored  # KTO's mismatched rows, through the trained model and the reference
+    per_micro = forward + backward + recompute + head + reference + kl
     total = per_micro * st.grad_accum
     return {"forward": forward * st.grad_accum, "backward": backward * st.grad_accum,
             "recompute": recompute * st.grad_accum, "head and loss": head * st.grad_accum,
-            **({"reference": reference * st.grad_accum} if reference else {}), "total": total,
+            **({"reference": reference * st.grad_accum} if reference else {}),
+            **({"KTO KL": kl * st.grad_accum} if kl else {}), "total": total,
             "tokens": T * st.grad_accum, "trainable_params": sum(terms.trainable)}

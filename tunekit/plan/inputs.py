@@ -46,12 +46,14 @@ def reference_is_base(cfg) -> bool:
 
 def preference_setup(p) -> dict:
     """What a preference node decides for memory: a pair is two rows in one forward (KTO's unpaired
-    rows one), and a loss with a reference runs it each step unless precompute_ref computed it once."""
+    rows one), a loss with a reference runs it each step unless precompute_ref computed it once, and
+    KTO's KL estimate scores the mismatched rows twice more."""
     from tunekit.losses.preference import has_reference
 
     loss = _value(p.loss)
     return {"rows_per_example": 1 if loss == "kto" else 2,
-            "reference_forward": has_reference(loss) and not p.precompute_ref}
+            "reference_forward": has_reference(loss) and not p.precompute_ref,
+            "kl_forwards": 2 if loss == "kto" and getattr(p, "kto_kl", "batch") == "batch" else 0}
 
 
 def planner_inputs(cfg, facts: DeviceFacts, teacher_shape: Optional[ModelShape] = None,

@@ -91,6 +91,9 @@ class TrainSetup:
     # trained part switched off (losses with a reference, unless computed once before training)
     rows_per_example: int = 1
     reference_forward: bool = False
+    # KTO's KL estimate (preference.kto_kl=batch): no-grad forwards over the micro-batch's mismatched
+    # rows (2: the trained model's and the reference's), at the same point as the reference's
+    kl_forwards: int = 0
     dropout_mask_bytes: int = 4  # torch's dropout keeps a bool mask on CUDA, fp32 noise on a CPU
     # What the method's layers decide on the device (Method.plan_setup; LoRA's rules in
     # tunekit.methods.lora.backend): a copy of the 4-bit base's wrapped weights kept dequantized in the
@@ -527,6 +530,8 @@ def step_memory(shape: ModelShape, st: TrainSetup, ranks: int = 1, sharded: bool
     if st.reference_forward:
         # after the policy's log-probabilities: their kept row gradient waits beside it
         phases["reference forward"] = (act["saved"], loss.get("kept", 0) + reference_forward_bytes(shape, st))
+    if st.kl_forwards:  # KTO's mismatched rows, each forward alone, where the reference's runs
+        phases["KL forwards"] = (act["saved"], loss.get("kept", 0) + reference_forward_bytes(shape, st))
     if ranks > 1 and not sharded:
         phases["gradient all-reduce"] = (0, 8 * P)  # flat copy of the grads + the reduced result
     start = plan_terms(shape, st).start_bytes

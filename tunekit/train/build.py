@@ -8,6 +8,7 @@ Nothing here asks which strategy runs: the strategy object answers (tunekit.trai
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -213,6 +214,8 @@ class RecipeSetup:
             log.warning("%d rows dropped: no completion token within data.max_seq_len=%d (first: %s)",
                         len(train_cut.dropped), d.max_seq_len, train_cut.dropped[0])
         self.collate = collate_preference
+        if plain(self.cfg.preference.loss) == "kto" and self.cfg.preference.kto_kl == "batch":  # KTO's KL rows
+            self.collate = functools.partial(collate_preference, kl_max_len=d.max_seq_len)
 
     def _plan_memory(self) -> None:
         """Before the model loads: `auto` settings from the memory plan, every rank choosing from the
@@ -221,8 +224,13 @@ class RecipeSetup:
         from tunekit.plan.choose import plan_for
 
         cfg, world = self.cfg, self.strategy.world_size
+        auto_micro = cfg.trainer.micro_batch_size == AUTO
         self._info(resolve_memory_settings(cfg, self.device, world, self.acc.local_process_index,
                                            self.strategy.least, self.output_dir))
+        if cfg.objective == "preference":
+            from tunekit.train.preference import check_kto_micro_batch
+
+            check_kto_micro_batch(cfg, chosen_by_auto=auto_micro)
         try:
             self.planned = plan_for(cfg, self.facts, world, cfg.trainer.micro_batch_size,
                                     bool(cfg.model.gradient_checkpointing))
@@ -434,6 +442,7 @@ class RecipeSetup:
         self.params = self.strategy.wrap(self.model)
         if getattr(self.objective, "needs_reference", False):
             self.objective.reference = self.reference_hidden
+            self.objective.policy = self.policy_hidden
         if self.bits_per_param is None and plain(self.cfg.model.quantize) == "nf4":  # a streamed base: now loaded
             from tunekit.train.fsdp_load import sharded_bits_per_param
 
@@ -473,6 +482,15 @@ class RecipeSetup:
         from tunekit.model import decoder_and_head
 
         with torch.no_grad(), self.method.switched_off(self.model):
+            decoder, _ = decoder_and_head(self.model)
+            return decoder(**model_inputs(batch), use_cache=False).last_hidden_state
+
+    def policy_hidden(self, batch: dict) -> torch.Tensor:
+        """The trained model's last hidden states for `batch` under no_grad, as `reference_hidden` runs
+        them (KTO's KL rows: scored, never trained)."""
+        from tunekit.model import decoder_and_head
+
+        with torch.no_grad():
             decoder, _ = decoder_and_head(self.model)
             return decoder(**model_inputs(batch), use_cache=False).last_hidden_state
 

@@ -9,6 +9,14 @@ there is never a second copy of the base. At step 0 the trained part is the iden
 (IA)^3's ones, zero biases, zero-initialised adapter outputs), so the reference is the model the run
 started from. ORPO and SimPO need no reference and skip that pass.
 
+KTO's reference point (preference.kto_kl=batch, TRL's `kto`): each training micro-batch also carries
+its mismatched rows (each prompt with the previous row's completion, collate_preference), scored
+under no_grad by the trained model (`policy`) and the reference; the mean of their log-ratios,
+clamped at 0, is that micro-batch's KL estimate. It stays the micro-batch's own (TRL averages it
+over the ranks), so N ranks train exactly as one process accumulating N micro-batches. Held-out
+figures use a reference point of 0 (the trainer's and `tunekit eval`'s alike: they do not depend on
+how the rows are grouped).
+
 The trainer divides the summed loss by the pairs (KTO: rows) of the whole global batch, as TRL means
 per-pair losses. `count` gives that unit; `stats` and `finish` give the rewards TRL logs.
 """
@@ -24,7 +32,7 @@ from tunekit import TunekitError
 from tunekit.checks import number, one_of
 from tunekit.config import PreferenceLoss, plain
 from tunekit.losses.logps import sequence_logps
-from tunekit.losses.preference import has_reference, kto_loss, pair_losses
+from tunekit.losses.preference import has_reference, kto_kl_estimate, kto_loss, pair_losses
 
 PAIR_STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 KTO_STATS = ("rewards/chosen", "rewards/rejected", "desirable", "undesirable")
@@ -43,11 +51,16 @@ def check_preference_config(cfg) -> None:
     number("preference.gamma", p.gamma, ge=0)
     number("preference.desirable_weight", p.desirable_weight, gt=0)
     number("preference.undesirable_weight", p.undesirable_weight, gt=0)
+    one_of("preference.kto_kl", p.kto_kl, ["batch", "zero"])
+    if p.kto_kl != "batch" and kind != "kto":
+        raise TunekitError(f"preference.kto_kl: {p.kto_kl} applies to preference.loss=kto only, not {kind}; leave it "
+                           "at batch")
     if cfg.objective != "preference":
         return
     if cfg.data.packing:
         raise TunekitError("data.packing: not with objective=preference (the chosen and rejected sides of a pair "
                            "are scored as rows of their own); set data.packing=false")
+    check_kto_micro_batch(cfg)
     if plain(cfg.data.format) != "auto":
         raise TunekitError(f"data.format: {plain(cfg.data.format)} is an SFT format; objective=preference reads "
                            "preference rows (prompt/chosen/rejected or prompt/completion/label): set data.format=auto")
@@ -74,20 +87,37 @@ def check_preference_config(cfg) -> None:
                                f"preference.loss={kind}); use method.init=default, or preference.loss=orpo or simpo")
 
 
+def check_kto_micro_batch(cfg, chosen_by_auto: bool = False) -> None:
+    """KTO's KL estimate pairs each prompt with another row's completion of the same micro-batch: a
+    micro-batch of one row is refused, as set or as `auto` chose it (once resolved, before the model loads)."""
+    p, mbs = cfg.preference, cfg.trainer.micro_batch_size
+    if plain(p.loss) != "kto" or p.kto_kl != "batch" or not isinstance(mbs, int) or mbs >= 2:
+        return
+    why = "KTO's KL estimate pairs each prompt with another row's completion of the same micro-batch"
+    if chosen_by_auto:
+        raise TunekitError(f"trainer.micro_batch_size=auto: only {mbs} row a micro-batch fits this device's memory, "
+                           f"and {why}; set preference.kto_kl=zero, or shorten data.max_seq_len")
+    raise TunekitError(f"trainer.micro_batch_size: {mbs} with preference.loss=kto: {why}; use "
+                       "trainer.micro_batch_size=2 or more, or preference.kto_kl=zero")
+
+
 class PreferenceObjective:
     """loss(hidden, head, batch) -> (sum of per-pair losses, pairs); eval_sums -> named sums (module
     docstring). `reference(batch)` -> the reference's last hidden states (no_grad, trained part off),
-    set by the trainer once the method is applied; None for ORPO and SimPO."""
+    set by the trainer once the method is applied; None for ORPO and SimPO. `policy(batch)`: the
+    trained model's, also no_grad (KTO's KL rows)."""
 
     def __init__(self, cfg, reference: Optional[Callable[[dict], torch.Tensor]] = None):
         self.kind = plain(cfg.loss)
         self.beta, self.label_smoothing, self.gamma = cfg.beta, cfg.label_smoothing, cfg.gamma
         self.weights = (cfg.desirable_weight, cfg.undesirable_weight)
         self.reference = reference
+        self.policy: Optional[Callable[[dict], torch.Tensor]] = None
         self.paired = self.kind != "kto"
+        self.batch_kl = not self.paired and cfg.kto_kl == "batch"
         self.unit = "pairs" if self.paired else "rows"
-        self.stat_names = PAIR_STATS if self.paired else KTO_STATS
-        self.eval_names = ("loss",) + self.stat_names
+        self.eval_names = ("loss",) + (PAIR_STATS if self.paired else KTO_STATS)
+        self.stat_names = self.eval_names[1:] + (("kl",) if self.batch_kl else ())
         self.stats: dict[str, torch.Tensor] = {}
 
     @property
@@ -108,14 +138,26 @@ class PreferenceObjective:
             logps, _ = sequence_logps(self.reference(batch), head, batch["labels"])
         return logps
 
-    def _losses(self, hidden: torch.Tensor, head: nn.Module, batch: dict):
+    def _kl(self, head: nn.Module, batch: dict) -> torch.Tensor:
+        """KTO's reference point for a training micro-batch: its mismatched rows' mean log-ratio, >= 0."""
+        rows = {"input_ids": batch["kl_input_ids"], "attention_mask": batch["kl_attention_mask"]}
+        with torch.no_grad():
+            logps, _ = sequence_logps(self.policy(rows), head, batch["kl_labels"])
+            ref, _ = sequence_logps(self.reference(rows), head, batch["kl_labels"])
+        return kto_kl_estimate(logps, ref)
+
+    def _losses(self, hidden: torch.Tensor, head: nn.Module, batch: dict, training: bool = False):
         logps, tokens = sequence_logps(hidden, head, batch["labels"])
         ref = self._reference_logps(head, batch)
         if not self.paired:
-            out = kto_loss(logps, ref, batch["desirable"].bool(), self.beta, None, *self.weights)
+            kl = self._kl(head, batch) if training and self.batch_kl else None
+            out = kto_loss(logps, ref, batch["desirable"].bool(), self.beta, kl, *self.weights)
             good = batch["desirable"].bool()
-            return out, {"rewards/chosen": out.chosen_rewards.sum(), "rewards/rejected": out.rejected_rewards.sum(),
-                         "desirable": good.sum().float(), "undesirable": (~good).sum().float()}
+            stats = {"rewards/chosen": out.chosen_rewards.sum(), "rewards/rejected": out.rejected_rewards.sum(),
+                     "desirable": good.sum().float(), "undesirable": (~good).sum().float()}
+            if kl is not None:  # weighted by the rows, so that finish() gives the mean over the step's
+                stats["kl"] = kl * logps.shape[0]
+            return out, stats
         n = logps.shape[0] // 2
         c, r = logps[:n], logps[n:]
         rc, rr = (None, None) if ref is None else (ref[:n], ref[n:])
@@ -125,7 +167,7 @@ class PreferenceObjective:
                      "rewards/accuracies": (margin > 0).float().sum(), "rewards/margins": margin.sum()}
 
     def loss(self, hidden: torch.Tensor, head: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        out, stats = self._losses(hidden, head, batch)
+        out, stats = self._losses(hidden, head, batch, training=True)
         for k, v in stats.items():  # summed over the step's micro-batches; the trainer takes them
             self.stats[k] = self.stats.get(k, 0) + v.detach().float()
         return out.per_pair.sum(), torch.tensor(self.count(batch))
