@@ -81,6 +81,8 @@ def parse_args(argv=None):
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra tunekit override")
     p.add_argument("--work", type=Path, default=REPO / "runs" / "bench-dpo", help="where the default pairs go")
     p.add_argument("--out", type=Path, help="output path without suffix")
+    p.add_argument("--note", default="Times are disturbed by whatever else ran (above); memory is per process.",
+                   help="what the result's page says about the machine's state")
     p.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)  # the test: no memory figures
     p.add_argument("--child", help=argparse.SUPPRESS)  # one run, as JSON
     args = p.parse_args(argv)
@@ -333,7 +335,8 @@ def markdown(result: dict) -> str:
              f"micro-batch x {st['grad_accum']} accumulation, data.max_seq_len {st['seq_len']}, {st['steps']} steps "
              f"the first {st['warmup']} not timed, {st['reps']} repetition(s) alternating the systems, "
              f"each in a fresh process. Overrides: {st['set'] or 'none'}.", "",
-             "Machine while it ran (load average over 1/5/15 min; the busiest processes, %CPU): "
+             "Machine while it ran (load average over 1/5/15 min; the busiest processes by ps's %CPU, their CPU "
+             "time over their lifetime): "
              + "; ".join(f"{when}: {', '.join(f'{x:.1f}' for x in v['loadavg_1_5_15'])} on {v['cpus']} CPUs, "
                          f"{', '.join(v['busiest'])}" for when, v in result["machine_load"].items())
              + f". {result['note']}", "",
@@ -396,11 +399,11 @@ def main(argv=None) -> int:
         sys.argv[1:] if argv is None else argv)]), "versions": versions(("torch", "transformers", "peft",
                                                                            "bitsandbytes", "trl", "tunekit")),
               "machine_load": load, "note": "in-process (a test): memory figures mean nothing" if args.in_process
-              else "Times are disturbed by whatever else ran (above); memory is per process.",
+              else args.note,
               "settings": {k: getattr(args, k) for k in ("config", "steps", "warmup", "reps", "pairs", "grad_accum",
                                                          "seq_len")}
               | {"set": sets, "model": model or "default (SmolLM2-135M-Instruct)",
-                 "data": data if args.data else "tweet-sentiment pairs (bench_preference's, 600 train pairs)"},
+                 "data": data if args.data else "tweet-sentiment pairs (bench_preference's 600 training pairs, data.val_fraction held out)"},
               "results": compare(runs, args.warmup), "runs": runs}
     out = args.out or REPO / "benchmarks" / "preference" / f"dpo-vs-trl-{dev}-{today}"
     out.parent.mkdir(parents=True, exist_ok=True)
