@@ -10,12 +10,13 @@ import math
 
 from test_bench_task import _script
 
-# Step 1 with the adapter at B = 0: policy and reference run the same ops on the same inputs, so
-# every pair's d = (c - c_ref) - (r - r_ref) is exactly 0 and its loss -log sigmoid(0) is ln 2
-# rounded once to fp32 (ulp 6e-8 near 0.69); the step's loss is a mean of 4 such values (one more
-# rounding per add): within 4 ulp, 2.4e-7. 1e-6 keeps that margin, while a reference that is not the
-# policy (another batch, the adapter left on after an update) moves a summed log-probability of a few
-# tokens by >= 1e-2 and the loss by beta * |d| / 2 >= 5e-4 at beta 0.1.
+# Step 1 with the adapter at B = 0: policy and reference run the same ops on the same inputs (the
+# fused kernel off: on a GPU it would compute the policy's projections alone), so every pair's
+# d = (c - c_ref) - (r - r_ref) is exactly 0 and its loss -log sigmoid(0) is ln 2 rounded once to
+# fp32 (ulp 6e-8 near 0.69); the step's loss is a mean of 4 such values (one more rounding per add):
+# within 4 ulp, 2.4e-7. 1e-6 keeps that margin, while a reference that is not the policy (another
+# batch, the adapter left on after an update) moves a summed log-probability of a few tokens by
+# >= 1e-2 and the loss by beta * |d| / 2 >= 5e-4 at beta 0.1.
 LN2_BOUND = 1e-6
 
 
@@ -27,7 +28,8 @@ def test_both_systems_see_the_same_tokens_and_start_at_ln2(tiny_model_dir, tmp_p
                              for i in range(10)))
     out = tmp_path / "out"
     rc = bench.main(["--steps", "1", "--warmup", "0", "--reps", "1", "--pairs", "2", "--grad-accum", "2",
-                     "--model", str(tiny_model_dir), "--data", str(pairs), "--out", str(out), "--in-process"])
+                     "--model", str(tiny_model_dir), "--data", str(pairs), "--out", str(out), "--in-process",
+                     "--set", "kernels.fused_lora=off"])  # on a GPU too: the same ops in policy and reference
     result = json.loads(out.with_suffix(".json").read_text())
     block = result["results"]
     assert rc == 0 and block["checks"] == {"tokens": "ok", "first_loss_ln2": "ok"}, block["checks"]
