@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from datetime import date
 from pathlib import Path
 
-from benchlib import device_name, fail, run_logged, tunekit_exe
+from benchlib import device_name, fail, pairs_from, run_logged, tunekit_exe
 
 REPO = Path(__file__).resolve().parents[1]
 LOSSES = ("dpo", "ipo", "orpo", "simpo", "kto")
@@ -49,19 +48,6 @@ def parse_args(argv=None):
     p.add_argument("--work", type=Path, default=REPO / "runs" / "bench-preference")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "preference")
     return p.parse_args(argv)
-
-
-def pairs_from(rows: list[dict], seed: int) -> list[dict]:
-    """One pair per classification row: its label chosen, another label rejected."""
-    from build_task_data import LABELS
-
-    rng = random.Random(seed)
-    out = []
-    for row in rows:
-        user, label = row["messages"][0]["content"], row["messages"][1]["content"]
-        wrong = rng.choice([x for x in LABELS if x != label])
-        out.append({"prompt": user, "chosen": label, "rejected": wrong})
-    return out
 
 
 def unpaired(pairs: list[dict]) -> list[dict]:

@@ -33,29 +33,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import re
 import shutil
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
-from benchlib import build_cfg, lengths, matmul_peak, step_examples, sync, useful_flops
+from benchlib import (LLAMA_1B, TRL_OPTIM, build_cfg, hf_base, in_fork, lengths, matmul_peak, memory, ordered_trainer,
+                      peft_lora, random_llama, reset_peak, run_device, run_isolated, step_clock, step_examples, sync,
+                      useful_flops)
+from benchlib import versions as installed
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = ("tunekit", "trl", "trl-liger")
 # micro-batch 32 x ~55-token default examples packs ~1.8k tokens per row at sequence 2048
 CONFIGS = {
     "cpu": dict(seq_len=256, packing="both", micro_batch_size=8, grad_accum=2, steps=12, reps=3, llama=None),
-    "gpu-1b": dict(seq_len=2048, packing="on", micro_batch_size=32, grad_accum=2, steps=30, reps=3,
-                   llama=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                              num_key_value_heads=8, tie_word_embeddings=True)),
+    "gpu-1b": dict(seq_len=2048, packing="on", micro_batch_size=32, grad_accum=2, steps=30, reps=3, llama=LLAMA_1B),
     "gpu-8b": dict(seq_len=2048, packing="on", micro_batch_size=32, grad_accum=2, steps=20, reps=3,
                    llama=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                               num_key_value_heads=8, tie_word_embeddings=False)),
@@ -104,31 +100,6 @@ def parse_args(argv=None):
 
 
 # ---------------------------------------------------------------------------- shared child setup
-def reset_peak():
-    """Start the training-phase memory peak: CUDA peak stats, or the process's VmHWM (Linux)."""
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
-def memory() -> dict:
-    import torch
-
-    mem = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):  # since reset_peak(): the training phase
-            mem["train_peak_rss_mib"] = int(line.split()[1]) / 1024
-    if torch.cuda.is_available():
-        mem["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
-        mem["cuda_max_reserved_mib"] = torch.cuda.max_memory_reserved() / 2**20
-    return mem
-
-
 def token_counts(micro: list[list[dict]]) -> tuple[int, int]:
     """(input tokens, trained tokens) of one step, as tunekit counts them: no padding; an example's
     first label is never trained (nothing predicts it alone; packed, it is masked)."""
@@ -167,15 +138,12 @@ def run_tunekit(spec: dict, cfg, out_dir: str) -> dict:
 def run_trl(spec: dict, cfg, out_dir: str, liger: bool) -> dict:
     import torch
     from datasets import Dataset
-    from peft import LoraConfig, prepare_model_for_kbit_training
-    from torch.utils.data import SequentialSampler
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, TrainerCallback
+    from peft import prepare_model_for_kbit_training
     from trl import SFTConfig, SFTTrainer
 
     from tunekit.config import plain
     from tunekit.data import BatchSchedule, load_splits
-    from tunekit.model import compute_dtype, load_tokenizer, resolve_model_path
-    from tunekit.train.optim import warmup_cosine
+    from tunekit.model import load_tokenizer, resolve_model_path
 
     if liger:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
@@ -193,24 +161,14 @@ def run_trl(spec: dict, cfg, out_dir: str, liger: bool) -> dict:
     steps = [step_examples(train, schedule, s) for s in range(t.max_steps)]
     rows = [{"input_ids": e["input_ids"], "labels": e["labels"]} for micro in steps for mb in micro for e in mb]
 
-    dtype = compute_dtype(plain(m.dtype), device)
-    quantized = plain(m.quantize) == "nf4"
-    kwargs = {"dtype": dtype, "device_map": {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}}
-    if quantized:  # the same config tunekit's loader builds
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=dtype, llm_int8_skip_modules=["lm_head"])
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model, dtype, quantized = hf_base(cfg, path, device)
     gc_kwargs = {"use_reentrant": False}
     kbit = quantized and spec.get("baseline", "trl") == "kbit"
     if kbit:
         prepare_model_for_kbit_training(model, use_gradient_checkpointing=m.gradient_checkpointing,
                                         gradient_checkpointing_kwargs=gc_kwargs)
-    targets = list(cfg.method.target_modules)
-    lora = LoraConfig(r=cfg.method.r, lora_alpha=cfg.method.alpha, lora_dropout=cfg.method.dropout, bias="none",
-                      target_modules="all-linear" if targets == ["all-linear"] else targets, task_type="CAUSAL_LM")
-    optim = {"adamw": "adamw_torch", "adamw_8bit": "adamw_bnb_8bit", "paged_adamw_8bit": "paged_adamw_8bit",
-             "paged_adamw_32bit": "paged_adamw_32bit"}[plain(t.optimizer)]
+    lora = peft_lora(cfg.method)
+    optim = TRL_OPTIM[plain(t.optimizer)]
     args = SFTConfig(
         output_dir=out_dir, max_steps=t.max_steps, per_device_train_batch_size=t.micro_batch_size,
         gradient_accumulation_steps=t.grad_accum, learning_rate=t.lr, weight_decay=t.weight_decay,
@@ -224,39 +182,10 @@ def run_trl(spec: dict, cfg, out_dir: str, liger: bool) -> dict:
     )
     record = {"times": [], "losses": [], "micro": []}
 
-    class OrderedSFTTrainer(SFTTrainer):
-        """SFTTrainer that takes the rows in order (tunekit's batches) and uses tunekit's lr schedule
-        (linear warmup from lr/(w+1), then cosine; transformers' "cosine" starts its warmup at 0)."""
-
-        def _get_train_sampler(self, train_dataset=None):
-            return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
-
-        def create_scheduler(self, num_training_steps, optimizer=None):
-            if self.lr_scheduler is None:
-                self.lr_scheduler = warmup_cosine(optimizer or self.optimizer, t.warmup_steps, t.max_steps)
-            return self.lr_scheduler
-
-        def training_step(self, *a, **kw):
-            loss = super().training_step(*a, **kw)
-            record["micro"].append(loss)  # this micro-batch's token-summed loss / trained tokens of the step
-            return loss
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, *a, **kw):
-            reset_peak()
-            sync()
-            self.last = time.perf_counter()
-
-        def on_step_end(self, *a, **kw):
-            sync()
-            now = time.perf_counter()
-            record["times"].append(now - self.last)
-            self.last = now
-            record["losses"].append(float(sum(x.float() for x in record["micro"])))
-            record["micro"].clear()
-
+    # each micro-batch's loss: its token-summed loss / trained tokens of the step
+    OrderedSFTTrainer = ordered_trainer(SFTTrainer, t.warmup_steps, t.max_steps, record)
     trainer = OrderedSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok,
-                                peft_config=lora, callbacks=[Clock()])
+                                peft_config=lora, callbacks=[step_clock(record)])
     params = [p for p in trainer.model.parameters() if p.requires_grad]
     if kbit:  # peft's QLoRA recipe keeps fp32 LoRA weights: undo TRL's bf16 cast of them on a 4-bit base
         for p in params:
@@ -290,35 +219,6 @@ def run_child(spec: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------- parent
-def in_fork(fn, *args):
-    """fn(*args) in a forked child, its JSON result read back through a pipe. The caller has imported the
-    stack and computed nothing (no thread pool or CUDA context exists to be copied); a child that fails
-    prints its traceback and the caller gets RuntimeError."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_end)
-        code = 1
-        try:
-            with os.fdopen(write_end, "w") as pipe:
-                pipe.write(json.dumps(fn(*args)))
-            code = 0
-        except BaseException:  # noqa: BLE001 - said on stderr, then the caller sees the exit status
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    os.close(write_end)
-    with os.fdopen(read_end) as pipe:
-        text = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    code = os.waitstatus_to_exitcode(status)
-    if code != 0:
-        raise RuntimeError(f"{fn.__name__} failed in its forked child (exit status {code})")
-    return json.loads(text)
-
-
 def prepare_forks(systems: list[str]) -> None:
     """--fork-runs: import what every run needs once, here, so that each fork starts with it."""
     import tunekit.train.loop  # noqa: F401
@@ -341,47 +241,6 @@ def peak_dtypes(gpu: bool) -> tuple[str, ...]:
     from tunekit.device.facts import cpu_has_bf16
 
     return ("bfloat16", "float32") if cpu_has_bf16() else ("float32",)
-
-
-def random_llama(name: str, llama: dict) -> str:
-    """A random-init bf16 Llama folder with the SmolLM2 tokenizer (speed does not depend on the values)."""
-    from tunekit.model import default_model_dir
-    from tunekit.model.default import cache_root
-
-    out = cache_root() / "bench" / f"llama-{name}"
-    if not (out / "config.json").is_file():
-        code = (
-            "import sys, torch; from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM\n"
-            f"tok = AutoTokenizer.from_pretrained({str(default_model_dir())!r})\n"
-            f"cfg = LlamaConfig(vocab_size=len(tok), max_position_embeddings=4096, bos_token_id=tok.bos_token_id, "
-            f"eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **{llama!r})\n"
-            "torch.set_default_dtype(torch.bfloat16)\n"
-            "with torch.device('cuda'): model = LlamaForCausalLM(cfg)\n"
-            f"model.save_pretrained({str(out)!r}); tok.save_pretrained({str(out)!r})\n")
-        subprocess.run([sys.executable, "-c", code], check=True)
-    return str(out)
-
-
-def device_name() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.machine())
-    return f"{cpu}, {torch.get_num_threads()} threads"
-
-
-def versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for pkg in ("torch", "transformers", "peft", "bitsandbytes", "trl", "tunekit", "liger-kernel"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out
 
 
 def summarize(runs: list[dict], warmup: int, peak: float | None) -> dict:
@@ -437,24 +296,6 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def in_fork_or_fresh(spec: dict, fork: bool) -> dict | None:
-    """One run: a fork of this process (--fork-runs) or a fresh interpreter; None where it failed (its
-    stderr shown)."""
-    if fork:
-        try:
-            return in_fork(run_child, spec)
-        except RuntimeError:
-            return None
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], cwd=REPO, capture_output=True,
-                          text=True)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        sys.stderr.write(proc.stderr[-4000:])
-        print(f"bench_train: the run's interpreter exited with status {proc.returncode}", file=sys.stderr)
-        return None
-    return json.loads(line.removeprefix("BENCH_RESULT "))
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not any(o.startswith("method.init=") for o in args.set):
@@ -495,7 +336,7 @@ def main(argv=None) -> int:
     measured = {"before": {d: measure_peak(d) for d in dtypes}}
     print("matmul peak (GFLOP/s): " + ", ".join(f"{d} {v['gflops']:.0f}" for d, v in measured["before"].items()),
           flush=True)
-    datasheet = args.peak_tflops or (next((v for k, v in PEAK_TFLOPS.items() if k in device_name()), None)
+    datasheet = args.peak_tflops or (next((v for k, v in PEAK_TFLOPS.items() if k in run_device()), None)
                                      if gpu else None)
 
     def peak_for(run: dict) -> tuple[float | None, str]:
@@ -511,7 +352,7 @@ def main(argv=None) -> int:
             during[d] = measure_peak(d)
         return during[d]["gflops"] / 1e3, f"measured {d} matmul peak, between the runs"
     modes = ["off", "on"] if args.packing == "both" else [args.packing]
-    result = {"config": args.config, "device": device_name(), "versions": versions(), "metric_notes": {
+    result = {"config": args.config, "device": run_device(), "versions": installed(("torch", "transformers", "peft", "bitsandbytes", "trl", "tunekit", "liger-kernel")), "metric_notes": {
         "tokens_per_s": "non-padding input tokens per second over the steps after warmup, all reps",
         "peak_rss_mib": "process peak RSS (ru_maxrss) incl. model load; train_peak_rss_mib: VmHWM after setup",
         "loss": "mean token loss of each optimizer step over its response tokens"},
@@ -528,7 +369,7 @@ def main(argv=None) -> int:
                         "packing": mode == "on", "model": model, "data": args.data, "set": args.set,
                         "baseline": args.baseline}
                 t0 = time.perf_counter()
-                run = in_fork_or_fresh(spec, args.fork_runs)
+                run = run_isolated(__file__, run_child, spec, args.fork_runs)
                 if run is None:
                     print(f"bench_train: {system} (packing {mode}, rep {rep}) failed", file=sys.stderr)
                     return 1

