@@ -462,7 +462,11 @@ class Sharded:
     # ---------------------------------------------------------------- optimizer state
     def optimizer_to_save(self, optimizer) -> "_RankStates":
         """Every rank's own optimizer state (its shards' moments), gathered to rank 0 for the
-        checkpoint. Collective."""
+        checkpoint. Collective. Rank 0 keeps its own state as it is (no pickled copy of it) and
+        receives the others' one rank at a time. gather_object pickled and unpickled rank 0's own
+        state too and received every rank's bytes into one buffer of world_size times the largest:
+        rank 0's peak on two CPU ranks training LoRA on a 1.02B model, at its checkpoint, fell from
+        1885 to 1784 MiB this way (benchmarks/training/fsdp-load-2026-11-27.md)."""
         import torch.distributed as dist
 
         def to_cpu(x):
@@ -474,8 +478,15 @@ class Sharded:
                 return type(x)(to_cpu(v) for v in x)
             return x
 
-        states = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(to_cpu(optimizer.state_dict()), states, dst=0)
+        mine = to_cpu(optimizer.state_dict())
+        if self.rank != 0:
+            dist.send_object_list([mine], dst=0)
+            return _RankStates(optimizer, self.rank, self.world_size, None)
+        states = [mine]
+        for r in range(1, self.world_size):
+            box = [None]
+            dist.recv_object_list(box, src=r)
+            states.append(box[0])
         return _RankStates(optimizer, self.rank, self.world_size, states)
 
     def optimizer_to_load(self, optimizer) -> "_RankStates":
