@@ -231,3 +231,12 @@ def test_the_inference_check_adds_the_cuda_allocator_margin_only_on_a_gpu():
         check_fits(terms, cpu, 10 * 2**30 - 1, "x")
     assert "--device cpu" not in str(e.value)  # it is on the CPU already
     assert "not checked" in check_fits(terms, gpu, None, "x")
+
+
+def test_fsdp_gathers_projection_by_projection_on_a_cpu_only():
+    # a CPU rank's gathers are host memory and share its cores: the smallest units; a GPU keeps
+    # FSDP2's layer units and its overlap
+    assert dev.fsdp_projection_units("cpu", 2) is True
+    assert dev.fsdp_projection_units("cuda", 2) is False
+    assert dev.fsdp_projection_units("mps", 8) is False
+    assert dev.fsdp_projection_units("cpu", 1) is False  # one rank gathers from nobody

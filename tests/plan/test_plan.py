@@ -243,6 +243,14 @@ def test_fsdp_shards_the_state_and_ddp_does_not():
     assert fsdp.terms["gathered blocks (FSDP)"] == block + 128256 * 8192 < one.terms["base weights"] / 8
     eight = step_memory(shape, st, ranks=8, sharded=True)  # a slice of an eighth: smaller than a block
     assert eight.terms["gathered blocks (FSDP)"] == 2 * block
+    # on a CPU each frozen projection is a unit of its own: the block's norms and the projection
+    # computing (the largest: gate, up and down, 8192 x 28672 in 4-bit codes), and beside them the
+    # larger of a second such projection (its all-gather's buffer, or the one prefetched) and one
+    # received slice of the head: the slice on 8 ranks, the projection on 32
+    norms, proj = 2 * 8192 * 2, 8192 * 28672 // 2
+    cpu = replace(st, fsdp_projection_units=True)
+    assert step_memory(shape, cpu, ranks=8, sharded=True).terms["gathered blocks (FSDP)"] == norms + proj + 128256 * 8192 // 4
+    assert step_memory(shape, cpu, ranks=32, sharded=True).terms["gathered blocks (FSDP)"] == norms + 2 * proj < block
     # 70B in 4 bits does not fit a 24 GB card, and does, sharded, on four
     gpu = DeviceFacts("cuda", 0, (8, 0), "GPU", 24 * GiB)
     plan = predict(shape, replace(st, seq_len=512), gpu, ranks=4)

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 from _helpers import launch_two_ranks, read_jsonl, run_cli, tiny_args
 from tunekit import TunekitError
-from tunekit.train.fsdp import Sharded, check_config, decoder_layers, outer_units, packed_checksum
+from tunekit.train.fsdp import (Sharded, check_config, decoder_layers, outer_units, packed_checksum,
+                                projection_units)
 
 
 @pytest.fixture(scope="session")
@@ -275,6 +276,23 @@ def test_units_follow_the_model(tiny_model_dir, untied_model_dir):
     assert [type(m).__name__ for m in decoder_layers(tied)] == ["LlamaDecoderLayer"] * 2
     assert outer_units(tied) == []  # a tied head stays with the embeddings in the root unit
     assert outer_units(untied) == [untied.model.embed_tokens, untied.lm_head]
+    # a CPU rank's projection units: the seven frozen projections of each layer, in model order; under
+    # LoRA each is peft's layer (base weight, A and B together), never its base_layer alone, and
+    # the norms stay in their layer's unit
+    names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert projection_units(decoder_layers(tied)) == []  # trained weights (full fine-tuning): layer units
+    tied.requires_grad_(False)
+    plain = projection_units(decoder_layers(tied))
+    assert plain == [getattr(getattr(layer, "mlp" if n.endswith(("gate_proj", "up_proj", "down_proj")) else "self_attn"), n)
+                     for layer in decoder_layers(tied) for n in names]
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(tied, LoraConfig(r=4, target_modules=["q_proj", "down_proj"]))
+    units = projection_units(decoder_layers(lora))
+    assert len(units) == 14 and [type(u).__name__ for u in units[:7]] == ["Linear"] * 7
+    wrapped = [u for u in units if hasattr(u, "base_layer")]
+    assert len(wrapped) == 4 and all(not u.weight.requires_grad for u in units)
+    assert not any(u.base_layer in units for u in wrapped)
 
 
 def test_the_start_up_memory_check_plans_with_the_fsdp_figures(tiny_model_dir):

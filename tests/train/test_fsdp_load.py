@@ -65,6 +65,7 @@ def _rank(rank: int, world: int, init_file: str, model_dir: str, bad_dir: str, o
                     full[name + ".nested_absmax"] = _digest(qs.state2.absmax)
         report[quantize] = {"line": line, "tensors": full, "opens": stream.opens, "bytes_read": stream.bytes_read,
                             "sums": len(sharded._checks)}
+    report["scatter_growth_mib"] = _scatter_growth_mib(rank, world)
     try:  # a NaN in one tensor: every rank stops with the same line, none waits in a collective
         stream, _ = open_streamed(bad_dir, "none", torch.float32, None, "lora", method, cfg, _strategy(rank, world))
         with stream.applying():
@@ -75,6 +76,29 @@ def _rank(rank: int, world: int, init_file: str, model_dir: str, bad_dir: str, o
         report["bad"] = str(e)
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
+
+
+def _scatter_growth_mib(rank: int, world: int) -> float:
+    """How far rank 0's peak RSS rises while it sends each rank its rows of a 32 MiB tensor into
+    shards already in memory (tunekit.train.fsdp_load._scatter); None where VmHWM cannot be reset."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from tunekit.train.fsdp_load import _scatter
+
+    def status(key: str) -> float:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key))
+        return int(line.split()[1]) / 1024
+
+    full = torch.ones(4096, 2048) if rank == 0 else None  # fp32: 32 MiB, its pages touched
+    shard = DTensor.from_local(torch.zeros(4096 // world, 2048), init_device_mesh("cpu", (world,)), [Shard(0)])
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    except OSError:
+        return None
+    before = status("VmRSS:")
+    _scatter(shard, full, rank, world)
+    return status("VmHWM:") - before
 
 
 def _reference(model_dir: Path, quantize: str) -> dict:
@@ -128,6 +152,18 @@ def test_ranks_gather_rank_0s_load_and_rank_1_never_opens_the_weights(quantize, 
     assert ref.keys() == r0["tensors"].keys()
     assert {k for k in ref if ref[k] != r0["tensors"][k]} == set()
     assert r0["sums"] == r1["sums"] == (14 if quantize == "nf4" else 0)  # the first-forward checks, armed
+
+
+def test_rank_0_sends_each_rank_its_rows_without_copying_them(two_ranks):
+    """The pieces rank 0 scatters are views of the tensor it read, received straight into each
+    shard: its peak grows by gloo's own small buffers only. Copying them, as passing accelerate's
+    "cpu:0" to `.to()` did, costs the 32 MiB tensor once more and a 16 MiB receive buffer besides
+    (48 MiB); the bound, 8 MiB, is a quarter of the tensor, far above the ~0 measured and far below
+    the copies."""
+    growth = json.loads((two_ranks / "rank0.json").read_text())["scatter_growth_mib"]
+    if growth is None:
+        pytest.skip("VmHWM cannot be reset here (/proc/self/clear_refs)")
+    assert growth < 8, growth
 
 
 def test_a_non_finite_weight_stops_every_rank_with_one_line(two_ranks):

@@ -326,6 +326,27 @@ def offload_activations(setting, facts: DeviceFacts, checkpointing: bool, sharde
     return setting is True or setting == "auto"
 
 
+def fsdp_projection_units(device_type: str, world_size: int) -> bool:
+    """Whether FSDP2 on a rank of `device_type`, one of `world_size`, makes every frozen projection
+    of a decoder layer a unit of its own (gathered alone, freed after its own forward and backward)
+    and frees each all-gather's buffer as soon as its weights are copied out.
+
+    On a CPU (gloo) the gathered weights are host memory and compute and communication share the
+    same cores: overlap has nothing to gain, and what a rank holds at a time is what counts. A
+    decoder-layer unit costs twice the layer for a moment (the all-gather's buffer and the weights
+    copied out of it, 2 x 98 MiB on a 1.02B Llama), and FSDP2 keeps each forward all-gather's buffer
+    until the next unit's copy-out (to overlap them on a GPU's streams); a projection unit costs
+    twice the largest projection (2 x 22 MiB there). Measured on two gloo ranks training LoRA on that
+    model: each rank's backward peaked 200 MiB above what it held before, 50 MiB with these units
+    (benchmarks/training/fsdp-load-2026-11-27.md). On a GPU one all-gather per layer overlapping
+    the previous layer's compute is what FSDP is for: layer units, as FSDP2 comes. On one rank
+    (a test's construct: one process never shards) nothing is gathered from another rank, and
+    layer units stay: the one-rank run then matches one process bit for bit
+    (tests/train/test_strategy.py), which projection units missed by rounding after the second
+    step (21 of the 28 LoRA tensors off by at most 7.5e-9, the losses still equal)."""
+    return device_type == "cpu" and world_size > 1
+
+
 # Rank 0 writes a checkpoint, reads it back to check it and keeps the best adapter while the other
 # ranks wait in the next collective. A slow disk (network storage) writes and reads ~50 MB/s.
 DIST_TIMEOUT_BASE_S = 1800

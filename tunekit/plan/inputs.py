@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Optional
 
 
-from tunekit.device.facts import DeviceFacts, compute_dtype, offload_activations
+from tunekit.device.facts import DeviceFacts, compute_dtype, fsdp_projection_units, offload_activations
 from tunekit.plan.memory import TrainSetup, method_of_name
 from tunekit.plan.shape import ModelShape, model_shape, student_shape
 
@@ -87,6 +87,7 @@ def planner_inputs(cfg, facts: DeviceFacts, teacher_shape: Optional[ModelShape] 
         optimizer=_value(t.optimizer), dropout_mask_bytes=1 if facts.type == "cuda" else 4,
         offload_activations=offload_activations(getattr(cfg.model, "offload_activations", False), facts,
                                                 cfg.model.gradient_checkpointing is True, sharded),
+        fsdp_projection_units=sharded and fsdp_projection_units(facts.type, ranks),
     )
     setup = method.plan_setup(setup, student, cfg, facts, dtype)
     if sharded:  # FSDP2 keeps peft's LoRA layers on every rank (module docstring)

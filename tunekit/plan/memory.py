@@ -109,6 +109,9 @@ class TrainSetup:
     # with gradient checkpointing on a GPU: the blocks' saved inputs live in pinned host memory
     # (tunekit.device.facts.offload_activations), not on the device
     offload_activations: bool = False
+    # FSDP on a CPU: every frozen projection of a block is a unit of its own, gathered alone
+    # (tunekit.device.facts.fsdp_projection_units), not the whole block
+    fsdp_projection_units: bool = False
 
     def __init__(self, method: str = "lora", options: Any = None, **values):
         planner = method_of_name(method)
@@ -465,17 +468,29 @@ def fsdp_gathered_bytes(shape: ModelShape, st: TrainSetup, ranks: int = 1) -> in
     for the whole micro-batch with the final norm. Untied embeddings and head are units of their own:
     frozen, they are never gathered, only one rank's vocabulary slice at a time is received
     (tunekit.train.fsdp.sliced_embeddings, tunekit.losses.sliced_head); trained (a method that trains
-    the base), each is gathered while it computes, with one block prefetched beside it."""
+    the base), each is gathered while it computes, with one block prefetched beside it. On a CPU
+    (st.fsdp_projection_units) each frozen projection is a unit of its own: a block's norms, the
+    projection computing and a second of the largest projection's size (the all-gather's buffer at
+    its copy-out, or the projection prefetched in backward) in place of two blocks."""
     outer = base_weight_bytes(shape.with_layers(0), st.quantize, st.compute_bytes)
     block = base_weight_bytes(shape.with_layers(1), st.quantize, st.compute_bytes) - outer
     block -= quant_state_bytes(shape.with_layers(1), st.quantize)  # never gathered: each rank holds it whole
+    second = block  # the block prefetched beside it
+    if st.fsdp_projection_units and not method_of(st).trains_base:
+        # the projection computing and, while it is copied out of the all-gather, the all-gather's
+        # buffer of the same size (or the one prefetched in backward); the norms with their block
+        proj = [(i * o // 2 + i * o % 2 if st.quantize == "nf4" else i * o * st.compute_bytes)
+                + (o * st.compute_bytes if shape.projection_bias(n) else 0)
+                for n in PROJECTIONS for i, o in [shape.projection(n)]]
+        second = max(proj)
+        block = block - sum(proj) + second
     if shape.tie_word_embeddings:
-        return 2 * block + outer
+        return block + second + outer
     per_param = st.compute_bytes
     largest = per_param * max(shape.embedding_params, shape.head_params)
     if not method_of(st).trains_base:
         largest = math.ceil(largest / max(ranks, 1))  # one received slice
-    return block + max(block, largest)
+    return block + max(second, largest)
 
 
 def step_memory(shape: ModelShape, st: TrainSetup, ranks: int = 1, sharded: bool = False) -> Memory:

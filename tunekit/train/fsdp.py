@@ -4,7 +4,9 @@ PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`; Zhao et al. 2023, "PyTorc
 every parameter along its first dimension into one shard per rank. Each decoder layer is one
 unit: its weights are all-gathered just before the layer runs and freed after, and its gradients
 are reduce-scattered in backward, so a rank holds 1/N of the base, of the trained tensors, of
-their gradients and of the optimizer state, plus about two gathered layers at a time. Untied
+their gradients and of the optimizer state, plus about two gathered layers at a time (on a CPU,
+where the gathered weights are host memory, every frozen projection is a unit of its own and a rank
+holds about two projections at a time: tunekit.device.facts.fsdp_projection_units). Untied
 input embeddings and output head are a unit each, gathered only while they compute (a frozen head
 not even then: the loss takes its vocabulary slices from the ranks one at a time,
 tunekit.losses.sliced_head); everything else (final norm, a soft prompt, and a head tied to the
@@ -59,6 +61,7 @@ import torch
 import torch.nn as nn
 
 from tunekit import TunekitError
+from tunekit.device.facts import fsdp_projection_units
 from tunekit.model.layers import decoder_layers, is_4bit
 from tunekit.train.optim import load_state
 
@@ -99,6 +102,26 @@ def outer_units(model: nn.Module) -> list[nn.Module]:
     if emb is None or head is None or getattr(emb, "weight", None) is getattr(head, "weight", None):
         return []
     return [emb, head]
+
+
+def projection_units(layers: list[nn.Module]) -> list[nn.Module]:
+    """The frozen projections of the decoder layers (2-D weights), in model order: the units of
+    their own that a CPU rank gathers one at a time (tunekit.device.facts.fsdp_projection_units).
+    Each is the outermost module that answers `.weight` with the projection's weight: peft's LoRA
+    layer (its base_layer, A and B gathered together, so that every forward hook on it, the 4-bit
+    checksum's too, sees the whole weight), else the Linear or Linear4bit itself. The norms stay in
+    their layer's unit, small beside them."""
+    out = []
+    for layer in layers:
+        inside: set[int] = set()
+        for m in layer.modules():  # outermost first
+            if id(m) in inside:
+                continue
+            w = getattr(m, "weight", None)
+            if isinstance(w, nn.Parameter) and w.dim() == 2 and not w.requires_grad:
+                out.append(m)
+                inside.update(id(c) for c in m.modules())
+    return out
 
 
 def head_loss_route(model: nn.Module) -> str:
@@ -252,6 +275,7 @@ class Sharded:
             raise TunekitError(f"trainer.strategy=fsdp: found no decoder layers to shard in {type(model).__name__} "
                                "(transformers' _no_split_modules names none); use trainer.strategy=ddp")
         units = layers + outer_units(model)
+        inner = projection_units(layers) if fsdp_projection_units(self.device.type, self.world_size) else []
         sums, plan = {}, None
         if stream is None:
             self.full_bytes = held_bytes(model)
@@ -263,7 +287,7 @@ class Sharded:
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         self.root = _Root(model)
         try:
-            for unit in units:
+            for unit in [*inner, *units]:  # innermost first: a unit takes the parameters no inner unit holds
                 fully_shard(unit, mesh=mesh)
             fully_shard(self.root, mesh=mesh)
         except (AssertionError, ValueError, RuntimeError, NotImplementedError, TypeError) as e:
@@ -273,6 +297,10 @@ class Sharded:
             if isinstance(m, FSDPModule):  # sum, never average: the loss is already normalised globally
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)
+        if inner and hasattr(self.root, "_set_unshard_async_op"):
+            # each all-gather's buffer freed at its copy-out, not kept until the next unit's (FSDP2's
+            # overlap of the two on a GPU's streams; on a CPU, one more projection held at a time)
+            self.root._set_unshard_async_op(True)
         if stream is not None:  # the checksums of rank 0's packed codes
             by_module = stream.fill(self.root, plan, self.device)
             sums = {name: by_module[m] for name, m in model.named_modules() if m in by_module}
@@ -301,7 +329,8 @@ class Sharded:
         outer = " + embeddings + head" if len(units) > len(layers) else ""
         return (f"fsdp: {len(layers)} decoder layers{outer} + the rest sharded over {self.world_size} ranks; "
                 f"this rank holds {self.rank_bytes / 2**20:.1f} MiB of the model's {self.full_bytes / 2**20:.1f} MiB"
-                + (" (4-bit codes stored as bf16; checked at the first forward)" if self.quantized else ""))
+                + (" (4-bit codes stored as bf16; checked at the first forward)" if self.quantized else "")
+                + (f"; {len(inner)} frozen projections gathered one at a time (CPU)" if inner else ""))
 
     def _checksum_hook(self, name: str, expected: tuple[int, int]):
         def hook(module, args):
@@ -433,7 +462,11 @@ class Sharded:
     # ---------------------------------------------------------------- optimizer state
     def optimizer_to_save(self, optimizer) -> "_RankStates":
         """Every rank's own optimizer state (its shards' moments), gathered to rank 0 for the
-        checkpoint. Collective."""
+        checkpoint. Collective. Rank 0 keeps its own state as it is (no pickled copy of it) and
+        receives the others' one rank at a time. gather_object pickled and unpickled rank 0's own
+        state too and received every rank's bytes into one buffer of world_size times the largest:
+        rank 0's peak on two CPU ranks training LoRA on a 1.02B model, at its checkpoint, fell from
+        1885 to 1784 MiB this way (benchmarks/training/fsdp-load-2026-11-27.md)."""
         import torch.distributed as dist
 
         def to_cpu(x):
@@ -445,8 +478,15 @@ class Sharded:
                 return type(x)(to_cpu(v) for v in x)
             return x
 
-        states = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(to_cpu(optimizer.state_dict()), states, dst=0)
+        mine = to_cpu(optimizer.state_dict())
+        if self.rank != 0:
+            dist.send_object_list([mine], dst=0)
+            return _RankStates(optimizer, self.rank, self.world_size, None)
+        states = [mine]
+        for r in range(1, self.world_size):
+            box = [None]
+            dist.recv_object_list(box, src=r)
+            states.append(box[0])
         return _RankStates(optimizer, self.rank, self.world_size, states)
 
     def optimizer_to_load(self, optimizer) -> "_RankStates":

@@ -345,7 +345,7 @@ class StreamedBase:
         sums: dict = {}
         units = sorted({u for u, *_ in plan})
         for u in [*[x for x in units if x >= 0], *sorted((x for x in units if x < 0), reverse=True)]:  # layers first
-            sums.update(self._unit([r for r in plan if r[0] == u], files, device))
+            sums.update(self._unit([r for r in plan if r[0] == u], files))
         if files is not None:
             self.bytes_read, self.tensors_read = files.bytes_read, len(plan)
         self.opens = self._opens()
@@ -354,7 +354,7 @@ class StreamedBase:
                                for m in sums)
         return sums
 
-    def _unit(self, rows: list, files: Optional[WeightFiles], device: torch.device) -> dict:
+    def _unit(self, rows: list, files: Optional[WeightFiles]) -> dict:
         """One unit: rank 0 reads, checks and quantizes it; every rank learns the verdict, the 4-bit
         states and checksums; then each tensor is scattered."""
         import torch.distributed as dist
@@ -378,7 +378,7 @@ class StreamedBase:
                 full = fulls[i] if fulls else None
                 if fulls:
                     fulls[i] = None  # freed as soon as it is sent
-                _scatter(_tensor(m, leaf), full, self.rank, self.world, device)
+                _scatter(_tensor(m, leaf), full, self.rank, self.world)
                 del full
                 if m in self.cast and leaf == "weight":
                     m.quant_state = next(states)
@@ -461,13 +461,20 @@ def _put_local(t: torch.Tensor, full: torch.Tensor, rank: int, world: int) -> No
     local.copy_(full.to(local.device).reshape(local.shape))
 
 
-def _scatter(t: torch.Tensor, full: Optional[torch.Tensor], rank: int, world: int, device: torch.device) -> None:
+def _scatter(t: torch.Tensor, full: Optional[torch.Tensor], rank: int, world: int) -> None:
     """Rank 0's `full` cut along dim 0 as FSDP2 cuts it; each rank receives its own piece into its
-    shard. A tensor FSDP did not shard is broadcast whole."""
+    shard. A tensor FSDP did not shard is broadcast whole.
+
+    The collective runs on the shard's own device, `local.device`, never on the run's device as
+    named: accelerate names a CPU rank's device "cpu:0", which compares unequal to a shard's "cpu"
+    and makes `.to("cpu:0")` copy a CPU tensor. Passing it made rank 0 copy both pieces of every
+    tensor and receive into a scratch buffer: three extra copies of the tensor's size (288 MiB for
+    the 1.02B benchmark's 192 MiB head, all of rank 0's load peak above one unit)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     local = _local(t)
+    device = local.device
     if not isinstance(t, DTensor):
         buf = full.to(device) if rank == 0 else torch.empty(local.shape, dtype=local.dtype, device=device)
         dist.broadcast(buf, src=0)
@@ -475,7 +482,7 @@ def _scatter(t: torch.Tensor, full: Optional[torch.Tensor], rank: int, world: in
         return
     shape = tuple(t.shape)
     step = -(-shape[0] // world)  # torch.chunk's piece length; the last pieces may be short or absent
-    into = tuple(local.shape) == (step, *shape[1:]) and local.is_contiguous() and local.device == torch.device(device)
+    into = tuple(local.shape) == (step, *shape[1:]) and local.is_contiguous()
     buf = local if into else torch.empty((step, *shape[1:]), dtype=local.dtype, device=device)
     pieces = None
     if rank == 0:
