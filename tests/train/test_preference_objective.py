@@ -190,3 +190,25 @@ def test_precomputed_reference_logps_ride_in_the_batch_and_replace_the_reference
     assert batch["ref_logps"].tolist() == [-1.0, -2.0, -10.0, -11.0]  # chosen rows, then rejected
     obj = PreferenceObjective(PreferenceConfig(loss="dpo"), reference=lambda b: pytest.fail("reference forward"))
     assert obj._reference_logps(None, batch).tolist() == [-1.0, -2.0, -10.0, -11.0]
+
+
+def test_a_reference_cache_that_does_not_fit_the_rows_is_named_and_not_used(tmp_path):
+    """preference.precompute_ref's file kept with the run: read back only when it holds one finite fp32
+    row of the right width per example; otherwise the run says why and computes them again."""
+    from safetensors.torch import save_file
+
+    from tunekit.train.preference import read_reference_cache, write_reference_cache
+
+    pairs = [{"input_ids": [1], "rejected_input_ids": [2]}] * 3
+    path = tmp_path / "ref.safetensors"
+    assert read_reference_cache(path, pairs, pairs[:1]) == (None, None)  # no file: nothing to say
+    train, val = torch.randn(3, 2), torch.randn(1, 2)
+    write_reference_cache(path, train, val)
+    got, why = read_reference_cache(path, pairs, pairs[:1])
+    assert why is None and torch.equal(got[0], train) and torch.equal(got[1], val)
+    _, why = read_reference_cache(path, pairs + pairs[:1], pairs[:1])  # another number of rows
+    assert why == f"{path}: its 'train' log-probs are (3, 2) torch.float32, not (4, 2) finite float32"
+    save_file({"train": torch.full((3, 2), float("nan")), "val": val}, str(path))
+    assert "not (3, 2) finite float32" in read_reference_cache(path, pairs, pairs[:1])[1]
+    path.write_bytes(b"not a safetensors file")
+    assert read_reference_cache(path, pairs, pairs[:1])[1].startswith(f"{path}: unreadable")

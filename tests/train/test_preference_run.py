@@ -262,7 +262,9 @@ def test_a_kto_run_resumes_to_the_same_adapter_and_logs_its_figures_to_wandb(tin
     """Resume and W&B hold for a preference objective as for SFT: a KTO run (the objective with the most
     per-step state: its rewards per kind of row and the KL rows built from each micro-batch) stopped
     after its step-2 checkpoint and resumed ends on the uninterrupted run's adapter bit for bit, its
-    steps 3-4 logged with the same figures; and the figures metrics.jsonl holds reach W&B (offline)."""
+    steps 3-4 logged with the same figures; and the figures metrics.jsonl holds reach W&B (offline).
+    With preference.precompute_ref the reference log-probs are kept with the run and the resume reads
+    them back (stored in fp32 as computed: the same values, so the same adapter)."""
     import os
     import shutil
 
@@ -282,7 +284,7 @@ def test_a_kto_run_resumes_to_the_same_adapter_and_logs_its_figures_to_wandb(tin
                      f"output_dir={out}", "model.quantize=none", "model.dtype=fp32", "trainer.max_steps=4",
                      "trainer.micro_batch_size=2", "trainer.grad_accum=2", "trainer.eval_every=4", "trainer.save_every=2",
                      "trainer.lr=1e-2", "trainer.eval_samples=0", "data.max_seq_len=32", "data.val_fraction=0.2",
-                     *extra], tmp_path, env=env, whole_env=True)
+                     "preference.precompute_ref=true", *extra], tmp_path, env=env, whole_env=True)
         assert r.returncode == 0, r.stderr[-3000:]
         return r
 
@@ -294,7 +296,10 @@ def test_a_kto_run_resumes_to_the_same_adapter_and_logs_its_figures_to_wandb(tin
     shutil.copytree(whole, resumed, ignore=shutil.ignore_patterns("wandb"))
     shutil.rmtree(resumed / "checkpoints" / "step-000004")
     shutil.rmtree(resumed / "adapter")
-    assert "resumed from" in train(resumed, "trainer.resume=true").stderr
+    cache = load_file(whole / "reference_logps.safetensors")
+    assert cache["train"].shape == (20, 1) and cache["val"].shape == (4, 1)  # 24 unpaired rows, 0.2 held out
+    stderr = train(resumed, "trainer.resume=true").stderr
+    assert "resumed from" in stderr and f"read from {resumed / 'reference_logps.safetensors'}" in stderr
     a = load_file(whole / "adapter" / "adapter_model.safetensors")
     b = load_file(resumed / "adapter" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

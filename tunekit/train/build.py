@@ -450,31 +450,47 @@ class RecipeSetup:
 
     def _precompute_reference(self) -> None:
         """preference.precompute_ref: every training and held-out row's reference log-probs, once, stored
-        with the row (its micro-batches then carry them and skip the reference forward). Every rank
+        with the row (its micro-batches then carry them and skip the reference forward) and kept with the
+        run (REFERENCE_CACHE: a resumed run reads them back instead of a pass over the data). Every rank
         computes every row in the same order, so collective forwards (FSDP) stay in step."""
         if not (getattr(self.objective, "needs_reference", False) and self.cfg.preference.precompute_ref):
             return
+        from tunekit.train.preference import REFERENCE_CACHE, read_reference_cache, write_reference_cache
+
+        path = self.output_dir / REFERENCE_CACHE
+        cached, why = read_reference_cache(path, self.train_data, self.val_data) if self.resume_from else (None, None)
+        if why:
+            log.warning("%s; computing them again", why)
+        computed = cached or [self._reference_logps(data) for data in (self.train_data, self.val_data)]
+        for data, logps in zip((self.train_data, self.val_data), computed):
+            for e, row in zip(data, logps.tolist()):
+                e["ref_logps"] = row
+        if cached is None and self.strategy.rank == 0:
+            write_reference_cache(path, *computed)
+        self._info(f"preference: reference log-probs of {len(self.train_data)} + {len(self.val_data)} rows "
+                   + (f"read from {path}" if cached else "computed once (preference.precompute_ref)"))
+
+    def _reference_logps(self, data: list) -> torch.Tensor:
+        """(rows, sides) fp32 reference log-probs of `data`'s examples, a micro-batch at a time."""
         from tunekit.losses.logps import sequence_logps
         from tunekit.model import decoder_and_head
 
-        size = self.cfg.trainer.micro_batch_size
+        size, out = self.cfg.trainer.micro_batch_size, []
         self.model.eval()
-        for data in (self.train_data, self.val_data):
-            for i in range(0, len(data), size):
-                rows = data[i : i + size]
-                batch = {k: v.to(self.device) for k, v in self.collate(rows, self.tokenizer.pad_token_id).items()}
+        for i in range(0, len(data), size):
+            rows = data[i : i + size]
+            batch = {k: v.to(self.device) for k, v in self.collate(rows, self.tokenizer.pad_token_id).items()}
 
-                def forward():
-                    _, head = decoder_and_head(self.model)
-                    return sequence_logps(self.reference_hidden(batch), head, batch["labels"])[0]
+            def forward():
+                _, head = decoder_and_head(self.model)
+                return sequence_logps(self.reference_hidden(batch), head, batch["labels"])[0]
 
-                with torch.no_grad(), self.precision.autocast(self.device, self.method.autocast):
-                    logps = self.strategy.run(forward).float().cpu().view(-1, len(rows))  # (sides, rows)
-                for j, e in enumerate(rows):
-                    e["ref_logps"] = logps[:, j].tolist()
+            with torch.no_grad(), self.precision.autocast(self.device, self.method.autocast):
+                out.append(self.strategy.run(forward).float().cpu().view(-1, len(rows)).t())  # (rows, sides)
         self.model.train()
-        self._info(f"preference: reference log-probs of {len(self.train_data)} + {len(self.val_data)} rows computed "
-                   "once (preference.precompute_ref)")
+        from tunekit.train.preference import sides_of
+
+        return torch.cat(out) if out else torch.zeros(0, sides_of(self.train_data))
 
     def reference_hidden(self, batch: dict) -> torch.Tensor:
         """The reference model's last hidden states for `batch` (on the device): the same model with the

@@ -23,6 +23,7 @@ per-pair losses. `count` gives that unit; `stats` and `finish` give the rewards 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -99,6 +100,47 @@ def check_kto_micro_batch(cfg, chosen_by_auto: bool = False) -> None:
                            f"and {why}; set preference.kto_kl=zero, or shorten data.max_seq_len")
     raise TunekitError(f"trainer.micro_batch_size: {mbs} with preference.loss=kto: {why}; use "
                        "trainer.micro_batch_size=2 or more, or preference.kto_kl=zero")
+
+
+# preference.precompute_ref's log-probabilities, kept with the run for a resume: tensors "train" and
+# "val", (rows, sides) fp32 in the data's order (sides: chosen and rejected, or KTO's one row)
+REFERENCE_CACHE = "reference_logps.safetensors"
+
+
+def sides_of(rows: list) -> int:
+    """Rows a preference example runs as: 2 for a pair (chosen and rejected), 1 for KTO's unpaired row."""
+    return 2 if rows and "rejected_input_ids" in rows[0] else 1
+
+
+def write_reference_cache(path: Path, train: torch.Tensor, val: torch.Tensor) -> None:
+    from safetensors.torch import save_file
+
+    from tunekit.owned import atomic_write
+
+    atomic_write(path, lambda tmp: save_file({"train": train.contiguous(), "val": val.contiguous()}, str(tmp)))
+
+
+def read_reference_cache(path: Path, train: list, val: list) -> tuple[Optional[list], Optional[str]]:
+    """([train, val] tensors, None) when `path` holds what this run's rows need: one finite fp32 row
+    of the right width per example, in order (the run's resume check has already matched its data,
+    model and settings); (None, why not) otherwise, (None, None) when there is no file."""
+    if not path.is_file():
+        return None, None
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        return None, f"{path}: unreadable ({type(e).__name__}: {e})"
+    out = []
+    for name, rows in (("train", train), ("val", val)):
+        t, sides = tensors.get(name), sides_of(train)
+        if t is None or t.dtype != torch.float32 or tuple(t.shape) != (len(rows), sides) or not torch.isfinite(t).all():
+            got = "missing" if t is None else f"{tuple(t.shape)} {t.dtype}"
+            return None, f"{path}: its {name!r} log-probs are {got}, not ({len(rows)}, {sides}) finite float32"
+        out.append(t)
+    return out, None
 
 
 class PreferenceObjective:
