@@ -49,8 +49,8 @@ from datetime import date
 from pathlib import Path
 
 from benchlib import (LLAMA_1B, TRL_OPTIM, build_cfg, hf_base, memory, ordered_trainer, pairs_from, peft_lora,
-                      random_llama, reset_peak, rss_kib, run_device, run_isolated, step_clock, step_examples, sync,
-                      versions)
+                      random_llama, rss_kib, run_device, run_isolated, step_clock, step_examples, timed_steps,
+                      versions, write_result)
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = ("tunekit", "trl")
@@ -127,22 +127,12 @@ def run_tunekit(cfg, out_dir: str) -> dict:
 
     r.collate = recording
     t = cfg.trainer
-    times, losses, own_counts = [], [], []
-    reset_peak()
-    start_rss = rss_kib() / 1024
-    sync()
-    last = time.perf_counter()
-    for step in range(t.max_steps):
-        row = r.train_step(step)  # exactly what `tunekit train` runs per step (eval/save aside)
-        sync()
-        now = time.perf_counter()
-        times.append(now - last)
-        last = now
-        losses.append(row["loss"])
-        own_counts.append(row["input_tokens"])
+    timed = timed_steps(r, t.max_steps)
     r.tracker.close()
-    return {"step_times_s": times, "losses": losses, "seen": per_step(seen, t.grad_accum, t.max_steps),
-            "own_token_counts": own_counts, "start_rss_mib": start_rss, "adapter_dtype": str(r.params[0].dtype),
+    rows = timed["rows"]
+    return {"step_times_s": timed["step_times_s"], "losses": [row["loss"] for row in rows],
+            "seen": per_step(seen, t.grad_accum, t.max_steps), "own_token_counts": [row["input_tokens"] for row in rows],
+            "start_rss_mib": timed["start_rss_mib"], "adapter_dtype": str(r.params[0].dtype),
             "compute_dtype": str(r.dtype).removeprefix("torch."), "optimizer": type(r.optimizer).__name__,
             "trainable_params": r.trainable_params}
 
@@ -410,11 +400,7 @@ def main(argv=None) -> int:
                  "data": data if args.data else "tweet-sentiment pairs (bench_preference's 600 training pairs, data.val_fraction held out)"},
               "results": compare(runs, args.warmup), "runs": runs}
     out = args.out or REPO / "benchmarks" / "preference" / f"dpo-vs-trl-{dev}-{today}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps(result, indent=2) + "\n")
-    Path(f"{out}.md").write_text(markdown(result))
-    print(markdown(result))
-    print(f"wrote {out}.json and {out}.md")
+    write_result(out, result, markdown)
     return 0 if "refused" not in result["results"].get("ratios", {}) else 3
 
 

@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 
 from benchlib import (LLAMA_1B, TRL_OPTIM, build_cfg, hf_base, in_fork, lengths, matmul_peak, memory, ordered_trainer,
-                      peft_lora, random_llama, reset_peak, run_device, run_isolated, step_clock, step_examples, sync,
-                      useful_flops)
+                      peft_lora, random_llama, run_device, run_isolated, step_clock, step_examples, timed_steps,
+                      useful_flops, write_result)
 from benchlib import versions as installed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,20 +115,11 @@ def run_tunekit(spec: dict, cfg, out_dir: str) -> dict:
     r = TrainRecipe(cfg, Path(out_dir))
     r.setup()
     t = cfg.trainer
-    times, losses, counts = [], [], []
-    reset_peak()
-    sync()
-    last = time.perf_counter()
-    for step in range(t.max_steps):
-        row = r.train_step(step)  # exactly what `tunekit train` runs per step (eval/save aside)
-        sync()
-        now = time.perf_counter()
-        times.append(now - last)
-        last = now
-        losses.append(row["loss"])
-        counts.append((row["input_tokens"], row["trained_tokens"]))
+    timed = timed_steps(r, t.max_steps)
     r.tracker.close()
-    return {"step_times_s": times, "losses": losses, "tokens": counts, "trainable_params": r.trainable_params,
+    rows = timed["rows"]
+    return {"step_times_s": timed["step_times_s"], "losses": [row["loss"] for row in rows],
+            "tokens": [(row["input_tokens"], row["trained_tokens"]) for row in rows], "trainable_params": r.trainable_params,
             "lengths": [lengths(step_examples(r.train_data, r.schedule, s)) for s in range(t.max_steps)],
             "adapter_dtype": str(r.params[0].dtype), "compute_dtype": str(r.dtype).removeprefix("torch."),
             "optimizer": type(r.optimizer).__name__}
@@ -396,11 +387,7 @@ def main(argv=None) -> int:
     result["matmul_peak_gflops"] = measured
     dev = re.sub(r"[^a-z0-9]+", "-", result["device"].lower().removeprefix("nvidia ")).strip("-") if gpu else "cpu"
     out = args.out or REPO / "benchmarks" / "training" / f"train-{dev}-{args.config}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps(result, indent=2) + "\n")
-    Path(f"{out}.md").write_text(markdown(result))
-    print(markdown(result))
-    print(f"wrote {out}.json and {out}.md")
+    write_result(out, result, markdown)
     return 0
 
 

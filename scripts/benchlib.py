@@ -396,6 +396,24 @@ def reset_peak():
         pass
 
 
+def timed_steps(recipe, steps: int) -> dict:
+    """recipe.train_step(0 .. steps - 1) of a set-up TrainRecipe, each timed to its device's sync (what
+    `tunekit train` runs per step, evaluation and saving aside), after resetting the peak-memory
+    counters: {"step_times_s", "rows" (each step's metrics row), "start_rss_mib" (RSS at the start)}."""
+    times, rows = [], []
+    reset_peak()
+    start_rss = rss_kib() / 1024
+    sync()
+    last = time.perf_counter()
+    for step in range(steps):
+        rows.append(recipe.train_step(step))
+        sync()
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    return {"step_times_s": times, "rows": rows, "start_rss_mib": start_rss}
+
+
 def memory() -> dict:
     """Peak memory of this process: peak RSS since it started, VmHWM since reset_peak(), CUDA's peaks."""
     import resource
