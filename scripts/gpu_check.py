@@ -13,8 +13,8 @@ time cap, so that a crash or a hang costs that stage and not the report:
            kill + resume, export fidelity
   bench    scripts/bench_train.py on the 1B at 2048 tokens, packed: tunekit against TRL + peft +
            bitsandbytes on the same batches (tokens/s, peak memory, first losses)
-  plan     three short `tunekit train` runs; each run's summary holds the measured peak beside the
-           plan's figure for the same settings
+  plan     four short `tunekit train` runs; each run's summary holds the measured peak beside the
+           plan's figure for the same settings; the last starts from LoftQ (its SVDs' rate on the GPU)
   export   `tunekit export --format merged` of the 1B qlora run (fidelity report, peak memory)
   variants the 135M shape, one short run per training path a GPU alone can time (last: it gets
            the time the stages before it leave): packed rows attending per example or through the
@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 from gpu_check_data import long_rows, pairs_rows  # scripts/ is on the path: this script's own folder
-from gpu_check_report import markdown
+from gpu_check_report import loftq_figures, markdown
 
 CLI = "tunekit.commands.main"  # the module a `tunekit` command runs
 
@@ -97,8 +97,8 @@ def settings(tiny: bool) -> dict:
             "bench": ["--config", "cpu", "--steps", "2", "--warmup", "1", "--reps", "1", "--packing", "on",
                       "--seq-len", "64", "--micro-batch-size", "4", "--grad-accum", "2", "--peak-reps", "2"],
             # one row: the flow of the GPU's three (each row is a process start here)
-            "plan": [("qlora ckpt, 2x128", "1b", "recipe=qlora model.gradient_checkpointing=true "
-                      "trainer.micro_batch_size=2 data.max_seq_len=128 kernels.fused_lora=off")],
+            "plan": [("qlora ckpt, LoftQ start, 2x128", "1b", "recipe=qlora model.gradient_checkpointing=true "
+                      "trainer.micro_batch_size=2 data.max_seq_len=128 kernels.fused_lora=off method.init=loftq")],
             "plan_steps": 2,
             # the GPU's variants cut to the two the comparison needs (offloading and cuDNN are GPU-only;
             # fp16 with loss scaling trains on the CPU in tests/train/test_loss_scale.py, and every
@@ -118,7 +118,11 @@ def settings(tiny: bool) -> dict:
                   "model.gradient_checkpointing=true model.offload_activations=true trainer.micro_batch_size=2 "
                   "data.max_seq_len=2048"),
                  ("1b lora bf16 no ckpt, 2x2048", "1b", "recipe=lora model.gradient_checkpointing=false "
-                  "trainer.micro_batch_size=2 data.max_seq_len=2048")],
+                  "trainer.micro_batch_size=2 data.max_seq_len=2048"),
+                 # last (skipped when the budget runs out): LoftQ's SVDs on the GPU at Llama-3-8B's widths,
+                 # the rate method.init=auto assumes for cuda, and the start's memory in the setup peak
+                 ("8b widths 4 blocks qlora LoftQ start, 2x2048", "8b-4blocks", "recipe=qlora method.init=loftq "
+                  "model.gradient_checkpointing=true trainer.micro_batch_size=2 data.max_seq_len=2048")],
         "plan_steps": 3,
         "variants_base": ["recipe=qlora", "trainer.micro_batch_size=8", "data.max_seq_len=512", "trainer.max_steps=6",
                           "kernels.fused_lora=off", "model.gradient_checkpointing=false"],
@@ -433,6 +437,8 @@ class Check:
                     row["planned_device_mib"]
                 if row["measured_mib"] and planned:
                     row["planned_over_measured"] = round(planned / row["measured_mib"], 3)
+                row.update(loftq_figures(self.work / f"plan-{i}.log", run_dir, self.model_dirs[model],
+                                         "cpu" if self.args.tiny else "cuda"))
                 if i == 0:
                     self.runs["export"] = run_dir
             row["ok"] = r["rc"] == 0 and summary.is_file()

@@ -1,6 +1,33 @@
-"""The GPU check's report (scripts/gpu_check.py): gpu_check.json rendered as gpu_check.md."""
+"""The GPU check's report (scripts/gpu_check.py): gpu_check.json rendered as gpu_check.md, and the
+figures it reads from a run's log."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
+
+LOFTQ_LINE = re.compile(r"method lora: LoftQ \(iters=(\d+), r=\d+\).*\(([\d.]+) s\)")
+
+
+def loftq_figures(log: Path, run_dir: Path, model_dir: Path, device_type: str) -> dict:
+    """A run's LoftQ start as its log reports it: its seconds, the SVD work `method.init=auto` counts
+    for it (tunekit.methods.lora.start_choice) and so the rate this device reached, against the one
+    `auto` assumes for it. {} for a run without a LoftQ start."""
+    found = LOFTQ_LINE.search(log.read_text(errors="replace")) if log.is_file() else None
+    if not found:
+        return {}
+    from omegaconf import OmegaConf
+
+    from tunekit.methods.lora.start_choice import SVD_UNITS_PER_S, svd_units
+    from tunekit.plan.shape import model_shape
+    from tunekit.plan.terms import planned_projections
+
+    iters, seconds = int(found.group(1)), float(found.group(2))
+    method = OmegaConf.load(run_dir / "config.yaml").method
+    units = svd_units(model_shape(str(model_dir), None), planned_projections(method.target_modules), iters)
+    return {"loftq_s": seconds, "loftq_svd_units": units, "loftq_units_per_s": units / max(seconds, 1e-3),
+            "loftq_units_per_s_assumed": SVD_UNITS_PER_S.get(device_type, SVD_UNITS_PER_S["cpu"])}
+
 
 def _fmt(v, nd=1):
     return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
@@ -57,6 +84,12 @@ def markdown(res: dict) -> str:
                   f"{_fmt(r.get('setup_mib'))} | "
                   f"{_fmt(r.get('planned_step_mib'))} | {_fmt(r.get('planned_device_mib'))} | {_fmt(r.get('planned_over_measured'), 3)} | "
                   f"{r.get('compute_dtype', '-')} | {r.get('kernels', '-')} | {r['ok']} |" for r in rows]
+    starts = [r for r in rows if r.get("loftq_s") is not None]
+    if starts:
+        lines += ["", "## LoftQ start (method.init=auto's rate on this device)", "",
+                  "| config | seconds | SVD units | units/s measured | units/s assumed |", "|---|---:|---:|---:|---:|"]
+        lines += [f"| {r['config']} | {r['loftq_s']:.1f} | {_sci(float(r['loftq_svd_units']))} | "
+                  f"{_sci(r['loftq_units_per_s'])} | {_sci(r['loftq_units_per_s_assumed'])} |" for r in starts]
     shapes = [(r["config"], c) for r in rows for c in (r.get("rejected_checks") or r.get("kernel_checks") or [])]
     if shapes:
         lines += ["", "## fused kernel per weight shape (one layer's forward + backward)", "",

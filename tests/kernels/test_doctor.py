@@ -52,6 +52,8 @@ def test_gpu_check_dry_run_writes_every_stage(gpu_check):
     # every planner row has a measured peak and the plan's figure beside it
     rows = stages["plan"]["rows"]
     assert len(rows) == 1 and all(r["measured_mib"] > 0 and r["planned_over_measured"] > 0 for r in rows)
+    # its LoftQ start read back from the run's log: the seconds, and the SVD rate against auto's for the device
+    assert rows[0]["loftq_s"] >= 0 and rows[0]["loftq_svd_units"] > 0 and rows[0]["loftq_units_per_s_assumed"] == 3.7e10
     assert stages["export"]["tail"][-1].startswith("exported merged to")
     # the same rows through per-example attention and through the dense mask
     var = stages["variants"]["rows"]
@@ -65,7 +67,7 @@ def test_gpu_check_dry_run_writes_every_stage(gpu_check):
     # like relative amount times a loss change per step of a few percent at this lr: far below it
     assert var[1]["max_loss_rel_diff"] < 1e-3
     md = (out / "gpu_check.md").read_text()
-    assert "| doctor | ok |" in md and "| packed, dense block-diagonal mask |" in md and "tunekit/trl: tokens/s" in md and "planned/measured" in md
+    assert "| doctor | ok |" in md and "| packed, dense block-diagonal mask |" in md and "tunekit/trl: tokens/s" in md and "planned/measured" in md and "## LoftQ start" in md
     with tarfile.open(out / "logs.tar.gz") as tar:
         names = tar.getnames()
     assert "doctor/report.json" in names and "bench.json" in names
