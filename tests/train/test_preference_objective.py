@@ -212,3 +212,39 @@ def test_a_reference_cache_that_does_not_fit_the_rows_is_named_and_not_used(tmp_
     assert "not (3, 2) finite float32" in read_reference_cache(path, pairs, pairs[:1])[1]
     path.write_bytes(b"not a safetensors file")
     assert read_reference_cache(path, pairs, pairs[:1])[1].startswith(f"{path}: unreadable")
+
+
+def test_scored_rows_take_the_strategys_decoder_inputs_with_and_without_the_trained_part(monkeypatch):
+    """The reference's forward and KTO's KL rows (RecipeSetup.reference_hidden / policy_hidden) feed the
+    decoder what the strategy makes of the batch, as the training forward does: under FSDP a frozen
+    untied embedding's sliced lookup (tunekit.train.fsdp.sliced_embeddings), never the table gathered
+    whole. Only the reference switches the trained part off; neither records a graph."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import tunekit.model
+    from tunekit.train.build import RecipeSetup
+
+    embeds = torch.randn(2, 3, 4)
+    seen, switched = [], []
+
+    def decoder(**kwargs):
+        seen.append((set(kwargs), torch.is_grad_enabled(), bool(switched)))
+        return SimpleNamespace(last_hidden_state=kwargs["inputs_embeds"] * 2)
+
+    @contextlib.contextmanager
+    def switched_off(model):
+        switched.append(1)
+        yield
+        switched.pop()
+
+    strategy = SimpleNamespace(decoder_inputs=lambda model, dec, inputs: {
+        **{k: v for k, v in inputs.items() if k != "input_ids"}, "inputs_embeds": embeds})
+    recipe = SimpleNamespace(model=object(), strategy=strategy, method=SimpleNamespace(switched_off=switched_off))
+    recipe._scored_hidden = lambda batch: RecipeSetup._scored_hidden(recipe, batch)
+    monkeypatch.setattr(tunekit.model, "decoder_and_head", lambda model: (decoder, None))
+    batch = {"input_ids": torch.zeros(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3), "labels": None}
+    for scored in (RecipeSetup.reference_hidden, RecipeSetup.policy_hidden):
+        assert torch.equal(scored(recipe, batch), embeds * 2)
+    assert seen == [({"inputs_embeds", "attention_mask", "use_cache"}, False, True),
+                    ({"inputs_embeds", "attention_mask", "use_cache"}, False, False)]

@@ -495,20 +495,24 @@ class RecipeSetup:
     def reference_hidden(self, batch: dict) -> torch.Tensor:
         """The reference model's last hidden states for `batch` (on the device): the same model with the
         method's trained part switched off, under no_grad (preference objectives)."""
-        from tunekit.model import decoder_and_head
-
         with torch.no_grad(), self.method.switched_off(self.model):
-            decoder, _ = decoder_and_head(self.model)
-            return decoder(**model_inputs(batch), use_cache=False).last_hidden_state
+            return self._scored_hidden(batch)
 
     def policy_hidden(self, batch: dict) -> torch.Tensor:
         """The trained model's last hidden states for `batch` under no_grad, as `reference_hidden` runs
         them (KTO's KL rows: scored, never trained)."""
+        with torch.no_grad():
+            return self._scored_hidden(batch)
+
+    def _scored_hidden(self, batch: dict) -> torch.Tensor:
+        """The decoder's forward for rows that are scored, not trained: its inputs as the training
+        forward takes them (under FSDP a frozen untied embedding is looked up in the ranks' slices,
+        never gathered whole, as the plan counts it)."""
         from tunekit.model import decoder_and_head
 
-        with torch.no_grad():
-            decoder, _ = decoder_and_head(self.model)
-            return decoder(**model_inputs(batch), use_cache=False).last_hidden_state
+        decoder, _ = decoder_and_head(self.model)
+        inputs = self.strategy.decoder_inputs(self.model, decoder, model_inputs(batch))
+        return decoder(**inputs, use_cache=False).last_hidden_state
 
     # ---------------------------------------------------------------- training state
     def _build_optimizer(self) -> None:
