@@ -423,6 +423,7 @@ class Check:
                 s = json.loads(summary.read_text())
                 mem = s.get("memory", {})
                 row.update(measured_mib=mem.get("peak_mib"), setup_mib=mem.get("setup_peak_mib"),
+                           setup_phases_mib=mem.get("setup_phases_mib"),
                            measured_as=mem.get("measured_as"),
                            planned_step_mib=mem.get("planned_step_peak_mib"),
                            planned_device_mib=mem.get("planned_device_total_mib"),

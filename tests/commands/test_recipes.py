@@ -71,6 +71,10 @@ def test_qlora_writes_every_output(qlora_run):
     mem = summary["memory"]
     assert mem["measured_as"] == "process peak RSS" and 0 < mem["peak_mib"] <= mem["planned_device_total_mib"]
     assert mem["setup_peak_mib"] > 0  # loading and setup, measured apart from the training peak
+    # and split by phase: its peak is the largest phase's
+    assert list(mem["setup_phases_mib"]) == ["before the model", "loading the base", "the method and its start",
+                                             "the compute path's checks", "the rest of setup"]
+    assert mem["setup_peak_mib"] == max(mem["setup_phases_mib"].values())
     assert "quantize: nf4" in (out / "config.yaml").read_text()
     # the CPU threads the run had (the suite's OMP_NUM_THREADS=1), in the summary and the log
     threads = summary["threads"]

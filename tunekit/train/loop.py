@@ -66,10 +66,16 @@ class TrainRecipe(RecipeSetup):
         self._resolve_steps()
         self._choose_start()
         self._choose_precision()
+        # the training peak is measured apart from setup's, and setup's per phase (summary.json)
+        self.setup_phases_mb: dict[str, float] = {}
+        self._setup_phase("before the model")
         self._load_model()
+        self._setup_phase("loading the base")
         self._build_objective()
         self._apply_method()
+        self._setup_phase("the method and its start")
         self._choose_compute_path()
+        self._setup_phase("the compute path's checks")
         self._wrap_model()
         self._build_optimizer()
         self._start_or_resume()
@@ -77,8 +83,12 @@ class TrainRecipe(RecipeSetup):
         self._write_run_files()
         self._open_tracker()
         self._setup_task_eval()
-        # the training peak is measured apart from setup's (loading, quantizing, the kernel proofs)
-        self.setup_peak_mb = dev.peak_memory_mb(self.device)
+        self._setup_phase("the rest of setup")
+        self.setup_peak_mb = max(self.setup_phases_mb.values())
+
+    def _setup_phase(self, name: str) -> None:
+        """The peak of the setup phase that ends here (the measure of `_memory_report`), then a new peak."""
+        self.setup_phases_mb[name] = dev.peak_memory_mb(self.device)
         dev.reset_peak_memory(self.device)
 
     def _start_processes(self) -> None:
@@ -375,10 +385,12 @@ class TrainRecipe(RecipeSetup):
         """This rank's measured training peak beside the plan's: torch's peak allocation on a GPU; on a
         CPU the process's peak RSS, which also holds the runtime and the allocator's retention (the
         plan's device total counts both). `setup_peak_mib`: the same measure over setup (loading and
-        quantizing the base, the kernel proofs), which the step plan does not cover.
+        quantizing the base, the kernel proofs), which the step plan does not cover; `setup_phases_mib`
+        splits it by phase (each phase's own peak: where a setup transient comes from).
         `offloaded_activations`: whether checkpointed blocks' inputs went to host memory."""
         out = {"peak_mib": round(dev.peak_memory_mb(self.device), 1),
                "setup_peak_mib": round(self.setup_peak_mb, 1),
+               "setup_phases_mib": {k: round(v, 1) for k, v in self.setup_phases_mb.items()},
                "measured_as": dev.peak_memory_kind(self.device), "offloaded_activations": bool(self.offload)}
         if self.planned is not None:
             out["planned_step_peak_mib"] = round(self.planned.peak / 2**20, 1)
