@@ -54,6 +54,10 @@ def test_dpo_accuracy_and_margin_are_the_implied_rewards_against_the_reference()
     assert base["preference_accuracy"] == 0 and base["margin"] == 0 and base["loss"] == pytest.approx(math.log(2))
     table = preference_table(m, base, "head")
     assert "preference accuracy             0.0%     50.0%     +50.0   (+- 25.0% trained)" in table
+    # what each model ranks first by its own log-prob per token (one token a side here): the trained model
+    # prefers chosen in pairs 1 and 3 (-10 > -11, -8 > -9); the base in pair 2 only (-11 > -12; pair 1 ties)
+    assert m["likelihood_accuracy"] == 0.5 and base["likelihood_accuracy"] == 0.25
+    assert "prefers chosen (per token)     25.0%     50.0%     +25.0   (+- 25.0% trained)" in table
 
 
 @pytest.mark.parametrize("loss", ["simpo", "orpo"])

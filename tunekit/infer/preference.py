@@ -10,12 +10,16 @@ a chunk of rows at a time, never the whole logits), the rewards from tunekit.los
 
   preference accuracy   share of pairs whose chosen reward exceeds the rejected one (a tie is not
                         correct, as in the trainer's rewards/accuracies), with its binomial standard error
+  prefers chosen        share of pairs whose chosen completion has the higher mean log-probability per
+                        token under the model itself, whatever the loss (not a trainer figure): what
+                        the model ranks first, comparable between the base and the trained model
   margin                mean of chosen reward - rejected reward, with its standard error
   loss                  the run's loss per pair: on the run's own split, the trainer's val_loss
 
 These are the trainer's held-out figures (val_loss, val_rewards/*) over the same rows. The base (the
 untuned model) scored the same way: for a loss with a reference the base IS the reference, so every
-margin is 0, its accuracy 0% and its loss the loss at zero margin (ln 2 for DPO). KTO's unpaired rows
+margin is 0, its accuracy 0% and its loss the loss at zero margin (ln 2 for DPO): "prefers chosen" is
+then the informative before and after. KTO's unpaired rows
 have no pairs to order: their figures are the mean reward of the desirable and of the undesirable rows.
 """
 
@@ -97,8 +101,13 @@ class PairScorer:
         n = len(correct)
         acc, acc_se = rate_se(sum(correct), n)
         m, m_se = mean_se(margin)
+        # what the model itself ranks first, whatever the loss: the higher mean log-probability per token
+        # (for a loss with a reference, the base's preference_accuracy is 0 by definition; this is not)
+        per_token = policy.sums / policy.tokens.clamp(min=1)
+        own, own_se = rate_se(int((per_token[:, 0] > per_token[:, 1]).sum()), n)
         metrics = {"pairs": n, "loss": float(out.per_pair.double().mean()), "preference_accuracy": acc,
-                   "preference_accuracy_se": acc_se, "margin": m, "margin_se": m_se,
+                   "preference_accuracy_se": acc_se, "likelihood_accuracy": own, "likelihood_accuracy_se": own_se,
+                   "margin": m, "margin_se": m_se,
                    "rewards_chosen": float(out.chosen_rewards.double().mean()),
                    "rewards_rejected": float(out.rejected_rewards.double().mean())}
         return Figures(metrics, correct, margin.tolist())
@@ -159,7 +168,7 @@ def desirable_of(examples: list[dict]) -> Optional[torch.Tensor]:
 
 # ----------------------------------------------------------------------------- the report
 PAIR_ROWS = (("loss", "preference loss", "{:.4f}"), ("preference_accuracy", "preference accuracy", "pct"),
-             ("margin", "reward margin", "{:+.4f}"), ("rewards_chosen", "reward chosen", "{:+.4f}"),
+             ("likelihood_accuracy", "prefers chosen (per token)", "pct"), ("margin", "reward margin", "{:+.4f}"), ("rewards_chosen", "reward chosen", "{:+.4f}"),
              ("rewards_rejected", "reward rejected", "{:+.4f}"))
 KTO_ROWS = (("loss", "preference loss", "{:.4f}"), ("reward_desirable", "reward desirable", "{:+.4f}"),
             ("reward_undesirable", "reward undesirable", "{:+.4f}"), ("reward_gap", "desirable - undesirable", "{:+.4f}"))
