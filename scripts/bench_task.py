@@ -62,7 +62,7 @@ from benchlib import (build_cfg, device_name, evaluate, fail, pct, run_logged, t
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
-RECIPES = ("qlora", "lora", "adapter", "bitfit", "prompt_tuning", "full")
+RECIPES = ("qlora", "lora", "adapter", "bitfit", "prompt_tuning", "full", "ia3", "distill")
 # the task's headline figure first; every figure the table reports for it
 TASKS = {"classify": ("accuracy", "exact_match"), "generate": ("exact_match",)}
 PRECISIONS = {"policy": [], "fp32": ["model.dtype=fp32"]}  # the overrides each precision adds
