@@ -53,7 +53,8 @@ class Running:
         stdin = None
         if case.get("input") is not None:
             stdin = folder / f"{case['n']}.in"
-            stdin.write_text(case["input"])
+            # bytes as given (input that is not UTF-8), text as UTF-8
+            stdin.write_bytes(case["input"]) if isinstance(case["input"], bytes) else stdin.write_text(case["input"])
         self.files = [p for p in (self.out, self.err, stdin) if p is not None]
         self.failed: tuple[float, int] | None = None  # (when, exit status) of the first rank that failed
         self.signal_when = case.get("signal_when")  # (path, signum): sent once, when the path appears
@@ -94,6 +95,8 @@ class CliServer:
         self.server = Server(self.env)
         self.folder = Path(tempfile.mkdtemp(prefix="tunekit-cli-"))
         self._n = count()
+        self.tokenizers: set[Path] = set()  # model folders whose tokenizer the server preloaded
+        self.paths: set[Path] = set()  # folders put on the server's sys.path (tests/_helpers.fork_ranks)
 
     def serves(self, env: dict) -> bool:
         """Whether a command with environment `env` may be a fork of this server: the server runs and
@@ -108,7 +111,7 @@ class CliServer:
     def _case(self, case: dict) -> dict:
         return {**case, "n": next(self._n), "cwd": str(case["cwd"]), "argv": list(case["argv"])}
 
-    def run(self, args: list[str], cwd: Path, env: dict, timeout: float, input: str | None = None,
+    def run(self, args: list[str], cwd: Path, env: dict, timeout: float, input: str | bytes | None = None,
             ranks: list[dict] | None = None, cmd: list[str] | None = None,
             signal_when: tuple[Path, int] | None = None) -> subprocess.CompletedProcess:
         """One command (`env`: its whole environment); with `ranks` (each rank's whole environment),

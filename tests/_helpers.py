@@ -37,6 +37,9 @@ def tiny_args(model_dir: Path, data: Path, out: Path, *extra: str) -> list[str]:
 
 
 _server: CliServer | None = None
+# Model folders whose tokenizer each fork server loads once, before its children: a child's first
+# load of that folder takes it (tunekit.model.loader.preload_tokenizer). conftest.py adds the tiny model.
+TOKENIZER_FOLDERS: list[Path] = []
 
 
 def fork_server() -> CliServer | None:
@@ -59,6 +62,10 @@ def fork_server() -> CliServer | None:
             _server.close()
         _server = CliServer(dict(os.environ))
         atexit.register(_server.close)  # its folder of output files goes with it
+    for folder in TOKENIZER_FOLDERS:
+        if folder not in _server.tokenizers:
+            _server.server.call("tunekit.model.loader:preload_tokenizer", str(folder))
+            _server.tokenizers.add(folder)
     return _server
 
 
@@ -171,6 +178,47 @@ def launch_two_ranks(args: list[str], cwd: Path, port: int, timeout: int = 300,
             ranks.append(rank)
         return server.run(["train", *args], cwd, env, timeout, ranks=ranks, cmd=cmd)
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def fork_ranks(fn, args: tuple, nprocs: int = 2, timeout: float = 300) -> None:
+    """torch.multiprocessing.start_processes(fn, args, nprocs) for gloo ranks on the CPU, each rank a
+    fork of this worker's fork server (fork_server(): the stack imported once) instead of a spawned
+    interpreter that imports torch, transformers and peft again, seconds each. fn(rank, *args) is a
+    module-level function of a test module in tests/train (beside _rank_main.py, the ranks' `main`).
+    Fails the test with the output of every rank unless each exits 0; a rank left waiting in a
+    collective for one that failed is stopped after Running.GRACE_S, every rank at `timeout`."""
+    import pickle
+
+    from _cli_forker import Running
+
+    server = fork_server()
+    if server is None:  # fresh processes asked for (TUNEKIT_TEST_FRESH_CLI=1), or a GPU is visible
+        import torch.multiprocessing as mp
+
+        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="spawn")
+        return
+    folder = Path(sys.modules[fn.__module__].__file__).parent
+    assert (folder / "_rank_main.py").is_file(), f"{fn.__module__}: fork_ranks runs functions of tests/train"
+    if folder not in server.paths:  # the test module and _rank_main importable in the server's children
+        server.server.call("site:addsitedir", str(folder))
+        server.paths.add(folder)
+    logs = [server.folder / f"rank{rank}-{next(server._n)}.log" for rank in range(nprocs)]
+    ranks = [server.server.start("_rank_main", [pickle.dumps(functools.partial(fn, rank, *args)).hex()], log, log)
+             for rank, log in enumerate(logs)]
+    start, failed = time.monotonic(), None
+    while None in (codes := [r.poll() for r in ranks]):
+        now = time.monotonic()
+        if failed is None and any(c not in (None, 0) for c in codes):
+            failed = now
+        if now - start > timeout or (failed is not None and now - failed > Running.GRACE_S):
+            for r in ranks:
+                r.kill()
+        time.sleep(0.05)
+    output = "\n".join(f"--- rank {rank} (exit {code}):\n{log.read_text(errors='replace')[-3000:]}"
+                       for rank, (code, log) in enumerate(zip(codes, logs)))
+    for log in logs:
+        log.unlink()
+    assert codes == [0] * nprocs, output
 
 
 def read_jsonl(path: Path) -> list[dict]:

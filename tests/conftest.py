@@ -124,6 +124,9 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out)
     tok.save_pretrained(out)
+    from _helpers import TOKENIZER_FOLDERS
+
+    TOKENIZER_FOLDERS.append(out)  # the folder most commands of the suite load
     return out
 
 

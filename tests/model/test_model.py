@@ -204,3 +204,29 @@ def test_loading_info_catches_what_no_header_shows(tiny_model_dir, tiny_tensors,
     with pytest.raises(TunekitError, match=rf"1 tensor\(s\) have another shape than the config gives them \({q} is "
                                            r"\[32, 64\] in the files, \[64, 64\] in the config\)"):
         load_base_model(str(narrow), "nf4", torch.bfloat16, CPU)
+
+
+def test_a_preloaded_tokenizer_is_handed_out_once_and_only_for_unchanged_files(tiny_model_dir, tmp_path):
+    """What a fork server preloads (tunekit.model.loader.preload_tokenizer) is a process's first
+    load_tokenizer of that folder; the next load is a fresh object (a run adds tokens to its own), and
+    a folder whose files changed since is read again."""
+    import shutil
+
+    from tunekit.model import loader
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, folder)
+    loader.preload_tokenizer(str(folder))
+    preloaded = loader._PRELOADED[str(folder.resolve())][1]
+    first, second = loader.load_tokenizer(str(folder)), loader.load_tokenizer(str(folder))
+    assert first is preloaded and second is not preloaded
+    assert second("hello world").input_ids == first("hello world").input_ids
+
+    loader.preload_tokenizer(str(folder))
+    stale = loader._PRELOADED[str(folder.resolve())][1]
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["model_max_length"] = 77
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    fresh = loader.load_tokenizer(str(folder))
+    assert fresh is not stale and fresh.model_max_length == 77
+    assert not loader._PRELOADED  # the stale one was dropped, not kept for a later load

@@ -75,19 +75,20 @@ def exit_status(e: SystemExit) -> int:
 # ------------------------------------------------------------------ the server process
 def warm_cli() -> None:
     """What every `tunekit` child would otherwise set up for itself, done once in the server: the
-    loss curve's plotting library, the tokenizer classes (through the default model's tokenizer,
-    where it is converted), transformers' table of checkpoint renamings (built at a process's first
-    from_pretrained). Each is a speed-up only: whatever a library lacks is skipped."""
+    loss curve's plotting library, the default model's tokenizer where it is converted (a child's
+    first load of it takes this one: tunekit.model.loader.preload_tokenizer), transformers' table
+    of checkpoint renamings (built at a process's first from_pretrained). Each is a speed-up only:
+    whatever a library lacks is skipped."""
     import matplotlib
 
     matplotlib.use("Agg")  # as tunekit.train.tracking sets it
     import matplotlib.pyplot  # noqa: F401
 
-    from tunekit.model import load_tokenizer
     from tunekit.model.default import converted_default_dir
+    from tunekit.model.loader import preload_tokenizer
 
     if (folder := converted_default_dir()) is not None:
-        load_tokenizer(str(folder))
+        preload_tokenizer(str(folder))
     try:
         importlib.import_module("transformers.conversion_mapping").get_checkpoint_conversion_mapping("llama")
     except (ImportError, AttributeError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -36,6 +37,37 @@ def _load_error(path: str, what: str, err: Exception) -> TunekitError:
     return TunekitError(f"model.path: cannot load the {what} of {path}: {type(err).__name__}: {one_line(err)}")
 
 
+# Tokenizers a fork server (tunekit.commands.forkserver) loaded before forking: {folder: (stamp, tokenizer)}.
+# Building SmolLM2's tokenizer parses a 3.5 MB tokenizer.json (~0.1 s of a 2-core CPU); a forked
+# command takes the server's copy as its first load of that folder instead. Each entry is handed out
+# once per process, so no two loads share one object (a run adds tokens to its own), and only while
+# the folder's files are the ones it was loaded from.
+_PRELOADED: dict[str, tuple[tuple, object]] = {}
+
+
+def _folder_stamp(folder: Path) -> tuple:
+    """(name, size, mtime) of every file in a model folder: any file AutoTokenizer may read changes it."""
+    return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(folder) if e.is_file()))
+
+
+def preload_tokenizer(path: str) -> None:
+    """Load a model folder's tokenizer now, for the first load_tokenizer of that folder in this process
+    or a fork of it (a fork server calls this before forking)."""
+    from transformers import AutoTokenizer
+
+    folder = Path(path).resolve()
+    stamp = _folder_stamp(folder)
+    _PRELOADED[str(folder)] = (stamp, AutoTokenizer.from_pretrained(str(folder)))
+
+
+def _take_preloaded(path: str):
+    folder = Path(path)
+    if not _PRELOADED or not folder.is_dir():
+        return None
+    stamp, tok = _PRELOADED.pop(str(folder.resolve()), (None, None))
+    return tok if tok is not None and stamp == _folder_stamp(folder) else None
+
+
 def load_tokenizer(path: str, key: str = "model.path"):
     """The tokenizer of a model folder (or hub id); in a folder with config.json, checked against the
     embeddings of the model that folder holds. `key` is the config key or flag naming the folder."""
@@ -46,7 +78,7 @@ def load_tokenizer(path: str, key: str = "model.path"):
     if Path(path).is_dir():  # also the tokenizer a run saved beside its adapter, which no model check reads
         check_chat_templates(Path(path), key)
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = _take_preloaded(path) or AutoTokenizer.from_pretrained(path)
     except Exception as e:  # tokenizers, sentencepiece and json raise their own types for a bad file
         raise _load_error(path, "tokenizer", e) from None
     if tok.eos_token_id is None:
