@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from _helpers import launch_two_ranks, read_jsonl, run_cli, tiny_args
+from _helpers import fork_ranks, launch_two_ranks, read_jsonl, run_cli, tiny_args
 
 
 def _strategy(rank: int, world: int):
@@ -134,8 +133,7 @@ def two_ranks(tiny_model_dir, tmp_path_factory) -> Path:
     weights = load_file(str(bad / "model.safetensors"))
     weights["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
     save_file(weights, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    mp.start_processes(_rank, args=(2, str(out / "pg"), str(tiny_model_dir), str(bad), str(out)),
-                       nprocs=2, join=True, start_method="spawn")
+    fork_ranks(_rank, (2, str(out / "pg"), str(tiny_model_dir), str(bad), str(out)))
     return out
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from _helpers import fork_ranks
 
 
 def _rank(rank: int, world: int, init_file: str, model_dir: str, out: str) -> None:
@@ -62,8 +63,7 @@ def _rank(rank: int, world: int, init_file: str, model_dir: str, out: str) -> No
 @pytest.fixture(scope="module")
 def two_ranks(tiny_model_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("shared-start")
-    mp.start_processes(_rank, args=(2, str(out / "pg"), str(tiny_model_dir), str(out)),
-                       nprocs=2, join=True, start_method="spawn")
+    fork_ranks(_rank, (2, str(out / "pg"), str(tiny_model_dir), str(out)))
     return out
 
 
