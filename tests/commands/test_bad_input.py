@@ -239,6 +239,10 @@ def test_refused_after_the_model_loads(world, argv, stdin, culprit):
 
 
 def _run_with_stdin_bytes(args, cwd, data: bytes) -> subprocess.CompletedProcess:
+    server = fork_server()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if server is not None and server.serves(env):
+        return server.run(args, cwd, env, 300, input=data)
     exe = Path(sys.executable).with_name("tunekit")
     r = subprocess.run([str(exe), *args], input=data, capture_output=True, cwd=cwd, timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
