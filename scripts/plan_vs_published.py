@@ -12,7 +12,6 @@ of implementation, which the document lists per source. Writes benchmarks/plan/p
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,11 +33,12 @@ differences, sized with the planner's own terms:
 
 - torchtune, all three rows: its loss computes the output projection and cross-entropy in chunks,
   as tunekit's does (tunekit.losses.sft). torch.compile (on in the published runs) fuses elementwise
-  ops and saves fewer activations. Its packed rows use document masking; the plan assumes padded
-  rows with a float attention mask per block (16 MiB per block here).
+  ops and saves fewer activations. Its rows are packed with document masking; the plan's are packed
+  too (`data.packing=true`: per-example attention, no mask tensor).
 - torchtune QLoRA: torchao's NF4 covers the linear layers and leaves embeddings and output in bf16,
-  as tunekit's precision policy does (docs/precision.md); tunekit also offloads the checkpointed
-  blocks' inputs to host memory on CUDA (model.offload_activations=auto).
+  as tunekit's precision policy does (docs/precision.md). The rows plan no activation offloading, as
+  the published runs; with `model.offload_activations=true` (what `auto` picks on a card the step
+  would not fit otherwise) the 8B QLoRA row plans {offloaded:.2f} GiB.
 - torchtune LoRA on the A6000: the table does not say what differs from the 4090 row; with
   checkpointing off the plan is dominated by tunekit's saved activations (36 GiB; every LoRA
   branch keeps an fp32 copy of its input), which torchtune's LoRA (bf16 throughout) does not keep.
@@ -57,52 +57,59 @@ model (bool dropout masks, flash/efficient attention saving q, k, v, output and 
 (`plan-cpu.md`) check everything the two devices share.
 """
 
-# (source, label, published GiB, preset, TrainSetup fields, ranks, sharded, note)
+# (source, label, published GiB, `tunekit plan` overrides, ranks, note). Each row is planned as
+# `tunekit plan OVERRIDES --device cuda --memory 24 --gpus RANKS` plans it: the same composition,
+# checks and setup as a run of those settings, so the figures follow the planner and the recipes.
+TT_LORA = ["recipe=lora", "model.preset=llama-3-8b", "method.r=8",
+           "method.target_modules=[q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"]
+TT_COMMON = ["trainer.micro_batch_size=2", "data.max_seq_len=2048", "data.packing=true", "trainer.optimizer=adamw",
+             "model.offload_activations=false"]
 ROWS = [
-    ("torchtune", "8B LoRA, 1x RTX 4090", 16.2, "llama-3-8b",
-     dict(lora_r=8, lora_targets=("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-          gradient_checkpointing=True), 1, False,
+    ("torchtune", "8B LoRA, 1x RTX 4090", 16.2, TT_LORA + TT_COMMON + ["model.gradient_checkpointing=true"], 1,
      "8B_lora_single_device defaults: r=8 on q,v,output_proj + MLP, activation checkpointing on"),
-    ("torchtune", "8B LoRA, 1x A6000 (checkpointing assumed off)", 30.3, "llama-3-8b",
-     dict(lora_r=8, lora_targets=("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-          gradient_checkpointing=False), 1, False,
+    ("torchtune", "8B LoRA, 1x A6000 (checkpointing assumed off)", 30.3,
+     TT_LORA + TT_COMMON + ["model.gradient_checkpointing=false"], 1,
      "settings of this row are not stated; 14 GiB above the 4090 row suggests checkpointing off"),
-    ("torchtune", "8B QLoRA, 1x RTX 4090", 7.4, "llama-3-8b",
-     dict(quantize="nf4", lora_r=8, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                  "down_proj"), gradient_checkpointing=True), 1, False,
+    ("torchtune", "8B QLoRA, 1x RTX 4090", 7.4,
+     ["recipe=qlora", "model.preset=llama-3-8b", "method.r=8", "method.init=default",
+      "method.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
+      "model.gradient_checkpointing=true"] + TT_COMMON, 1,
      "8B_qlora_single_device defaults: r=8 on q,k,v,output_proj + MLP, activation checkpointing on"),
 ]
-FSDP_LORA = dict(lora_r=64, lora_dropout=0.1, lora_targets=("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
-                                                            "down_proj"), gradient_checkpointing=True)
-for label, published, quantize, batch, ctx, sharded in [
-    ("7B QLoRA FSDP, bs 1, ctx 512", 4.98, "nf4", 1, 512, True),
-    ("7B QLoRA FSDP, bs 1, ctx 2048", 5.21, "nf4", 1, 2048, True),
-    ("7B LoRA FSDP, bs 1, ctx 512", 10.24, "none", 1, 512, True),
-    ("7B LoRA FSDP, bs 1, ctx 2048", 10.22, "none", 1, 2048, True),
-    ("7B QLoRA FSDP, bs 4, ctx 2048", 11.22, "nf4", 4, 2048, True),
-    ("7B QLoRA FSDP, bs 10, ctx 2048", 20.97, "nf4", 10, 2048, True),
-    ("7B LoRA FSDP, bs 4, ctx 2048", 16.14, "none", 4, 2048, True),
-    ("7B LoRA FSDP, bs 6, ctx 2048", 21.35, "none", 6, 2048, True),
-    ("7B QLoRA DDP, bs 8, ctx 2048", 20.94, "nf4", 8, 2048, False),
-    ("7B LoRA DDP, bs 4, ctx 2048", 22.04, "none", 4, 2048, False),
+for label, published, recipe, batch, ctx, strategy in [
+    ("7B QLoRA FSDP, bs 1, ctx 512", 4.98, "qlora", 1, 512, "fsdp"),
+    ("7B QLoRA FSDP, bs 1, ctx 2048", 5.21, "qlora", 1, 2048, "fsdp"),
+    ("7B LoRA FSDP, bs 1, ctx 512", 10.24, "lora", 1, 512, "fsdp"),
+    ("7B LoRA FSDP, bs 1, ctx 2048", 10.22, "lora", 1, 2048, "fsdp"),
+    ("7B QLoRA FSDP, bs 4, ctx 2048", 11.22, "qlora", 4, 2048, "fsdp"),
+    ("7B QLoRA FSDP, bs 10, ctx 2048", 20.97, "qlora", 10, 2048, "fsdp"),
+    ("7B LoRA FSDP, bs 4, ctx 2048", 16.14, "lora", 4, 2048, "fsdp"),
+    ("7B LoRA FSDP, bs 6, ctx 2048", 21.35, "lora", 6, 2048, "fsdp"),
+    ("7B QLoRA DDP, bs 8, ctx 2048", 20.94, "qlora", 8, 2048, "ddp"),
+    ("7B LoRA DDP, bs 4, ctx 2048", 22.04, "lora", 4, 2048, "ddp"),
 ]:
-    ROWS.append(("Answer.AI", label, published, "llama-2-7b",
-                 dict(FSDP_LORA, quantize=quantize, micro_batch_size=batch, seq_len=ctx), 2, sharded,
+    ROWS.append(("Answer.AI", label, published,
+                 [f"recipe={recipe}", "model.preset=llama-2-7b", "method.r=64", "method.dropout=0.1",
+                  "method.target_modules=[q_proj,k_proj,v_proj,gate_proj,up_proj,down_proj]",
+                  "model.gradient_checkpointing=true", "model.offload_activations=false", "trainer.optimizer=adamw",
+                  f"trainer.micro_batch_size={batch}", f"data.max_seq_len={ctx}", f"trainer.strategy={strategy}"]
+                 + (["method.init=default"] if recipe == "qlora" else []), 2,
                  "train.py defaults: r=64 on q,k,v,gate,up,down, dropout 0.1, bf16, checkpointing on"))
 
 
-def plan_row(preset: str, fields: dict, ranks: int, sharded: bool):
-    from tunekit.device.facts import DeviceFacts
-    from tunekit.plan import predict
-    from tunekit.plan.memory import TrainSetup
-    from tunekit.plan.shape import preset_shape
+def plan_row(overrides: list[str], ranks: int) -> dict:
+    """One rank's figures (`tunekit plan --json`'s per_rank entry of the run's strategy) for these settings."""
+    import contextlib
+    import io
+    import json
 
-    setup = TrainSetup(micro_batch_size=2, seq_len=2048, packing=False, optimizer="adamw", dropout_mask_bytes=1)
-    setup = replace(setup, **fields)  # torchtune rows: 2 rows of 2048 tokens (packed per row there)
-    facts = DeviceFacts("cuda", 0, (8, 0), "GPU", 24 * GiB)
-    plan = predict(preset_shape(preset), setup, facts, ranks)
-    memory = plan.fsdp if sharded else plan.memory
-    return plan, memory
+    from tunekit.commands.plan import main as plan_main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        plan_main([*overrides, "--device", "cuda", "--memory", "24", "--gpus", str(ranks), "--json"])
+    result = json.loads(out.getvalue())
+    return result["per_rank"][result["strategy"]] if ranks > 1 else next(iter(result["per_rank"].values()))
 
 
 def main(argv=None):
@@ -120,19 +127,22 @@ def main(argv=None):
              "| source | run | published (GiB) | tunekit peak (GiB) | + margin (GiB) | error (+margin vs published) "
              "| largest terms (GiB) |", "|---|---|---:|---:|---:|---:|---|"]
     errors = {}
-    for source, label, published, preset, fields, ranks, sharded, note in ROWS:
-        plan, memory = plan_row(preset, fields, ranks, sharded)
-        peak = memory.total / GiB
+    for source, label, published, overrides, ranks, note in ROWS:
+        rank = plan_row(overrides, ranks)
+        peak = rank["peak_bytes"] / GiB
         with_margin = peak * (1 + CUDA_ALLOCATOR_MARGIN)
         err = 100 * (with_margin / published - 1)
         errors.setdefault(source, []).append(err)
-        top = ", ".join(f"{k} {v / GiB:.1f}" for k, v in sorted(memory.terms.items(), key=lambda kv: -kv[1])[:3])
+        top = ", ".join(f"{k} {v / GiB:.1f}" for k, v in sorted(rank["terms"].items(), key=lambda kv: -kv[1])[:3])
         lines.append(f"| {source} | {label} | {published} | {peak:.1f} | {with_margin:.1f} | {err:+.0f}% | {top} |")
+    qlora = next(r for r in ROWS if r[1] == "8B QLoRA, 1x RTX 4090")
+    offloaded = plan_row([*qlora[3], "model.offload_activations=true"], 1)["peak_bytes"] / GiB
     lines += ["", "Sources and settings:", "", f"- torchtune: {TORCHTUNE}.", f"- Answer.AI: {ANSWERAI}.", ""]
-    for source, label, published, preset, fields, ranks, sharded, note in ROWS:
-        lines.append(f"- {source}, {label}: {note}.")
+    for source, label, published, overrides, ranks, note in ROWS:
+        lines.append(f"- {source}, {label}: {note}: `tunekit plan {' '.join(overrides)} --device cuda --memory 24"
+                     f"{f' --gpus {ranks}' if ranks > 1 else ''}`.")
     lines += ["", "Error range per source: " + "; ".join(
-        f"{s} {min(e):+.0f}% to {max(e):+.0f}%" for s, e in errors.items()) + ".", "", DIFFERENCES]
+        f"{s} {min(e):+.0f}% to {max(e):+.0f}%" for s, e in errors.items()) + ".", "", DIFFERENCES.format(offloaded=offloaded)]
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
