@@ -47,7 +47,8 @@ _PRELOADED: dict[str, tuple[tuple, object]] = {}
 
 def _folder_stamp(folder: Path) -> tuple:
     """(name, size, mtime) of every file in a model folder: any file AutoTokenizer may read changes it."""
-    return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(folder) if e.is_file()))
+    stats = ((e.name, e.stat()) for e in os.scandir(folder) if e.is_file())
+    return tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats))
 
 
 def preload_tokenizer(path: str) -> None:
@@ -78,7 +79,9 @@ def load_tokenizer(path: str, key: str = "model.path"):
     if Path(path).is_dir():  # also the tokenizer a run saved beside its adapter, which no model check reads
         check_chat_templates(Path(path), key)
     try:
-        tok = _take_preloaded(path) or AutoTokenizer.from_pretrained(path)
+        tok = _take_preloaded(path)
+        if tok is None:
+            tok = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # tokenizers, sentencepiece and json raise their own types for a bad file
         raise _load_error(path, "tokenizer", e) from None
     if tok.eos_token_id is None:
