@@ -35,6 +35,21 @@ def test_distill_lowers_kl_to_teacher(tiny_model_dir, tiny_data, tmp_path):
     evals = [row for row in read_jsonl(out / "metrics.jsonl") if "val_kl" in row]
     assert [row["step"] for row in evals] == [0, 2, 4]
     assert "val kl" in r.stderr and "teacher" in r.stderr
+    # eval and export open the run over the student it trained (out/student_base), not over model.path
+    # (the default model, whose adapter tensors this run does not hold)
+    r = run_cli(["eval", str(out), "--base"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    scored = json.loads((out / "eval.json").read_text())
+    assert scored["source"].startswith(f"{out}: run (distill: lora) over {out / 'student_base'} ")
+    # the same held-out rows and model as the trainer's last evaluation; the two differ in batching and
+    # padding only: fp32 sums in another order, and the bf16 logits of rows padded differently rounding
+    # to neighbouring values (|dz| <= 2^-8 |z|, |z| < 1 for this std-0.02 model): far under 1e-2 a token
+    assert abs(scored["trained"]["loss"] - summary["last_val_ce"]) < 1e-2
+    assert abs(scored["base"]["loss"] - summary["first_val_ce"]) < 1e-2  # step 0: the student, LoRA B = 0
+    r = run_cli(["export", str(out), "--format", "merged", "--out", str(tmp_path / "merged"), "--eval-batches", "1",
+                 "--task-rows", "0"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert AutoConfig.from_pretrained(tmp_path / "merged").num_hidden_layers == 1
 
 
 def test_teacher_with_another_vocabulary_is_one_clear_error(tiny_model_dir, tiny_data, tmp_path):

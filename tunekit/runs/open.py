@@ -208,6 +208,21 @@ def _start_of(run: Run) -> Optional[StartAdapter]:
     return start
 
 
+def trained_base(cfg: TrainConfig, run_dir: Path) -> str:
+    """The base a run trained over: model.path, or for a distillation that cut its student from the
+    teacher (distill.student_keep_every), the student it wrote to RUN/student_base (tunekit.train.build)."""
+    from tunekit.config import plain
+    from tunekit.model import resolve_model_path
+
+    if plain(cfg.objective) == "distill" and cfg.distill.student_keep_every:
+        student = Path(run_dir) / "student_base"
+        if not (student / "config.json").is_file():
+            raise TunekitError(f"{run_dir}: a distillation run whose student base ({student}) is not there; it is "
+                               "written before training starts, so this run never started or the folder was moved")
+        return str(student)
+    return resolve_model_path(cfg.model.path)
+
+
 def open_source(path: str | Path, model: Optional[str] = None, quantize: Optional[str] = None, dtype: str = "auto",
                 base_model: Optional[str] = None, what: str = "RUN", facts: Optional[DeviceFacts] = None,
                 runs_only: bool = False) -> Source:
@@ -238,7 +253,7 @@ def open_source(path: str | Path, model: Optional[str] = None, quantize: Optiona
         run = _open_run(run_dir, chosen, what)
         from tunekit.config import plain
 
-        base = resolve_model_path(run.cfg.model.path)
+        base = trained_base(run.cfg, run_dir)
         run_quantize = plain(run.cfg.model.quantize)
         if model is not None and resolve_model_path(model, key="--model") != base:
             raise TunekitError(f"--model: {run_dir} trained over {base}; drop --model for a run")
