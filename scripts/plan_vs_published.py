@@ -40,21 +40,25 @@ differences, sized with the planner's own terms:
   the published runs; with `model.offload_activations=true` (what `auto` picks on a card the step
   would not fit otherwise) the 8B QLoRA row plans {offloaded:.2f} GiB.
 - torchtune LoRA on the A6000: the table does not say what differs from the 4090 row; with
-  checkpointing off the plan is dominated by tunekit's saved activations (36 GiB; every LoRA
-  branch keeps an fp32 copy of its input), which torchtune's LoRA (bf16 throughout) does not keep.
+  checkpointing off the plan is dominated by tunekit's saved activations (the row's largest term:
+  over a bf16 base peft's LoRA branch keeps an fp32 copy of its input), which torchtune's LoRA (bf16
+  throughout) does not keep.
 - Answer.AI: everything in bf16 (`--precision bf16`: LoRA weights, gradients and AdamW state 2 bytes
   each; tunekit keeps them fp32, ~0.5 GiB more per rank at r=64), the loss over full fp32 logits
-  like tunekit's (Llama-2's 32k vocabulary keeps it small), figures are peak *reserved* (compare the
-  `+ margin` column). The plan's FSDP model (base, trainable parameters, gradients and optimizer
-  state split over the ranks; two gathered blocks) is the one tunekit's FSDP work will use.
+  (tunekit's is chunked; Llama-2's 32k vocabulary keeps theirs small), figures are peak *reserved*
+  (compare the `+ margin` column). The FSDP rows are planned as tunekit's `trainer.strategy=fsdp`
+  runs them (base, trainable parameters, gradients and optimizer state split over the ranks;
+  gathered blocks; peft's LoRA layers on every rank).
 - Not comparable, left out: rows with CPU offload (Answer.AI's 70B on 2x3090 at 14.92 GiB keeps the
   weights in host memory, which the planner does not model), full fine-tunes (tunekit's `full`
   method trains in fp32), torchtune's 70B/405B rows (their configs could not be verified here).
 
-No figure above was measured by us on a GPU: this machine has none. The CUDA-specific parts of the
-model (bool dropout masks, flash/efficient attention saving q, k, v, output and log-sum-exp, the
+Every figure above is planned, none measured: this script needs no GPU. The CUDA-specific parts of
+the model (bool dropout masks, flash/efficient attention saving q, k, v, output and log-sum-exp, the
 10% allocator margin and 0.5 GiB context) are stated assumptions; the CPU measurements
-(`plan-cpu.md`) check everything the two devices share.
+(`plan-cpu.md`) check everything the two devices share, and the GPU checks measured the plan on an
+H200 (`benchmarks/gpu/check-h200-2026-11-27-second-lease.md`: 1.066x of the training peak on a
+4-block model of Llama-3-8B's widths).
 """
 
 # (source, label, published GiB, `tunekit plan` overrides, ranks, note). Each row is planned as
