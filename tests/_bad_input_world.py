@@ -216,6 +216,13 @@ def _bad_runs_and_adapters(w: Path, tiny: Path, hidden: int, run_fingerprint: di
     (run / "adapter" / "adapter_model.safetensors").write_bytes(b"")
     (run / "data.sha256.json").write_text(json.dumps({"data.path:sha256": "0" * 64, "data.val_path:sha256": None}))
     (w / "runlink").symlink_to(run)
+    # a distillation run that cut its student from the teacher, moved without its student_base/
+    nostudent = w / "distill_no_student"
+    (nostudent / "adapter").mkdir(parents=True)
+    (nostudent / "config.yaml").write_text(f"recipe: distill\nobjective: distill\nmodel:\n  quantize: nf4\n"
+                                           f"distill:\n  teacher: {tiny}\n  student_keep_every: 2\n"
+                                           f"data:\n  path: {w}/data/alpaca.jsonl\n")
+    (nostudent / "adapter" / "adapter_model.safetensors").write_bytes(b"")
     a = w / "adapters"
     for name, kind in (("truncated", "LORA"), ("soft_ok", "PROMPT_TUNING"), ("soft_bad", "PROMPT_TUNING")):
         (a / name).mkdir(parents=True)
