@@ -12,6 +12,7 @@ of implementation, which the document lists per source. Writes benchmarks/plan/p
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -143,7 +144,7 @@ def main(argv=None):
     offloaded = plan_row([*qlora[3], "model.offload_activations=true"], 1)["peak_bytes"] / GiB
     lines += ["", "Sources and settings:", "", f"- torchtune: {TORCHTUNE}.", f"- Answer.AI: {ANSWERAI}.", ""]
     for source, label, published, overrides, ranks, note in ROWS:
-        lines.append(f"- {source}, {label}: {note}: `tunekit plan {' '.join(overrides)} --device cuda --memory 24"
+        lines.append(f"- {source}, {label}: {note}: `tunekit plan {shlex.join(overrides)} --device cuda --memory 24"
                      f"{f' --gpus {ranks}' if ranks > 1 else ''}`.")
     lines += ["", "Error range per source: " + "; ".join(
         f"{s} {min(e):+.0f}% to {max(e):+.0f}%" for s, e in errors.items()) + ".", "", DIFFERENCES.format(offloaded=offloaded)]

@@ -28,4 +28,4 @@ def test_every_row_is_planned_and_8b_qlora_offloaded_stays_under_7_gib(tmp_path)
     # what the precision policy keeps in higher precision is planned; the 8B QLoRA step stays at or under 7.0 GiB
     offloaded = float(re.search(r"the 8B QLoRA row plans ([0-9.]+) GiB", text).group(1))
     assert offloaded <= 7.0
-    assert "`tunekit plan recipe=qlora model.preset=llama-3-8b method.r=8" in text
+    assert "`tunekit plan recipe=qlora model.preset=llama-3-8b method.r=8 method.init=default 'method.target_modules=[" in text
