@@ -171,6 +171,11 @@ class Divergence(str, Enum):
     jsd = "jsd"  # generalized Jensen-Shannon with weight beta (Agarwal et al. 2024)
 
 
+# The folder of a run (output_dir) that holds the student a distillation cuts from its teacher
+# (distill.student_keep_every): written by tunekit.train.build, read by every command that opens the run.
+STUDENT_DIR = "student_base"
+
+
 @dataclass
 class DistillConfig:
     """Used when objective=distill: alpha * CE(labels) + (1 - alpha) * T^2 * D(teacher || student)."""

@@ -211,11 +211,11 @@ def _start_of(run: Run) -> Optional[StartAdapter]:
 def trained_base(cfg: TrainConfig, run_dir: Path) -> str:
     """The base a run trained over: model.path, or for a distillation that cut its student from the
     teacher (distill.student_keep_every), the student it wrote to RUN/student_base (tunekit.train.build)."""
-    from tunekit.config import plain
+    from tunekit.config import STUDENT_DIR, plain
     from tunekit.model import resolve_model_path
 
     if plain(cfg.objective) == "distill" and cfg.distill.student_keep_every:
-        student = Path(run_dir) / "student_base"
+        student = Path(run_dir) / STUDENT_DIR
         if not (student / "config.json").is_file():
             raise TunekitError(f"{run_dir}: a distillation run whose student base ({student}) is not there; it is "
                                "written before training starts, so this run never started or the folder was moved")

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from transformers import AutoConfig
 
 from tunekit import TunekitError
-from tunekit.config import AUTO, DEFAULT_MAX_STEPS, TrainConfig, plain
+from tunekit.config import AUTO, DEFAULT_MAX_STEPS, STUDENT_DIR, TrainConfig, plain
 from tunekit.data import BatchSchedule, collate, collate_packed, load_splits
 from tunekit.data.batching import describe_epochs, steps_for_epochs
 from tunekit.data.cache import cache_for
@@ -123,7 +123,7 @@ class RecipeSetup:
                 self.teacher_path = resolve_model_path(cfg.distill.teacher, key="distill.teacher")
                 if cfg.distill.student_keep_every:
                     self.model_path = str(make_student(self.teacher_path, cfg.distill.student_keep_every,
-                                                       self.output_dir / "student_base"))
+                                                       self.output_dir / STUDENT_DIR))
         if cfg.model.adapter is not None:  # the frozen start (model.adapter): checked again, its hash kept
             from tunekit.model.start_adapter import check_start_base, open_start
 

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from tunekit import TunekitError
 from tunekit.train.checkpoint import STATE_JSON, find_resumable, read_state
-from tunekit.config import plain
+from tunekit.config import STUDENT_DIR, plain
 from tunekit.owned import is_scratch
 from tunekit.train.runlock import LOCK_NAME, recorded_scratch
 
@@ -196,7 +196,7 @@ def check_not_foreign(out: Path, allow_nonempty: bool) -> None:
 def _tunekit_entry(p: Path) -> bool:
     """What tunekit may have left in a folder before its config.yaml: its lock, a marked scratch
     folder or a scratch home its lock file names, the student a distillation builds first."""
-    return p.name in (LOCK_NAME, "student_base") or is_scratch(p) or p.name in recorded_scratch(p.parent)
+    return p.name in (LOCK_NAME, STUDENT_DIR) or is_scratch(p) or p.name in recorded_scratch(p.parent)
 
 
 def _check_checkpoint_names(out: Path) -> None:
