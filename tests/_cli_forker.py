@@ -58,7 +58,7 @@ class Running:
         self.files = [p for p in (self.out, self.err, stdin) if p is not None]
         self.failed: tuple[float, int] | None = None  # (when, exit status) of the first rank that failed
         self.signal_when = case.get("signal_when")  # (path, signum): sent once, when the path appears
-        self.children = [server.start(CLI, case["argv"], self.out, self.err, env=env, cwd=case["cwd"],
+        self.children = [server.start(case.get("module") or CLI, case["argv"], self.out, self.err, env=env, cwd=case["cwd"],
                                       stdin=stdin, user=case.get("user"))
                          for env in case.get("ranks") or [case["env"]]]
 
@@ -113,10 +113,11 @@ class CliServer:
 
     def run(self, args: list[str], cwd: Path, env: dict, timeout: float, input: str | bytes | None = None,
             ranks: list[dict] | None = None, cmd: list[str] | None = None,
-            signal_when: tuple[Path, int] | None = None) -> subprocess.CompletedProcess:
+            signal_when: tuple[Path, int] | None = None, module: str = CLI) -> subprocess.CompletedProcess:
         """One command (`env`: its whole environment); with `ranks` (each rank's whole environment),
-        one child per rank."""
-        case = self._case({"id": 0, "argv": args, "cwd": cwd, "env": env, "input": input, "ranks": ranks,
+        one child per rank; `module`: what each child runs (`python -m MODULE ARGS`), tunekit's CLI
+        unless told."""
+        case = self._case({"id": 0, "argv": args, "cwd": cwd, "env": env, "input": input, "ranks": ranks, "module": module,
                            "signal_when": (str(signal_when[0]), int(signal_when[1])) if signal_when else None})
         running, pause = Running(self.server, case, self.folder), 0.002
         while (result := running.poll(timeout)) is None:

@@ -185,11 +185,10 @@ def fork_ranks(fn, args: tuple, nprocs: int = 2, timeout: float = 300) -> None:
     fork of this worker's fork server (fork_server(): the stack imported once) instead of a spawned
     interpreter that imports torch, transformers and peft again, seconds each. fn(rank, *args) is a
     module-level function of a test module in tests/train (beside _rank_main.py, the ranks' `main`).
-    Fails the test with the output of every rank unless each exits 0; a rank left waiting in a
-    collective for one that failed is stopped after Running.GRACE_S, every rank at `timeout`."""
+    The ranks run as a distributed command does (CliServer.run with `ranks`): a rank left waiting in
+    a collective for one that failed is stopped after a grace period. Fails the test with the ranks'
+    output unless each exits 0."""
     import pickle
-
-    from _cli_forker import Running
 
     server = fork_server()
     if server is None:  # fresh processes asked for (TUNEKIT_TEST_FRESH_CLI=1), or a GPU is visible
@@ -202,23 +201,10 @@ def fork_ranks(fn, args: tuple, nprocs: int = 2, timeout: float = 300) -> None:
     if folder not in server.paths:  # the test module and _rank_main importable in the server's children
         server.server.call("site:addsitedir", str(folder))
         server.paths.add(folder)
-    logs = [server.folder / f"rank{rank}-{next(server._n)}.log" for rank in range(nprocs)]
-    ranks = [server.server.start("_rank_main", [pickle.dumps(functools.partial(fn, rank, *args)).hex()], log, log)
-             for rank, log in enumerate(logs)]
-    start, failed = time.monotonic(), None
-    while None in (codes := [r.poll() for r in ranks]):
-        now = time.monotonic()
-        if failed is None and any(c not in (None, 0) for c in codes):
-            failed = now
-        if now - start > timeout or (failed is not None and now - failed > Running.GRACE_S):
-            for r in ranks:
-                r.kill()
-        time.sleep(0.05)
-    output = "\n".join(f"--- rank {rank} (exit {code}):\n{log.read_text(errors='replace')[-3000:]}"
-                       for rank, (code, log) in enumerate(zip(codes, logs)))
-    for log in logs:
-        log.unlink()
-    assert codes == [0] * nprocs, output
+    env = dict(os.environ)
+    ranks = [{**env, "TUNEKIT_TEST_RANK": str(rank)} for rank in range(nprocs)]
+    done = server.run([pickle.dumps((fn, args)).hex()], Path.cwd(), env, timeout, ranks=ranks, module="_rank_main")
+    assert done.rank_codes == [0] * nprocs, (done.rank_codes, (done.stdout + done.stderr)[-6000:])
 
 
 def read_jsonl(path: Path) -> list[dict]:
