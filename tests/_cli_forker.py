@@ -131,8 +131,8 @@ class CliServer:
         return done
 
     def batch(self, cases: list[dict], jobs: int, timeout: float, warmup: list[str] | None = None) -> list[dict]:
-        """Every case ({"id", "argv", "cwd", "env": added to the server's, "user", "input"}), `jobs`
-        at a time; results {"id", "code" (an exit status or "timeout"), "stdout", "stderr",
+        """Every case ({"id", "argv", "cwd", "env": added to the server's, "user", "input", "apart": cases
+        with one such key never run at once}), `jobs` at a time; results {"id", "code" (an exit status or "timeout"), "stdout", "stderr",
         "seconds"} in the cases' order, the batch's wall time on the first as "batch_seconds"."""
         if warmup:
             self.server.call("tunekit.commands.compose:check_overrides", list(warmup))
@@ -140,8 +140,14 @@ class CliServer:
         pending = [self._case({**c, "env": {**self.env, **(c.get("env") or {})}}) for c in cases]
         running, results = [], {}
         while pending or running:
-            while pending and len(running) < max(1, jobs):
-                running.append(Running(self.server, pending.pop(0), self.folder))
+            # a case whose "apart" key a running case holds waits: two runs on one output_dir would
+            # meet at its run lock, and the second would be refused for that, not for its own input
+            busy = {r.case.get("apart") for r in running} - {None}
+            while len(running) < max(1, jobs) and (i := next((i for i, c in enumerate(pending)
+                                                             if c.get("apart") not in busy), None)) is not None:
+                running.append(Running(self.server, pending.pop(i), self.folder))
+                busy.add(running[-1].case.get("apart"))
+                busy.discard(None)
             for child in list(running):
                 if (result := child.poll(timeout)) is not None:
                     results[result["id"]] = result

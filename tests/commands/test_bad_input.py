@@ -94,6 +94,12 @@ def _selected(session) -> set[str]:
     return ids | set(READ_ELSEWHERE)
 
 
+def _output_dir(argv: list[str]) -> str | None:
+    """The output_dir a case's command line names: rows that share one of the world's folders run one
+    after the other, as two runs on one folder meet at its lock."""
+    return next((a.split("=", 1)[1] for a in argv if a.startswith("output_dir=")), None)
+
+
 @pytest.fixture(scope="module")
 def results(world, request):
     """Run the catalogue (the rows selected) in one forking interpreter; {id: result}."""
@@ -103,8 +109,10 @@ def results(world, request):
         places = places_of(world, case)
         places["cwd"].mkdir()
         places["cwd"].chmod(0o777)
-        cases.append({"id": case.id, "argv": shlex.split(_fill(case.argv, places)), "cwd": str(places["cwd"]),
-                      "env": case.env, "user": case.user if _can_run_as(case.user or "") and case.user else None})
+        argv = shlex.split(_fill(case.argv, places))
+        cases.append({"id": case.id, "argv": argv, "cwd": str(places["cwd"]), "env": case.env,
+                      "user": case.user if _can_run_as(case.user or "") and case.user else None,
+                      "apart": _output_dir(argv)})
     warmup = shlex.split(_fill(TRAIN_BASE, {**world, "out": world["w"] / "outs" / "warmup", "cwd": world["w"]}))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     # Two single-threaded children at a time: CI machines have 2 cores (TUNEKIT_CATALOGUE_JOBS overrides).
@@ -307,3 +315,36 @@ def test_doctor_again_into_its_own_stopped_output(tmp_path):
     r = run_cli(["doctor", "--out", str(mine)], tmp_path)
     assert r.returncode != 0 and "is not a doctor report" in r.stderr
     assert (mine / "logs" / "notes.log").read_text() == "keep me"
+
+
+def test_rows_on_one_output_dir_never_run_at_once(monkeypatch):
+    """The batch keeps cases with one "apart" key (the catalogue's rows that share a world folder)
+    from running together, and still runs cases with different keys side by side."""
+    import _cli_forker
+
+    live, seen_together = [], []
+
+    class Fake:  # a case that runs for three polls
+        def __init__(self, server, case, folder):
+            self.case, self.left = case, 3
+            live.append(case)
+            seen_together.append([c["id"] for c in live])
+
+        def poll(self, timeout):
+            self.left -= 1
+            if self.left:
+                return None
+            live.remove(self.case)
+            return {"id": self.case["id"]}
+
+    monkeypatch.setattr(_cli_forker, "Running", Fake)
+    monkeypatch.setattr(_cli_forker.time, "sleep", lambda s: None)
+    server = object.__new__(CliServer)
+    server.env, server._n, server.folder, server.server = {}, iter(range(100)), None, None
+    keys = {"a1": "A", "a2": "A", "b": "B", "a3": "A", "n1": None, "n2": None}
+    rows = server.batch([{"id": i, "argv": [], "cwd": ".", "apart": k} for i, k in keys.items()], jobs=2, timeout=9)
+    assert [r["id"] for r in rows] == list(keys)
+    for ids in seen_together:
+        held = [keys[i] for i in ids if keys[i] is not None]
+        assert len(held) == len(set(held)), ids
+    assert max(len(ids) for ids in seen_together) == 2  # two at a time where the keys allow it
