@@ -143,6 +143,63 @@ def test_full_fine_tune_trains_fp32_weights_through_bf16_matmuls(tiny_model_dir,
     assert seen["head_in"] == {(bf, bf)} and seen["loss_logits"] == {torch.float32}
 
 
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_full_fine_tune_trains_on_stochastic_bf16_copies_and_evaluates_in_fp32(tiny_model_dir, tiny_data, tmp_path,
+                                                                               monkeypatch, rounding):
+    """What the decoder's projections receive in a real training step of `full` under bf16: bf16
+    copies of their fp32 weights, rounded stochastically (some weights round away from nearest),
+    or by autocast's own cast with method.weight_rounding=nearest; what the held-out evaluation's
+    attention receives: fp32, as `tunekit eval` computes a full fine-tune. The copies kept are the
+    bytes the plan counts."""
+    from tunekit.device.rounding import _COPY
+    from tunekit.plan.memory import TrainSetup, plan_terms
+    from tunekit.plan.shape import model_shape
+
+    received = []  # the weight each projection's matmul in the step receives
+    real_linear = F.linear
+
+    def linear(x, w, b=None):
+        received.append(w.dtype)
+        return real_linear(x, w, b)
+
+    monkeypatch.setattr(F, "linear", linear)
+    sdpa_dtypes, real_sdpa = set(), F.scaled_dot_product_attention
+    cfg = TrainConfig(
+        output_dir=str(tmp_path), seed=0,
+        model=ModelConfig(path=str(tiny_model_dir), quantize="none", dtype="bf16"),
+        data=DataConfig(path=str(tiny_data), max_seq_len=48, val_fraction=0.2),
+        method=MethodConfig(name="full", weight_rounding=rounding),
+        trainer=TrainerConfig(max_steps=1, micro_batch_size=2, grad_accum=1, eval_samples=0, optimizer="adamw", lr=1e-5),
+    )
+    r = TrainRecipe(cfg, tmp_path)
+    r.setup()
+    r.train_step(0)
+    weights = {id(p): p for m in r.model.modules() if isinstance(m, torch.nn.Linear) for p in [m.weight]}
+    copies = [getattr(p, _COPY, None) for p in weights.values()]
+    if rounding == "stochastic":
+        assert received and set(received) == {torch.bfloat16}
+        # the copies the step computed with (made before the optimizer moved the weights by ~1e-5,
+        # far below a gap): not all the nearest ones
+        assert sum(int((c[1] != p.detach().bfloat16()).sum()) for c, p in zip(copies, weights.values())) > 100
+        shape = model_shape(str(tiny_model_dir), None)
+        planned = plan_terms(shape, TrainSetup(method="full", compute_bytes=2)).weight_copy_bytes
+        assert sum(c[1].untyped_storage().nbytes() for c in copies) == planned
+    else:
+        # the projections: the fp32 weight, cast inside the op by autocast to nearest; the loss's head
+        # matmul: the nearest bf16 copy, cast before it (tunekit.losses.sft)
+        assert received.count(torch.float32) == len(received) - 1 and received[-1] == torch.bfloat16
+        assert all(c is None for c in copies)
+
+    def sdpa(q, k, v, *a, **kw):
+        sdpa_dtypes.add(precision.received(q))  # the dtype the kernel computes in (autocast casts inside)
+        return real_sdpa(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    r.evaluate(1)
+    assert sdpa_dtypes == {torch.float32}
+    r.tracker.close()
+
+
 def test_fp32_policy_is_strict_fp32(tiny_model_dir, tiny_data, tmp_path, monkeypatch):
     seen = _spied_step(tiny_model_dir, tiny_data, tmp_path, monkeypatch, "fp32", "nf4", "lora")
     f32 = torch.float32

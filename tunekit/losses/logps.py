@@ -83,8 +83,10 @@ def token_logps(rows: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> t
         added = token_rows(head)  # a run's added tokens: peft's rebuilt matrix (a full copy), its base's bias
         weight, bias = head.weight, (added[1] if added is not None else head.bias)
         if torch.is_autocast_enabled(rows.device.type) and weight.dtype == torch.float32:
+            from tunekit.device.rounding import autocast_copy
+
             dtype = torch.get_autocast_dtype(rows.device.type)
-            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+            weight, bias = autocast_copy(weight, rows.device.type), None if bias is None else bias.to(dtype)
         with torch.autocast(rows.device.type, enabled=False):
             return _LinearLogProbs.apply(rows.to(weight.dtype), weight, bias, targets, chunk_rows(weight.shape[0]))
     finally:

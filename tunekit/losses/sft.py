@@ -125,8 +125,10 @@ def linear_cross_entropy(rows: torch.Tensor, weight: torch.Tensor, bias: torch.T
     cast to the weight's dtype and gets its gradient, a (k, d) one, never a (V, d) one.
     """
     if torch.is_autocast_enabled(rows.device.type) and weight.dtype == torch.float32:
+        from tunekit.device.rounding import autocast_copy
+
         dtype = torch.get_autocast_dtype(rows.device.type)
-        weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+        weight, bias = autocast_copy(weight, rows.device.type), None if bias is None else bias.to(dtype)
     rows = rows.to(weight.dtype)
     index, extra = replaced if replaced is not None else (None, None)
     if extra is not None:

@@ -523,6 +523,9 @@ def step_memory(shape: ModelShape, st: TrainSetup, ranks: int = 1, sharded: bool
     mem.terms["optimizer state"] = optimizer_state_bytes(shards, st.optimizer)
     if sharded and ranks > 1:
         mem.terms["gathered blocks (FSDP)"] = fsdp_gathered_bytes(shape, st, ranks)
+    copies = plan_terms(shape, st).weight_copy_bytes
+    if copies:
+        mem.terms["weight copies (compute dtype)"] = copies
     if st.teacher is not None:
         mem.terms["teacher weights"] = base_weight_bytes(st.teacher, st.teacher_quantize, st.compute_bytes) // split
     if split > 1:

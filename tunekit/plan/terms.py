@@ -23,6 +23,8 @@ config by `Method.plan_options`. The terms:
   method adds to a block's backward working set.
 * start_bytes: what the method's start holds once, before the first step, beside the loaded
   model (LoRA's LoftQ start: one layer's original weight and its fit); a phase of its own.
+* weight_copy_bytes: compute-dtype copies of the trained weights that the matmuls read, alive for
+  the whole step (a full fine-tune's bf16 copies).
 
 A method whose trained parameters are the base's own weights (`Method.trains_base`, a full
 fine-tune) also changes what the planner counts as frozen: no frozen copy, an fp32 residual
@@ -89,6 +91,9 @@ class PlanTerms:
     block_backward_per_token: int = 0
     block_transient_bytes: int = 0  # built and freed inside one layer's forward (and its recompute)
     start_bytes: int = 0
+    # compute-dtype copies of trained weights that the matmuls read, held through the whole step
+    # (a full fine-tune under bf16: tunekit.methods.full.rounding)
+    weight_copy_bytes: int = 0
 
 
 def planned_projections(names, key: str = "method.target_modules") -> tuple:

@@ -230,8 +230,7 @@ class TrainRecipe(RecipeSetup):
         """objective_fn(hidden, head, batch) of one micro-batch: the student's last hidden states
         (batch, seq, dim) from its decoder, its output head, the batch on the device. objective_fn is
         the objective's `loss` (summed loss, trained tokens) or `eval_sums`. Under the precision
-        policy's autocast where the method asks for it (`full`: fp32 master weights computing in
-        bf16), through the strategy's `run` (FSDP: inside the root unit, its outer weights gathered)."""
+        policy's autocast where the method asks for it while training (`_autocast`), through the strategy's `run` (FSDP: inside the root unit, its outer weights gathered)."""
         # Packed batches carry position_ids instead of attention_mask; with per-example attention the
         # examples' lengths go along, read here from the host tensor (tunekit.speed.packed_attention)
         packed = {"packed_lengths": packed_attention.lengths_of(batch["position_ids"][0].tolist())} \
@@ -245,8 +244,16 @@ class TrainRecipe(RecipeSetup):
                 hidden = decoder(**inputs, **packed, use_cache=False).last_hidden_state
             return objective_fn(hidden, head, batch)
 
-        with self.precision.autocast(self.device, self.method.autocast):
+        with self.precision.autocast(self.device, self._autocast()):
             return self.strategy.run(forward)
+
+    def _autocast(self) -> bool:
+        """Whether this forward runs under the policy's autocast: where the method asks for it, and
+        only while training. Held-out forwards of a method whose trained weights are the model's own
+        (`full`) compute in those fp32 weights, as `tunekit eval` and the export read them: their
+        bf16 copies differ from the weights by up to half of bf16's resolution, enough to move a
+        short fine-tune's held-out loss (tunekit.methods.full.rounding)."""
+        return self.method.autocast and self.model.training
 
     def _stop_non_finite(self, step: int, what: str) -> None:
         """Every rank sees the same reduced loss and gradients, so all stop here together."""
@@ -301,7 +308,7 @@ class TrainRecipe(RecipeSetup):
         samples = []
         if self.probe is not None:
             # generation pads its prompts and keeps a KV cache: the model's own attention
-            with self.precision.autocast(self.device, self.method.autocast), \
+            with self.precision.autocast(self.device, False), \
                     packed_attention.plain(self.model, self.plain_attention):
                 task_metrics, samples = self.strategy.run(self.probe, self.model)
             metrics.update(task_metrics)

@@ -4,8 +4,11 @@ with method.name=full), not for the 4-bit bases the PEFT methods serve.
 The weights train in fp32 even when the base loads in bf16: AdamW updates of ~lr * 1 on weights
 of ~1e-2 fall below bf16's resolution (8 significant bits) and would be lost. Where the precision
 policy computes in bf16, the forward runs under bf16 autocast: matmuls on bf16 copies of the fp32
-weights, norms and residual stream in fp32 (the embeddings' own dtype). `save` writes a
-plain Hugging Face model folder, so "merging" is the identity.
+weights, norms and residual stream in fp32 (the embeddings' own dtype). Those copies are rounded
+stochastically (rounding.py: rounded to nearest, the steps below bf16's resolution never reach the
+loss and the fp32 weights drift). Held-out evaluation computes in fp32, as `tunekit eval` and the
+export read the saved weights. `save` writes a plain Hugging Face model folder, so "merging" is the
+identity.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tunekit import TunekitError
+from tunekit.checks import one_of
+from tunekit.methods.full.config import WEIGHT_ROUNDINGS, FullConfig
 from tunekit.methods.registry import Method, register
 from tunekit.plan.shape import PROJECTIONS
 from tunekit.plan.terms import PlanTerms, Site
@@ -24,11 +29,13 @@ if TYPE_CHECKING:
 
 @register("full")
 class FullFineTune(Method):
+    config = FullConfig
     can_merge = True
     autocast = True  # fp32 master weights; matmuls in the policy's bf16 where the device has it
     trains_base = True
 
     def check_config(self, cfg, model: nn.Module | None = None, quantize: str = "none") -> None:
+        one_of("method.weight_rounding", self.settings(cfg).weight_rounding, WEIGHT_ROUNDINGS)
         if quantize == "nf4":
             raise TunekitError("method.name=full: cannot train a 4-bit base; set model.quantize=none")
 
@@ -37,6 +44,10 @@ class FullFineTune(Method):
         self.check_config(cfg, model, "nf4" if quantized else "none")
         model.float()
         model.requires_grad_(True)
+        if self.settings(cfg).weight_rounding == "stochastic":
+            from tunekit.methods.full.rounding import round_stochastically
+
+            round_stochastically(model)
         return model
 
     def owns(self, param_name: str) -> bool:
@@ -70,7 +81,7 @@ class FullFineTune(Method):
     def plan_terms(self, shape, setup) -> PlanTerms:
         """Every weight (fp32) trains; what autograd keeps for the weights' gradients on top of the
         frozen walk: each trained norm its output, each projection group its (fp32) input, the
-        embedding the token ids."""
+        embedding the token ids; under half-precision autocast, the matmuls' weight copies."""
         d, m, L = shape.hidden_size, shape.intermediate_size, shape.num_layers
         per_layer = [i * o for p in PROJECTIONS for i, o in [shape.projection(p)]] + [d, d]  # + the two norms
         head = [shape.head_params] if shape.head_params else []
@@ -82,5 +93,10 @@ class FullFineTune(Method):
                 return 0  # as the walk counts the norm's own saves: only where its input needs a gradient
             return site.tokens * keeps.get(site.name, 0)
 
+        # Under bf16 or fp16 autocast every matmul reads a half-precision copy of its weight, kept
+        # for backward until the step's last gradient; the bf16 copies (rounding.py) stay until the
+        # weights change. The head's copy is the tied embedding's or the head's own: V x d either way.
+        matmul = L * sum(i * o for p in PROJECTIONS for i, o in [shape.projection(p)]) + shape.vocab_size * d
+        copies = setup.compute_bytes * matmul if setup.compute_bytes < 4 else 0
         return PlanTerms(trainable=tuple(per_layer * L + [shape.embedding_params, d] + head), saves=saves,
-                         grad_outputs=frozenset(PROJECTIONS), decoder_input_grad=True)
+                         grad_outputs=frozenset(PROJECTIONS), decoder_input_grad=True, weight_copy_bytes=copies)
