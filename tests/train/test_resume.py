@@ -290,3 +290,18 @@ def test_resume_refuses_a_start_adapter_whose_content_changed(tmp_path):
     with pytest.raises(TunekitError, match=r"trainer.resume: this config differs from the run saved in .* in "
                                            r"model.adapter \(file content changed\)"):
         check_same_run(saved, fingerprint(cfg, 1, hashes={}), tmp_path)
+
+
+def test_a_full_fine_tune_resumes_to_the_same_weights(tiny_model_dir, tiny_data, tmp_path):
+    """recipe=full under bf16 draws a stochastic bf16 copy of its weights each step from the torch
+    RNG (tunekit.device.rounding): a run resumed from its step-2 checkpoint draws the same copies
+    as the run that went on, and ends with the same weights, bit for bit."""
+    args = ("recipe=full", "model.dtype=bf16", "trainer.max_steps=4", "trainer.lr=1e-4")
+    whole = tmp_path / "whole"
+    r = run_cli(["train", *tiny_args(tiny_model_dir, tiny_data, whole, *args)], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = crashed_copy(whole, tmp_path / "run")
+    r = run_cli(["train", *tiny_args(tiny_model_dir, tiny_data, run, *args, "trainer.resume=true")], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = (load_file(str(d / "adapter" / "model.safetensors")) for d in (whole, run))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
