@@ -119,6 +119,8 @@ def settings(tiny: bool) -> dict:
                   "data.max_seq_len=2048"),
                  ("1b lora bf16 no ckpt, 2x2048", "1b", "recipe=lora model.gradient_checkpointing=false "
                   "trainer.micro_batch_size=2 data.max_seq_len=2048"),
+                 # a full fine-tune's stochastic bf16 weight copies drawn on the GPU, and their planned bytes
+                 ("small full bf16, 2x512", "small", "recipe=full trainer.micro_batch_size=2 data.max_seq_len=512"),
                  # last (skipped when the budget runs out): LoftQ's SVDs on the GPU at Llama-3-8B's widths,
                  # the rate method.init=auto assumes for cuda, and the start's memory in the setup peak
                  ("8b widths 4 blocks qlora LoftQ start, 2x2048", "8b-4blocks", "recipe=qlora method.init=loftq "
