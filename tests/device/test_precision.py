@@ -151,7 +151,7 @@ def test_full_fine_tune_trains_on_stochastic_bf16_copies_and_evaluates_in_fp32(t
     or by autocast's own cast with method.weight_rounding=nearest; what the held-out evaluation's
     attention receives: fp32, as `tunekit eval` computes a full fine-tune. The copies kept are the
     bytes the plan counts."""
-    from tunekit.device.rounding import _COPY
+    from tunekit.device.rounding import COPY
     from tunekit.plan.memory import TrainSetup, plan_terms
     from tunekit.plan.shape import model_shape
 
@@ -175,7 +175,7 @@ def test_full_fine_tune_trains_on_stochastic_bf16_copies_and_evaluates_in_fp32(t
     r.setup()
     r.train_step(0)
     weights = {id(p): p for m in r.model.modules() if isinstance(m, torch.nn.Linear) for p in [m.weight]}
-    copies = [getattr(p, _COPY, None) for p in weights.values()]
+    copies = [getattr(p, COPY, None) for p in weights.values()]
     if rounding == "stochastic":
         assert received and set(received) == {torch.bfloat16}
         # the copies the step computed with (made before the optimizer moved the weights by ~1e-5,
@@ -197,6 +197,8 @@ def test_full_fine_tune_trains_on_stochastic_bf16_copies_and_evaluates_in_fp32(t
     monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
     r.evaluate(1)
     assert sdpa_dtypes == {torch.float32}
+    r.method.merge(r.model)  # what export does with the trained model: the copies are let go
+    assert all(getattr(p, COPY, None) is None for p in weights.values())
     r.tracker.close()
 
 

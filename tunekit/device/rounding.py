@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 MARK = "_tunekit_stochastic_copy"  # set on a weight whose autocast copy rounds stochastically
-_COPY = "_tunekit_bf16_copy"  # (weight version, its bf16 copy), kept on the weight
+COPY = "_tunekit_bf16_copy"  # (weight version, its bf16 copy), kept on the weight
 
 
 def stochastic_bf16(w: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -55,10 +55,10 @@ class _StochasticCast(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, w):
-        cached = getattr(w, _COPY, None)
+        cached = getattr(w, COPY, None)
         if cached is None or cached[0] != w._version:
             cached = (w._version, stochastic_bf16(w.detach()))
-            setattr(w, _COPY, cached)
+            setattr(w, COPY, cached)
         return cached[1].detach()  # a fresh tensor over the copy: each use gets its own graph node
 
     @staticmethod

@@ -5,8 +5,8 @@ The weights train in fp32 even when the base loads in bf16: AdamW updates of ~lr
 of ~1e-2 fall below bf16's resolution (8 significant bits) and would be lost. Where the precision
 policy computes in bf16, the forward runs under bf16 autocast: matmuls on bf16 copies of the fp32
 weights, norms and residual stream in fp32 (the embeddings' own dtype). Those copies are rounded
-stochastically (rounding.py: rounded to nearest, the steps below bf16's resolution never reach the
-loss and the fp32 weights drift). Held-out evaluation computes in fp32, as `tunekit eval` and the
+stochastically (tunekit.device.rounding: rounded to nearest, the steps below bf16's resolution never
+reach the loss and the fp32 weights drift). Held-out evaluation computes in fp32, as `tunekit eval` and the
 export read the saved weights. `save` writes a plain Hugging Face model folder, so "merging" is the
 identity.
 """
@@ -70,8 +70,11 @@ class FullFineTune(Method):
         """Already a plain model: return it frozen, in the fp32 it trained in."""
         import torch
 
+        from tunekit.methods.full.rounding import drop_copies
+
         if getattr(model, "is_gradient_checkpointing", False):
             model.gradient_checkpointing_disable()
+        drop_copies(model)  # training's bf16 weight copies: 2 bytes a weight nothing reads any more
         return model.to(torch.float32).requires_grad_(False)
 
     # ------------------------------------------------------------ the training plan

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tunekit.device.rounding import MARK, autocast_copy
+from tunekit.device.rounding import COPY, MARK, autocast_copy
 
 
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -29,3 +29,10 @@ def round_stochastically(model: nn.Module) -> int:
             module.forward = _linear_forward.__get__(module, nn.Linear)
             n += 1
     return n
+
+
+def drop_copies(model: nn.Module) -> None:
+    """Let go of the bf16 copies the weights keep between steps (once training is over)."""
+    for p in model.parameters():
+        if hasattr(p, COPY):
+            delattr(p, COPY)
