@@ -134,3 +134,14 @@ def test_steps_below_bf16s_resolution_reach_the_loss_only_when_rounded_stochasti
         assert err < 6e-4
     else:
         assert err > 2.0 ** -8 - 0.002 - 3e-4
+
+
+def test_fp16_autocast_keeps_rounding_to_nearest():
+    """The T4/V100 policy (fp16 autocast): a marked weight's copy is autocast's nearest fp16 one,
+    drawn afresh each time, with no copy kept on the weight."""
+    w = (torch.randn(64, 64) * 0.05).requires_grad_()
+    setattr(w, "_tunekit_stochastic_copy", True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        copy = autocast_copy(w, "cpu")
+    assert copy.dtype == torch.float16 and torch.equal(copy, w.detach().half())
+    assert not hasattr(w, "_tunekit_bf16_copy")
