@@ -443,6 +443,24 @@ def lost_or_changed(folder: Path, planted: dict[str, bytes | None]) -> list[str]
     return [n for n, data in planted.items() if n not in now or now[n] != data]
 
 
+def resume_is_bit_identical(model_dir: Path, data: Path, tmp: Path, args: tuple, weights: str) -> tuple[Path, Path]:
+    """Train `args` on the tiny model to the end; train it again from a copy killed after its step-2
+    checkpoint, resumed; assert the two runs' adapter/`weights` files hold identical tensors.
+    Returns (the whole run, the resumed run)."""
+    import torch
+    from safetensors.torch import load_file
+
+    whole = tmp / "whole"
+    r = run_cli(["train", *tiny_args(model_dir, data, whole, *args)], tmp)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = crashed_copy(whole, tmp / "run")
+    r = run_cli(["train", *tiny_args(model_dir, data, run, *args, "trainer.resume=true")], tmp)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = (load_file(str(d / "adapter" / weights)) for d in (whole, run))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return whole, run
+
+
 def crashed_copy(full_run: Path, dest: Path) -> Path:
     """The folder as a run killed right after its step-2 checkpoint would have left it."""
     shutil.copytree(full_run, dest)

@@ -198,21 +198,11 @@ def test_pissa_loraplus_resume_is_bit_identical(tiny_model_dir, tiny_data, tmp_p
     """A run killed after its step-2 checkpoint and resumed ends with the uninterrupted run's adapter,
     bit for bit: LoRA+'s two optimizer groups restored, PiSSA's start recomputed alike, and saving
     (peft's conversion) leaves the training's dropout stream and train mode as they were."""
-    from safetensors.torch import load_file
-
-    from _helpers import run_cli, tiny_args
-    from _helpers import crashed_copy
+    from _helpers import resume_is_bit_identical
 
     common = ("recipe=lora", "method.r=4", "method.dropout=0.1", "method.init=pissa", "method.loraplus_lr_ratio=16",
               "trainer.max_steps=4")
-    full = tmp_path / "full"
-    r = run_cli(["train", *tiny_args(tiny_model_dir, tiny_data, full, *common)], tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    run = crashed_copy(full, tmp_path / "run")
-    r = run_cli(["train", *tiny_args(tiny_model_dir, tiny_data, run, *common, "trainer.resume=true")], tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    a, b = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (full, run))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _, run = resume_is_bit_identical(tiny_model_dir, tiny_data, tmp_path, common, "adapter_model.safetensors")
     assert json.loads((run / "adapter" / "adapter_config.json").read_text())["r"] == 8  # rank 2r over the original base
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _helpers import (crashed_copy, die_holding_lock, save_like_a_run, die_mid_save, lost_or_changed, plant_lookalikes, read_jsonl, run_cli, snapshot,
+from _helpers import (crashed_copy, resume_is_bit_identical, die_holding_lock, save_like_a_run, die_mid_save, lost_or_changed, plant_lookalikes, read_jsonl, run_cli, snapshot,
                       tiny_args)
 from tunekit.owned import HOME_PREFIX, PREFIX, atomic_dir, atomic_write_text, discard, is_scratch
 from tunekit.train.checkpoint import damage
@@ -297,11 +297,4 @@ def test_a_full_fine_tune_resumes_to_the_same_weights(tiny_model_dir, tiny_data,
     RNG (tunekit.device.rounding): a run resumed from its step-2 checkpoint draws the same copies
     as the run that went on, and ends with the same weights, bit for bit."""
     args = ("recipe=full", "model.dtype=bf16", "trainer.max_steps=4", "trainer.lr=1e-4")
-    whole = tmp_path / "whole"
-    r = run_cli(["train", *tiny_args(tiny_model_dir, tiny_data, whole, *args)], tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    run = crashed_copy(whole, tmp_path / "run")
-    r = run_cli(["train", *tiny_args(tiny_model_dir, tiny_data, run, *args, "trainer.resume=true")], tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    a, b = (load_file(str(d / "adapter" / "model.safetensors")) for d in (whole, run))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    resume_is_bit_identical(tiny_model_dir, tiny_data, tmp_path, args, "model.safetensors")
