@@ -143,11 +143,12 @@ class CliServer:
             # a case whose "apart" key a running case holds waits: two runs on one output_dir would
             # meet at its run lock, and the second would be refused for that, not for its own input
             busy = {r.case.get("apart") for r in running} - {None}
-            while len(running) < max(1, jobs) and (i := next((i for i, c in enumerate(pending)
-                                                             if c.get("apart") not in busy), None)) is not None:
-                running.append(Running(self.server, pending.pop(i), self.folder))
-                busy.add(running[-1].case.get("apart"))
-                busy.discard(None)
+            free = [c for c in pending if c.get("apart") not in busy]
+            while free and len(running) < max(1, jobs):
+                case = free.pop(0)
+                pending.remove(case)
+                running.append(Running(self.server, case, self.folder))
+                free = [c for c in free if case.get("apart") is None or c.get("apart") != case["apart"]]
             for child in list(running):
                 if (result := child.poll(timeout)) is not None:
                     results[result["id"]] = result

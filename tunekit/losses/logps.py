@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tunekit.device.rounding import autocast_copy
 from tunekit.losses.sft import IGNORE, _sharded, chunk_rows
 
 
@@ -83,8 +84,6 @@ def token_logps(rows: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> t
         added = token_rows(head)  # a run's added tokens: peft's rebuilt matrix (a full copy), its base's bias
         weight, bias = head.weight, (added[1] if added is not None else head.bias)
         if torch.is_autocast_enabled(rows.device.type) and weight.dtype == torch.float32:
-            from tunekit.device.rounding import autocast_copy
-
             dtype = torch.get_autocast_dtype(rows.device.type)
             weight, bias = autocast_copy(weight, rows.device.type), None if bias is None else bias.to(dtype)
         with torch.autocast(rows.device.type, enabled=False):

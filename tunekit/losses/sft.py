@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tunekit.device.rounding import autocast_copy
+
 IGNORE = -100
 # Elements of one chunk's (rows, vocab) logits: 2^24 = 64 MiB in fp32, whatever the vocabulary
 # (Llama-3's 128,256: 130 rows a chunk; SmolLM2's 49,152: 341). The loss's working set is at most
@@ -125,8 +127,6 @@ def linear_cross_entropy(rows: torch.Tensor, weight: torch.Tensor, bias: torch.T
     cast to the weight's dtype and gets its gradient, a (k, d) one, never a (V, d) one.
     """
     if torch.is_autocast_enabled(rows.device.type) and weight.dtype == torch.float32:
-        from tunekit.device.rounding import autocast_copy
-
         dtype = torch.get_autocast_dtype(rows.device.type)
         weight, bias = autocast_copy(weight, rows.device.type), None if bias is None else bias.to(dtype)
     rows = rows.to(weight.dtype)

@@ -307,9 +307,9 @@ class TrainRecipe(RecipeSetup):
             metrics["val_ppl"] = math.exp(min(metrics.get("val_ce", metrics["val_loss"]), 50))
         samples = []
         if self.probe is not None:
-            # generation pads its prompts and keeps a KV cache: the model's own attention
-            with self.precision.autocast(self.device, False), \
-                    packed_attention.plain(self.model, self.plain_attention):
+            # generation pads its prompts and keeps a KV cache: the model's own attention; no autocast,
+            # as every held-out forward (_autocast)
+            with packed_attention.plain(self.model, self.plain_attention):
                 task_metrics, samples = self.strategy.run(self.probe, self.model)
             metrics.update(task_metrics)
         self.tracker.eval({"step": step, **metrics})
