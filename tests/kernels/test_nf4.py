@@ -104,3 +104,31 @@ def test_gpu_dequant_bitwise_equals_bnb(dtype):
     packed, st = _quantize((4096, 1000), device="cuda")
     quant = tk.from_quant_state(packed, st)
     assert torch.equal(tk.nf4_dequantize(quant, dtype), _bnb_dequant(packed, st, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_works_a_chunk_at_a_time(monkeypatch, dtype):
+    """The twin runs on the device inside training's kernel check, beside the loaded model: its index
+    tensors must stay one chunk long whatever the weight's size, and the chunks must join into the
+    same bits as bitsandbytes (chunk edges inside a block and inside a row; odd element count)."""
+    from tunekit_kernels import reference
+
+    packed, st = _quantize((137, 201))
+    quant = tk.from_quant_state(packed, st)
+    expected = _bnb_dequant(packed, st, dtype)
+    lengths = []
+    real_arange = torch.arange
+
+    def arange(*args, **kwargs):
+        t = real_arange(*args, **kwargs)
+        lengths.append(t.numel())
+        return t
+
+    monkeypatch.setattr(reference.torch, "arange", arange)
+    for chunk in (2, 70, 1000, 137 * 201 + 1):  # 70: not a multiple of the 64-element block
+        lengths.clear()
+        assert torch.equal(reference.dequant_nf4_reference(quant, dtype, chunk=chunk), expected)
+        n_blocks = st.absmax.numel()
+        assert max(length for length in lengths if length != n_blocks) <= chunk
+    with pytest.raises(ValueError, match="even"):
+        reference.dequant_nf4_reference(quant, dtype, chunk=3)
