@@ -266,14 +266,17 @@ def layer_saved(shape: ModelShape, st: TrainSetup, rows: int, seq: int, input_gr
 
     A walk through transformers' Llama block as tunekit trains it. `input_grad`: whether the
     block's input requires grad (every block but the first, unless something upstream trains).
-    Residual stream and projection outputs are in the compute dtype (a 4-bit base's Linear4bit
-    returns its input's dtype); a full fine-tune's fp32 weights make them fp32 (`activation_dtype_bytes`).
+    The residual stream is in the compute dtype (a 4-bit base's Linear4bit returns its input's
+    dtype), or fp32 where a full fine-tune's fp32 weights carry it (`activation_dtype_bytes`); the
+    projections' outputs, and what attention and the MLP keep of them, are in the compute dtype
+    either way (under autocast the matmuls compute on half-precision copies).
     What the method's layers keep comes from its `PlanTerms.saves`, site by site; which
     projections' outputs need a gradient because of it, from `grad_outputs`.
     """
     terms = terms or plan_terms(shape, st)
     d, m, q, kv, h = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim, shape.num_heads
     e = activation_dtype_bytes(st)
+    mm = st.compute_bytes  # the matmuls' outputs (autocast's dtype over fp32 weights)
     T = rows * seq
 
     def method(site: str, grad: bool, saved: bool = False) -> int:
@@ -294,9 +297,9 @@ def layer_saved(shape: ModelShape, st: TrainSetup, rows: int, seq: int, input_gr
         # sdpa keeps q, k, v (k and v repeated to every head when a mask is given), the output and
         # the fp32 log-sum-exp; the boolean mask is converted to a float mask per call and kept.
         kv_saved = q if (mask and kv != q) else kv
-        per_token += e * (q + 2 * kv_saved) + e * q + 4 * h
+        per_token += mm * (q + 2 * kv_saved) + mm * q + 4 * h
         if mask:
-            extra += e * rows * seq * seq  # (rows, 1, seq, seq); packed: one row
+            extra += mm * rows * seq * seq  # (rows, 1, seq, seq); packed: one row
     # o_proj's input is sdpa's output, which sdpa keeps when attention needs gradients
     o_grad = attn_grad or trains("o_proj")
     extra += method("o", attn_grad, saved=attn_grad) + method("attn_out", o_grad)
@@ -307,7 +310,7 @@ def layer_saved(shape: ModelShape, st: TrainSetup, rows: int, seq: int, input_gr
     gate_grad, up_grad = res_grad or trains("gate_proj"), res_grad or trains("up_proj")
     # act(gate) * up: SiLU keeps its input, the product keeps whichever factor the other needs;
     # down_proj's input, the product, is kept by nobody else
-    per_token += e * m * (2 * gate_grad + up_grad)
+    per_token += mm * m * (2 * gate_grad + up_grad)
     down_grad = gate_grad or up_grad
     extra += method("down", down_grad) + method("mlp_out", down_grad or trains("down_proj"))
     return per_token * T + extra
@@ -367,7 +370,7 @@ def activation_bytes(shape: ModelShape, st: TrainSetup) -> dict:
     # the MLP and, over a 4-bit base, one dequantized weight; and what the method's layers add.
     dequant = max(i * o for p in PROJECTIONS for i, o in [shape.projection(p)]) * st.compute_bytes \
         if st.quantize == "nf4" and not st.fused_kernel else 0
-    layer_backward = T * (3 * m * e + 2 * d * 4) + dequant  # the norms compute their gradients in fp32
+    layer_backward = T * (3 * m * st.compute_bytes + 2 * d * 4) + dequant  # the norms' gradients in fp32
     layer_backward += T * terms.block_backward_per_token + terms.block_transient_bytes
     if st.gradient_checkpointing:
         # non-reentrant checkpointing keeps each block's input; backward recomputes one block
@@ -386,8 +389,9 @@ def activation_dtype_bytes(st: TrainSetup) -> int:
 
 
 def head_dtype_bytes(st: TrainSetup) -> int:
-    """The output head's dtype: the compute dtype (frozen), or fp32 when it trains (trains_base)."""
-    return 4 if method_of(st).trains_base else st.compute_bytes
+    """The dtype the output head computes in: the compute dtype, also for a head that trains in fp32
+    (a full fine-tune): under half-precision autocast the loss reads its copy (tunekit.losses.sft)."""
+    return st.compute_bytes
 
 
 def sft_loss_bytes(shape: ModelShape, st: TrainSetup) -> dict:
@@ -405,14 +409,16 @@ def sft_loss_bytes(shape: ModelShape, st: TrainSetup) -> dict:
     from tunekit.losses.sft import chunk_rows
 
     n, V, d = trained_positions(st), shape.vocab_size, shape.hidden_size
-    eh = head_dtype_bytes(st)
+    eh, e = head_dtype_bytes(st), activation_dtype_bytes(st)
     c = min(chunk_rows(V), n)
     work = c * V * (4 + (eh if eh != 4 else 0)) + 16 * c
     kept = n * d * eh
     if method_of(st).trains_base:  # the fp32 accumulator, and one chunk's (V, d) product in the autocast dtype
         kept += 4 * V * d
         work += (st.compute_bytes + 4) * V * d
-    forward = n * d * eh + kept + work + 8 * n
+    # the selected rows, in the residual stream's dtype, and their cast to the head's where they differ
+    selected = n * d * e + (n * d * eh if e != eh else 0)
+    forward = selected + kept + work + 8 * n
     backward = kept + n * d * eh
     if st.rows_per_example > 1 or st.reference_forward:
         # preference log-probabilities (tunekit.losses.logps): the same chunked head and kept

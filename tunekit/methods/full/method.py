@@ -83,13 +83,20 @@ class FullFineTune(Method):
 
     def plan_terms(self, shape, setup) -> PlanTerms:
         """Every weight (fp32) trains; what autograd keeps for the weights' gradients on top of the
-        frozen walk: each trained norm its output, each projection group its (fp32) input, the
-        embedding the token ids; under half-precision autocast, the matmuls' weight copies."""
+        frozen walk: each trained norm its (fp32) output, each projection its input, the embedding
+        the token ids; under half-precision autocast, the matmuls' weight copies.
+
+        A projection keeps the input its matmul read. In fp32 the projections of a group (q, k, v;
+        gate, up) read one fp32 tensor, kept once; under autocast each casts the fp32 residual to
+        the compute dtype itself, so each keeps its own cast (down_proj's input, the MLP's product,
+        is already in the compute dtype)."""
         d, m, L = shape.hidden_size, shape.intermediate_size, shape.num_layers
         per_layer = [i * o for p in PROJECTIONS for i, o in [shape.projection(p)]] + [d, d]  # + the two norms
         head = [shape.head_params] if shape.head_params else []
-        keeps = {"input_norm": 4 * d, "post_norm": 4 * d, "final_norm": 4 * d, "qkv": 4 * d, "gate_up": 4 * d,
-                 "down": 4 * m, "embedding": 8}
+        c = setup.compute_bytes
+        qkv, gate_up = (4 * d, 4 * d) if c == 4 else (3 * c * d, 2 * c * d)
+        keeps = {"input_norm": 4 * d, "post_norm": 4 * d, "final_norm": 4 * d, "qkv": qkv, "gate_up": gate_up,
+                 "down": c * m, "embedding": 8}
 
         def saves(site: Site) -> int:
             if site.name in ("input_norm", "post_norm") and not site.input_grad:
