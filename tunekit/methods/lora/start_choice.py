@@ -19,9 +19,11 @@ which and why in one line. Both rates are per device type:
   cpu   measured on a 2-core AMD EPYC (AVX512-BF16): the default model's LoftQ start (iters=1,
         r=16, 210 targets) took 14.5-16.7 s, 80 steps of 8 x 160 tokens 192-205 s
         (benchmarks/task/loftq-2026-11-26.md); other CPU kinds differ by up to ~2x
-  cuda  NOT measured yet: estimates for a Hopper-class GPU (cuSOLVER's SVD of a 4096 x 14336 fp32
-        matrix in a few seconds; QLoRA training at a few percent of the bf16 peak); the run logs
-        the LoftQ start's real time, and the GPU check is where these get their figures
+  cuda  conservative for the largest GPUs: on an H200 at Llama-3-8B's widths (the GPU check,
+        benchmarks/gpu/) both the SVDs and QLoRA training ran about 2.9x faster than these rates,
+        so the share that decides was as estimated and only the seconds shown are long there. A
+        slower GPU loses on both together (fp32 SVD and bf16 matmul throughput), so the share holds
+        better than either rate; the run logs the LoftQ start's real time
 
 A resumed run keeps the start its first run chose (its config.yaml). Where LoftQ cannot apply or
 would cost more than its SVDs (a bf16 base; DoRA; a preference loss whose reference is the base with
