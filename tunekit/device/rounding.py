@@ -75,3 +75,14 @@ def autocast_copy(w: torch.Tensor, device_type: str) -> torch.Tensor:
     if dtype == torch.bfloat16 and getattr(w, MARK, False) and torch.is_grad_enabled():
         return _StochasticCast.apply(w)
     return w.to(dtype)
+
+
+def autocast_head(weight: torch.Tensor, bias: torch.Tensor | None,
+                  device_type: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) as an output head's matmul reads them, for a loss that runs the head itself with
+    autocast off: under autocast an fp32 (trained) head's weight copy (`autocast_copy`) and its bias
+    cast to the autocast dtype; unchanged outside autocast or for a head already in half precision."""
+    if torch.is_autocast_enabled(device_type) and weight.dtype == torch.float32:
+        dtype = torch.get_autocast_dtype(device_type)
+        return autocast_copy(weight, device_type), None if bias is None else bias.to(dtype)
+    return weight, bias

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tunekit.device.rounding import autocast_copy
+from tunekit.device.rounding import autocast_head
 from tunekit.losses.sft import IGNORE, _sharded, chunk_rows
 
 
@@ -83,9 +83,7 @@ def token_logps(rows: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> t
 
         added = token_rows(head)  # a run's added tokens: peft's rebuilt matrix (a full copy), its base's bias
         weight, bias = head.weight, (added[1] if added is not None else head.bias)
-        if torch.is_autocast_enabled(rows.device.type) and weight.dtype == torch.float32:
-            dtype = torch.get_autocast_dtype(rows.device.type)
-            weight, bias = autocast_copy(weight, rows.device.type), None if bias is None else bias.to(dtype)
+        weight, bias = autocast_head(weight, bias, rows.device.type)
         with torch.autocast(rows.device.type, enabled=False):
             return _LinearLogProbs.apply(rows.to(weight.dtype), weight, bias, targets, chunk_rows(weight.shape[0]))
     finally:

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tunekit.device.rounding import autocast_copy
+from tunekit.device.rounding import autocast_head
 
 IGNORE = -100
 # Elements of one chunk's (rows, vocab) logits: 2^24 = 64 MiB in fp32, whatever the vocabulary
@@ -126,9 +126,7 @@ def linear_cross_entropy(rows: torch.Tensor, weight: torch.Tensor, bias: torch.T
     (a run's added tokens, trained apart from the frozen head: tunekit.model.vocab.token_rows); extra is
     cast to the weight's dtype and gets its gradient, a (k, d) one, never a (V, d) one.
     """
-    if torch.is_autocast_enabled(rows.device.type) and weight.dtype == torch.float32:
-        dtype = torch.get_autocast_dtype(rows.device.type)
-        weight, bias = autocast_copy(weight, rows.device.type), None if bias is None else bias.to(dtype)
+    weight, bias = autocast_head(weight, bias, rows.device.type)
     rows = rows.to(weight.dtype)
     index, extra = replaced if replaced is not None else (None, None)
     if extra is not None:
