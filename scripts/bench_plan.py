@@ -53,6 +53,11 @@ DEFAULT_CONFIGS = [
                                      "data.max_seq_len=256"),
     ("qlora adamw_8bit dropout, 2x512", "recipe=qlora model.gradient_checkpointing=false method.dropout=0.1 "
      "trainer.optimizer=adamw_8bit trainer.micro_batch_size=2 data.max_seq_len=512"),
+    # fp32 weights, stochastic bf16 copies under autocast (where the CPU computes in bf16)
+    ("full no ckpt, 2x256", "recipe=full model.gradient_checkpointing=false trainer.micro_batch_size=2 "
+                            "data.max_seq_len=256"),
+    ("full ckpt, 4x256", "recipe=full model.gradient_checkpointing=true trainer.micro_batch_size=4 "
+                         "data.max_seq_len=256"),
 ]
 # The suite's configurations run on a smaller random Llama (tests/plan/test_plan_measured.py).
 SUITE_CONFIGS = [
@@ -215,7 +220,7 @@ def main(argv=None):
     meta = {**machine(), "model": model if args.configs == "default" or args.model else SUITE_MODEL_NAME, "configs": args.configs, "steps": args.steps,
             "metric": "max over the steps of (VmHWM during the step - VmRSS after setup and a warm-up step)",
             "predicted": "Plan.peak minus its static terms (base/teacher weights, trainable parameters, optimizer "
-                         "state): gradients, activations and the loss's working set",
+                         "state, weight copies): gradients, activations and the loss's working set",
             "live_mmap_threshold": LIVE_MMAP_THRESHOLD}
     out.with_suffix(".json").write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(meta, rows, wanted) + "\n")
@@ -231,8 +236,8 @@ planner's worst micro-batch (rows of `data.max_seq_len` tokens, one a token shor
 padded, every token trained), one warm-up step on the same batch first (optimizer state,
 first-call buffers, the matmul kernels oneDNN compiles per shape), then
 the largest growth over the measured steps. The static terms (4-bit weights with their
-quantization state, trainable tensors, optimizer state) are not in this table: `tests/plan/test_plan.py`
-checks them, and every tensor autograd saves, against the real objects byte for byte.
+quantization state, trainable tensors, optimizer state, a full fine-tune's bf16 weight copies) are not in
+this table: `tests/plan/test_plan.py` checks them, and every tensor autograd saves, against the real objects byte for byte.
 
 Two measurements per row:
 

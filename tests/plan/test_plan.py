@@ -222,6 +222,25 @@ def test_optimizer_state_matches_the_optimizer(tiny_model_dir, optimizer):
     assert state == optimizer_state_bytes(trainable_tensors(shape, st), optimizer)
 
 
+def test_gradients_are_planned_where_they_are_alive():
+    """With accumulation the earlier micro-batches' gradients wait through the next one's forward;
+    without it, none exists before the backward (the trainer drops them after each optimizer step).
+    Only a full fine-tune's gradients are large enough for this to move the plan."""
+    shape = preset_shape("smollm2-135m")
+    setup = dict(method="full", micro_batch_size=2, seq_len=512)
+    G = 4 * sum(trainable_tensors(shape, TrainSetup(**setup)))
+    accum = step_memory(shape, TrainSetup(**setup, grad_accum=2))
+    single = step_memory(shape, TrainSetup(**setup, grad_accum=1))
+    assert (accum.phase, accum.terms["gradients"]) == ("loss forward", G)
+    assert (single.phase, single.terms["gradients"]) == ("loss forward", 0)
+    assert accum.total - single.total == G
+    # checkpointed, the activations are small: the peak moves to the optimizer step, which holds every
+    # gradient and the update's temporaries of the largest tensor (the embedding)
+    ckpt = step_memory(shape, TrainSetup(**setup, grad_accum=1, gradient_checkpointing=True))
+    assert (ckpt.phase, ckpt.terms["gradients"]) == ("optimizer step", G)
+    assert ckpt.terms["working set (optimizer step)"] == 8 * shape.embedding_params
+
+
 def test_presets_and_the_default_model_config():
     default = model_shape(None, None)
     assert default == preset_shape("smollm2-135m")

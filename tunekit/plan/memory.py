@@ -7,7 +7,8 @@ tunekit's trainer actually allocates, not a generic transformer:
   absmax per 64 weights, one fp32 absmax per 256 of those, small per-layer code tables); every
   weight that is not quantized (embeddings, head, norms) stays in the compute dtype (the precision
   policy, tunekit.device.precision), and the head is never quantized.
-* trainable parameters, their gradients (fp32, kept across gradient accumulation) and the
+* trainable parameters, their gradients (fp32, kept across gradient accumulation; with none, not
+  yet there in the step's forward phases) and the
   optimizer state: AdamW 2 x fp32; bitsandbytes 8-bit: 2 x uint8 plus an fp32 absmax per 256
   elements for tensors of >= 4096 elements, 32-bit state below that (paged variants allocate the
   same bytes, which CUDA may evict to the host under pressure; on a CPU they are unpaged).
@@ -50,10 +51,13 @@ BNB_MIN_8BIT_SIZE, BNB_STATE_BLOCK = 4096, 256
 # FSDP's gathered blocks are not among them: every step gathers them and frees them again (the root
 # unit too, once its backward ends), so they are part of what a step adds, as measured on two gloo
 # ranks (benchmarks/plan/plan-cpu-fsdp.md).
-STATIC_TERMS = ("base weights", "trainable parameters", "optimizer state", "teacher weights")
+STATIC_TERMS = ("base weights", "trainable parameters", "optimizer state", "teacher weights",
+                "weight copies (compute dtype)")
 # Terms FSDP splits over the ranks (the rest: activations, the loss, the gathered weights, is whole
 # on every rank; a 4-bit base's quantization state, inside "base weights", too).
 SHARDED_TERMS = ("base weights", "trainable parameters", "gradients", "optimizer state", "teacher weights")
+# The phases of a step that run before its backward: with trainer.grad_accum=1 no gradient exists in them.
+FORWARD_PHASES = ("loss forward", "teacher forward", "reference forward", "KL forwards")
 # The distillation chunk's working set in (chunk, vocab) fp32 buffers (5.1-5.2 measured).
 DISTILL_CHUNK_BUFFERS = 5.25
 
@@ -499,6 +503,28 @@ def fsdp_gathered_bytes(shape: ModelShape, st: TrainSetup, ranks: int = 1) -> in
     return block + max(second, largest)
 
 
+def gradients_alive(phases: dict, gradients: int, grad_accum: int) -> dict:
+    """The bytes of the trainable tensors' gradients alive in each phase of the step.
+
+    With accumulation, all of them in every phase: the earlier micro-batches' sums wait for the
+    optimizer step. Without it, every strategy has dropped them after the last step, so none exist in
+    the forwards and in the loss's backward (a trained head's gradient is the loss's own kept
+    buffer); in the blocks' backward they fill up as the saved activations are let go, top block
+    first, so the two together stay under the larger of all of either (plus the block's working set,
+    counted apart); the optimizer step and the all-reduce hold all of them. What this changes is a
+    full fine-tune's 4 bytes a weight: a LoRA's gradients are a few MiB."""
+    if grad_accum > 1:
+        return {k: gradients for k in phases}
+    out = {k: gradients for k in phases}
+    for k in FORWARD_PHASES + ("loss backward",):
+        if k in out:
+            out[k] = 0
+    if "block backward" in out:
+        saved = phases["block backward"][0]
+        out["block backward"] = max(gradients - saved, 0)  # max(saved, gradients) in all
+    return out
+
+
 def step_memory(shape: ModelShape, st: TrainSetup, ranks: int = 1, sharded: bool = False) -> Memory:
     """One rank's peak over a training step: static state plus the largest working phase.
 
@@ -546,8 +572,10 @@ def step_memory(shape: ModelShape, st: TrainSetup, ranks: int = 1, sharded: bool
         "loss backward": (act["saved"], loss["backward"]),  # the loss's gradients on top
         # backward through a block (recomputed first when checkpointing)
         "block backward": (act["saved"] + act["ckpt_layer"], act["layer_backward"]),
-        # activations are gone; AdamW's per-step temporaries (about two per parameter)
-        "optimizer step": (0, 8 * P // split),
+        # activations are gone; the optimizer's temporaries: torch's AdamW off a GPU updates tensor by
+        # tensor, with two fp32 temporaries of the tensor it updates (sqrt(v), then its scaled copy);
+        # on a GPU it runs fused, and bitsandbytes' optimizers update in place, so this bounds them all
+        "optimizer step": (0, 8 * math.ceil(max(tensors, default=0) / split)),
     }
     if st.teacher is not None:
         phases["teacher forward"] = (act["saved"], teacher_forward_bytes(shape, st))
@@ -561,7 +589,9 @@ def step_memory(shape: ModelShape, st: TrainSetup, ranks: int = 1, sharded: bool
     start = plan_terms(shape, st).start_bytes
     if start:  # before the first step: no activations (gradients and optimizer state counted, not yet there)
         phases["method start (LoftQ)"] = (0, start)
-    phase = max(phases, key=lambda k: sum(phases[k]))
+    grads = gradients_alive(phases, mem.terms["gradients"], st.grad_accum)
+    phase = max(phases, key=lambda k: sum(phases[k]) - mem.terms["gradients"] + grads[k])
+    mem.terms["gradients"] = grads[phase]
     mem.phase = phase
     saved, work = phases[phase]
     mem.terms["activations"] = saved
