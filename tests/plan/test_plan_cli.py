@@ -32,6 +32,20 @@ def run_main(args, capsys) -> tuple[int, str, str]:
     return code, out.out, out.err.strip()
 
 
+def test_plan_says_why_a_full_fine_tune_peaks_without_gradients(capsys):
+    """Without accumulation the loss's forward runs before any gradient exists: the breakdown's
+    zero is said, not left for the reader to doubt."""
+    args = ["plan", "recipe=full", "trainer.micro_batch_size=2", "data.max_seq_len=512"]
+    device = ["--device", "cuda", "--memory", "24"]
+    code, out, err = run_main(args + ["trainer.grad_accum=1"] + device, capsys)
+    assert code == 0, err
+    assert "gradients                                      0.00 GiB" in out
+    assert "(the peak falls in: loss forward; no gradient exists yet there with grad_accum 1)" in out
+    code, out, err = run_main(args + ["trainer.grad_accum=2"] + device, capsys)
+    assert code == 0, err
+    assert "gradients                                      0.50 GiB" in out and "no gradient exists" not in out
+
+
 def test_plan_prints_the_breakdown_for_the_default_model(capsys):
     code, out, err = run_main(["plan", "recipe=qlora", "--memory", "16"], capsys)
     assert code == 0, err

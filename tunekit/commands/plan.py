@@ -147,7 +147,10 @@ def render(plan: Plan, memory_gib: Optional[float], cfg, source: str) -> str:
         lines += [f"  (FSDP: 1/{plan.ranks} marks this rank's share of a term split over the ranks; the other rows",
                   "  are whole on every rank" + (", as is the 4-bit quantization state inside base weights"
                                                  if plan.setup.quantize == "nf4" else "") + ")"]
-    lines.append(f"  (the peak falls in: {run.memory.phase})")
+    grads = run.memory.terms.get("gradients")
+    lines.append(f"  (the peak falls in: {run.memory.phase}"
+                 + ("; no gradient exists yet there with grad_accum 1" if grads == 0 and s.grad_accum == 1 else "")
+                 + ")")
     if plan.fsdp is not None:
         from tunekit.plan.host import plan_host_per_node
 
