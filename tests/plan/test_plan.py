@@ -81,7 +81,8 @@ def saved_bytes(model, batch) -> tuple[dict, int]:
 
     def pack(t):
         key = t.untyped_storage().data_ptr()
-        known.update(getattr(p, COPY)[1].untyped_storage().data_ptr() for p in params if hasattr(p, COPY))
+        if key not in known:  # a weight copy drawn during this forward is known from here on
+            known.update(getattr(p, COPY)[1].untyped_storage().data_ptr() for p in params if hasattr(p, COPY))
         if key not in known:
             known.add(key)
             counts[where[0]] += t.untyped_storage().nbytes()

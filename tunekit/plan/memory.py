@@ -513,9 +513,9 @@ def gradients_alive(phases: dict, gradients: int, grad_accum: int) -> dict:
     first, so the two together stay under the larger of all of either (plus the block's working set,
     counted apart); the optimizer step and the all-reduce hold all of them. What this changes is a
     full fine-tune's 4 bytes a weight: a LoRA's gradients are a few MiB."""
-    if grad_accum > 1:
-        return {k: gradients for k in phases}
     out = {k: gradients for k in phases}
+    if grad_accum > 1:
+        return out
     for k in FORWARD_PHASES + ("loss backward",):
         if k in out:
             out[k] = 0
@@ -590,7 +590,7 @@ def step_memory(shape: ModelShape, st: TrainSetup, ranks: int = 1, sharded: bool
     if start:  # before the first step: no activations (gradients and optimizer state counted, not yet there)
         phases["method start (LoftQ)"] = (0, start)
     grads = gradients_alive(phases, mem.terms["gradients"], st.grad_accum)
-    phase = max(phases, key=lambda k: sum(phases[k]) - mem.terms["gradients"] + grads[k])
+    phase = max(phases, key=lambda k: sum(phases[k]) + grads[k])
     mem.terms["gradients"] = grads[phase]
     mem.phase = phase
     saved, work = phases[phase]
